@@ -1,0 +1,121 @@
+"""The Decoder protocol: the one interface every decoding method talks to.
+
+Decoding algorithms (plain decoding, speculative decoding, tree verification)
+know nothing about engines.  They feed tokens, read logits, and roll the
+engine's state back.  An engine (forerun's PyTorch engine, llama.cpp) holds a
+single sequence (batch size 1) and its KV cache, and implements this protocol.
+
+Vocabulary of the contracts below:
+
+* ``length`` is the number of positions the engine's cache holds.  Feeding
+  ``T`` tokens appends ``T`` positions; the first fed token sits at position
+  ``length``.
+* The *committed* length is a floor that :meth:`Decoder.rollback` can't
+  cross: a decoding method commits what it has accepted, so that a bug in a
+  later round can't silently rewind into accepted text.
+* Logits are float32 ``torch.Tensor`` of shape ``[T, vocab_size]`` (one row per
+  fed position, in feeding order), on the engine's device.  Row ``i`` is the
+  distribution of the token that follows fed token ``i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass
+class ForwardOutput:
+    """What a forward pass returns.
+
+    ``logits``: float32 ``[T, vocab_size]`` (``[1, vocab_size]`` when only the
+    last position was asked for).
+    ``hidden``: the final hidden states after the last norm, ``[T, hidden]``
+    (same rows as ``logits``), or ``None`` when they were not asked for.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """A single-sequence language model with a rollback-able KV cache."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of rows of the output layer: the width of every logits row.
+        It may exceed the tokenizer's vocabulary (padding rows)."""
+        ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end generation for this model."""
+        ...
+
+    @property
+    def context_length(self) -> int:
+        """The most positions the cache can hold.  Feeding past it raises
+        :class:`forerun.errors.ContextLengthError` and changes nothing."""
+        ...
+
+    @property
+    def length(self) -> int:
+        """Positions currently held in the cache."""
+        ...
+
+    @property
+    def committed_length(self) -> int:
+        """The floor below which :meth:`rollback` refuses to go."""
+        ...
+
+    @property
+    def has_hidden_states(self) -> bool:
+        """Whether ``return_hidden=True`` is supported."""
+        ...
+
+    def feed(self, tokens: Sequence[int], *, last_only: bool = False,
+             return_hidden: bool = False) -> ForwardOutput:
+        """Append ``tokens`` at positions ``length .. length+T-1`` with causal
+        attention over everything cached, and return their logits.
+
+        ``last_only=True`` returns the logits of the last fed position only
+        (``[1, V]``), which saves the output layer on a long prompt.  On
+        return, ``length`` has grown by ``T``.  An empty ``tokens`` is an
+        error.  If the tokens do not fit in the context, nothing changes and
+        :class:`~forerun.errors.ContextLengthError` is raised.
+        """
+        ...
+
+    def forward(self, tokens: Sequence[int], positions: Sequence[int] | torch.Tensor,
+                attention_mask: torch.Tensor, *, return_hidden: bool = False
+                ) -> ForwardOutput:
+        """Append ``tokens`` to cache slots ``length .. length+T-1`` with
+        explicit position ids and attention mask, and return all ``T`` rows of
+        logits.  This is what tree verification uses.
+
+        ``positions``: ``T`` integer position ids (they set the rotary
+        embedding, and need not be consecutive: tree nodes at the same depth
+        share one).  ``attention_mask``: bool ``[T, length + T]``; entry
+        ``[i, j]`` is True where fed token ``i`` may attend to cache slot
+        ``j`` (slots ``length + k`` are the fed tokens themselves).  Every row
+        must allow at least one slot.  On return ``length`` has grown by ``T``.
+        """
+        ...
+
+    def rollback(self, length: int) -> None:
+        """Forget every position at or after ``length``, in O(1): no copy, no
+        re-forward.  ``committed_length <= length <= self.length`` or
+        :class:`~forerun.errors.CacheStateError` is raised."""
+        ...
+
+    def commit(self, length: int | None = None) -> None:
+        """Raise the committed floor to ``length`` (default: the current
+        length).  The floor never goes down except by :meth:`reset`."""
+        ...
+
+    def reset(self) -> None:
+        """Empty the cache and clear the committed floor."""
+        ...

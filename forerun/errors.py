@@ -1,0 +1,57 @@
+"""Exceptions forerun raises for bad input.
+
+Every error a user can cause derives from :class:`ForerunError`, so the CLI can
+print its message without a traceback.  Each message says what is wrong and how
+to fix it.
+"""
+
+from __future__ import annotations
+
+
+class ForerunError(Exception):
+    """Base class of every error forerun raises for bad input or a bad setup."""
+
+
+class ModelNotFoundError(ForerunError, FileNotFoundError):
+    """A model path, preset or file that does not exist."""
+
+
+class PresetNotInstalledError(ForerunError):
+    """A built-in preset whose weight packages are not installed."""
+
+
+class ModelFormatError(ForerunError, ValueError):
+    """A model file that is truncated, corrupt or not what it claims to be."""
+
+
+class UnsupportedArchitectureError(ForerunError, ValueError):
+    """A model architecture forerun does not implement."""
+
+
+class ConfigError(ForerunError, ValueError):
+    """A model configuration that lacks keys or has invalid values."""
+
+
+class ContextLengthError(ForerunError, ValueError):
+    """A request that does not fit in the model's context window."""
+
+
+class CacheStateError(ForerunError, ValueError):
+    """A KV cache operation that would break its invariants, or a payload that
+    does not match the model."""
+
+
+class TokenizerError(ForerunError, ValueError):
+    """A tokenizer that cannot be built, or two tokenizers that disagree."""
+
+
+class GenerationConfigError(ForerunError, ValueError):
+    """Invalid generation settings (temperature, top-p, ...)."""
+
+
+class EngineUnavailableError(ForerunError):
+    """An engine whose optional dependency is not installed."""
+
+
+class InvalidTokenError(ForerunError, ValueError):
+    """A token id outside the model's vocabulary."""
