@@ -1,0 +1,88 @@
+"""forerun's engine against transformers on tiny random models (fp32)."""
+
+import pytest
+import torch
+
+from tiny_models import VOCAB, forerun_decoder, hf_model
+
+TOL = 1e-4
+CASES = [
+    ("qwen2", {}),
+    ("qwen2", {"tie_word_embeddings": True}),
+    ("llama", {}),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 32}}),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    ("llama", {"num_key_value_heads": 4}),
+]
+IDS = ["qwen2", "qwen2-tied", "llama", "llama3-rope", "linear-rope", "llama-mha"]
+
+
+@pytest.fixture(params=range(len(CASES)), ids=IDS)
+def pair(request):
+    arch, overrides = CASES[request.param]
+    model = hf_model(arch, seed=request.param, **overrides)
+    return model, forerun_decoder(model)
+
+
+def reference_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def prompt(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+
+def test_prefill_matches(pair):
+    model, dec = pair
+    ids = prompt()
+    ref = reference_logits(model, ids)
+    out = dec.feed(ids).logits
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() < TOL
+    assert dec.length == len(ids)
+
+
+def test_token_by_token_matches(pair):
+    model, dec = pair
+    ids = prompt()
+    ref = reference_logits(model, ids)
+    rows = [dec.feed([t]).logits[0] for t in ids]
+    assert (torch.stack(rows) - ref).abs().max().item() < TOL
+
+
+def test_rollback_and_refeed_matches(pair):
+    model, dec = pair
+    ids = prompt()
+    other = prompt(seed=1)
+    dec.feed(ids[:40])
+    dec.feed(other[:20])          # a wrong continuation ...
+    dec.rollback(40)              # ... forgotten
+    out = dec.feed(ids[40:]).logits
+    ref = reference_logits(model, ids)[40:]
+    assert (out - ref).abs().max().item() < TOL
+
+
+def test_last_only_and_hidden_states(pair):
+    model, dec = pair
+    ids = prompt(16)
+    out = dec.feed(ids, last_only=True, return_hidden=True)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), output_hidden_states=True)
+    assert out.logits.shape == (1, model.config.vocab_size)
+    assert (out.logits[0] - ref.logits[0, -1]).abs().max().item() < TOL
+    assert (out.hidden[0] - ref.hidden_states[-1][0, -1]).abs().max().item() < TOL
+
+
+def test_mixed_chunks_match(pair):
+    model, dec = pair
+    ids = prompt()
+    ref = reference_logits(model, ids)
+    rows, i = [], 0
+    for size in (5, 1, 7, 3, 1, 20, 27):
+        rows.append(dec.feed(ids[i:i + size]).logits)
+        i += size
+    assert (torch.cat(rows) - ref).abs().max().item() < TOL

@@ -1,0 +1,52 @@
+"""Tiny random Qwen2 and Llama models built with transformers: the numerical
+reference for forerun's engine."""
+
+from __future__ import annotations
+
+import torch
+
+from forerun.config import ModelConfig
+from forerun.engines.torch_engine import TorchDecoder
+from forerun.engines.transformer import Transformer
+
+VOCAB = 300
+
+
+def hf_config(arch: str, **overrides):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=2,
+                  bos_token_id=1)
+    common.update(overrides)
+    if arch == "qwen2":
+        common.setdefault("rope_theta", 10000.0)
+        common.setdefault("tie_word_embeddings", False)
+        return transformers.Qwen2Config(**common)
+    if arch == "llama":
+        common.setdefault("rope_theta", 500000.0)
+        return transformers.LlamaConfig(**common)
+    raise ValueError(arch)
+
+
+def hf_model(arch: str, seed: int = 0, **overrides):
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(arch, **overrides)
+    cls = {"qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM}[arch]
+    model = cls(config).eval().float()
+    # Random init leaves biases at zero; make them matter.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def forerun_decoder(model, context_length: int = 256) -> TorchDecoder:
+    config = ModelConfig.from_hf(model.config.to_dict())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    network = Transformer(config, state)
+    return TorchDecoder(network, context_length, config.eos_token_ids)
