@@ -1,0 +1,168 @@
+"""The Python API: load a model, generate text, stream it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .errors import ConfigError, EngineUnavailableError, GenerationConfigError
+from .generation.params import GenerationParams
+from .generation.result import GenerationResult
+from .generation.runner import run_generation
+from .sampling import SamplingParams
+
+DEFAULT_CONTEXT_LENGTH = 4096
+ENGINES = ("torch",)
+
+# Chat end-of-turn tokens that end generation besides the model's EOS: the
+# chat templates of the supported families close each turn with one of them.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
+
+
+class Model:
+    """A loaded model: tokenizer, configuration and a decoder engine.
+
+    Build one with :func:`load`.  Not thread-safe: one generation at a time.
+    """
+
+    def __init__(self, name: str, decoder, tokenizer, config) -> None:
+        self.name = name
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.config = config
+        eos = set(decoder.eos_token_ids)
+        for text in END_OF_TURN_TOKENS:
+            tid = tokenizer.token_to_id(text)
+            if tid is not None and tid in tokenizer.special_token_ids:
+                eos.add(tid)
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
+
+    def __repr__(self) -> str:
+        return (f"Model({self.name!r}, {self.config.architecture}, "
+                f"{self.config.num_layers} layers, context {self.decoder.context_length})")
+
+    # -- prompts -----------------------------------------------------------
+    def encode_prompt(self, prompt: str | None = None, *,
+                      messages: Sequence[dict[str, Any]] | None = None,
+                      prompt_ids: Sequence[int] | None = None) -> list[int]:
+        """Token ids for exactly one of: raw text ``prompt`` (BOS added when
+        the model asks for it), chat ``messages`` (rendered with the model's
+        chat template plus the assistant prompt), or ``prompt_ids``."""
+        given = [x is not None for x in (prompt, messages, prompt_ids)]
+        if sum(given) != 1:
+            raise GenerationConfigError(
+                "give exactly one of prompt (raw text), messages (chat) or prompt_ids")
+        if prompt_ids is not None:
+            return [int(t) for t in prompt_ids]
+        if messages is not None:
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if not isinstance(prompt, str):
+            raise GenerationConfigError(f"prompt must be a string, got {type(prompt).__name__}")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    # -- generation --------------------------------------------------------
+    def stream(self, prompt: str | None = None, *, messages=None, prompt_ids=None,
+               max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+               stop: Sequence[str] | str = (), stop_token_ids: Sequence[int] = (),
+               ignore_eos: bool = False, cancel=None) -> "GenerationStream":
+        """Like :meth:`generate`, but returns an iterator of text deltas; its
+        ``result`` attribute holds the :class:`GenerationResult` once the
+        iteration has ended."""
+        ids = self.encode_prompt(prompt, messages=messages, prompt_ids=prompt_ids)
+        if isinstance(stop, str):
+            stop = (stop,)
+        params = GenerationParams(
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                    min_p=min_p),
+            seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=ignore_eos)
+        method = self._method()
+        return GenerationStream(run_generation(
+            method, self.tokenizer, ids, params, eos_token_ids=self.eos_token_ids,
+            cancel=cancel))
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        """Generate a completion.
+
+        Exactly one of ``prompt`` (raw text), ``messages`` (a chat: a list of
+        ``{"role", "content"}`` dicts, rendered with the chat template) or
+        ``prompt_ids``.  ``temperature=0`` is greedy decoding; ``top_k``,
+        ``top_p`` and ``min_p`` filter the sampled distribution; ``seed`` fixes
+        the random draws.  Generation ends at an end-of-sequence token, a
+        ``stop_token_ids`` token, a ``stop`` string (cut from the text), after
+        ``max_new_tokens``, or when ``cancel`` (a callable or Event) turns true.
+        """
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def _method(self):
+        from .decoding.plain import PlainDecoding
+        return PlainDecoding(self.decoder)
+
+
+class GenerationStream:
+    """Iterator of text deltas; ``result`` is set when it is exhausted."""
+
+    def __init__(self, gen) -> None:
+        self._gen = gen
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._gen)
+        except StopIteration as stop:
+            self.result = stop.value
+            raise
+
+
+def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
+         context_length: int | None = None, device: str | torch.device | None = None,
+         dtype: torch.dtype = torch.float32, progress: bool = True) -> Model:
+    """Load a model by preset name, ``.gguf`` path or Hugging Face folder.
+
+    ``context_length`` sets the KV cache size (default: the model's own limit,
+    capped at 4096 positions); ``device`` defaults to CUDA, then MPS, then the
+    CPU.  The first load of a GGUF model converts it into forerun's cache
+    (``$FORERUN_CACHE``, default ``~/.cache/forerun``).
+    """
+    if engine not in ENGINES:
+        if engine in ("llama.cpp", "llamacpp", "llama_cpp"):
+            raise EngineUnavailableError(
+                "the llama.cpp engine is not available in this version of forerun")
+        raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    from .engines.torch_engine import TorchDecoder
+    from .engines.transformer import Transformer
+    from .loading.load import load_model_files
+
+    files = load_model_files(model, progress=progress)
+    config = files.config
+    if context_length is None:
+        context_length = min(config.max_position_embeddings, DEFAULT_CONTEXT_LENGTH)
+    if not isinstance(context_length, int) or context_length < 1:
+        raise ConfigError(f"context_length must be a positive integer, got {context_length!r}")
+    if context_length > config.max_position_embeddings:
+        raise ConfigError(
+            f"context_length {context_length} exceeds the model's limit of "
+            f"{config.max_position_embeddings} positions")
+    device = torch.device(device) if device is not None else default_device()
+    network = Transformer(config, files.weights, dtype=dtype, device=device)
+    decoder = TorchDecoder(network, context_length, config.eos_token_ids)
+    return Model(files.name, decoder, files.tokenizer, config)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")

@@ -1,0 +1,142 @@
+"""The ``forerun`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from ..errors import ForerunError
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="preset name, .gguf file or Hugging Face folder "
+                        "(default: qwen2.5-coder-1.5b)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="KV cache size in positions (default: the model's, at most 4096)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda, mps or cpu)")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", "-n", type=int, default=256)
+    p.add_argument("--temperature", "-t", type=float, default=0.0,
+                   help="0 is greedy decoding (the default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables it")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 disables it")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 disables it")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop string (repeatable); the text ends just before it")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="forerun",
+        description="Faster local LLM generation with lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("prompt", help="the prompt ('-' reads it from standard input)")
+    _add_model_options(gen)
+    _add_sampling_options(gen)
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt as is, without the chat template")
+    gen.add_argument("--system", default=None, help="a system message for the chat template")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object with text, tokens, finish_reason and stats")
+    gen.add_argument("--stats", action="store_true", help="print statistics to stderr")
+    gen.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+
+    sub.add_parser("models", help="list the built-in presets and whether they are installed")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ..api import load
+    from ..loading.presets import DEFAULT_MODEL
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    model = load(args.model or DEFAULT_MODEL, context_length=args.context_length,
+                 device=args.device, progress=not args.quiet)
+    if args.raw:
+        if args.system is not None:
+            raise ForerunError("--system needs the chat template; drop --raw or --system")
+        source = {"prompt": prompt}
+    elif model.tokenizer.chat_template is None:
+        raise ForerunError(f"model {model.name} has no chat template; use --raw")
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        source = {"messages": messages + [{"role": "user", "content": prompt}]}
+    stream = model.stream(**source, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, seed=args.seed, stop=args.stop)
+    for delta in stream:
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    result = stream.result
+    if args.json:
+        print(json.dumps(result.to_dict(), ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+    if args.stats:
+        print_stats(result, sys.stderr)
+    return 0
+
+
+def print_stats(result, out) -> None:
+    s = result.stats
+    lines = [f"method: {s.method}",
+             f"finish reason: {result.finish_reason}",
+             f"prompt tokens: {s.prompt_tokens}",
+             f"new tokens: {s.new_tokens}",
+             f"prefill: {s.prefill_seconds:.3f} s",
+             f"decode: {s.decode_seconds:.3f} s ({s.tokens_per_second:.2f} tokens/s)"]
+    if s.rounds:
+        hist = " ".join(f"{k}:{v}" for k, v in sorted(s.accepted_histogram.items()))
+        lines += [f"rounds: {s.rounds}",
+                  f"drafted: {s.drafted}, accepted: {s.accepted} "
+                  f"(acceptance rate {s.acceptance_rate:.3f})",
+                  f"mean accepted tokens per target forward: {s.mean_accepted_tokens:.2f}",
+                  f"accepted-length histogram: {hist}",
+                  f"time: drafting {s.draft_seconds:.3f} s, verifying {s.verify_seconds:.3f} s, "
+                  f"other {s.other_seconds:.3f} s"]
+    out.write("\n".join(lines) + "\n")
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from ..loading.presets import DEFAULT_MODEL, PRESETS, is_assembled, is_installed
+
+    rows = [("preset", "installed", "description")]
+    for name, preset in PRESETS.items():
+        state = ("yes" if is_installed(preset) or is_assembled(preset) else "no")
+        default = " (default)" if name == DEFAULT_MODEL else ""
+        rows.append((name + default, state, preset.description))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip())
+    missing = [p for p in PRESETS.values() if not (is_installed(p) or is_assembled(p))]
+    for p in missing:
+        print(f"\nto install {p.name}: {p.install_command}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return cmd_models(args)
+    except ForerunError as exc:
+        print(f"forerun: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nforerun: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

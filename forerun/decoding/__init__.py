@@ -1,0 +1,2 @@
+"""Decoding methods.  Each one drives :class:`~forerun.decoder.Decoder`
+objects and knows nothing of the engines behind them."""

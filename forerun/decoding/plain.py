@@ -1,0 +1,32 @@
+"""Plain autoregressive decoding: one target forward per token.  It is the
+reference every other method is checked against."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from ..decoder import Decoder
+from ..generation.result import GenerationStats
+from ..sampling import TokenSampler
+
+
+class PlainDecoding:
+    name = "plain"
+
+    def __init__(self, target: Decoder) -> None:
+        self.target = target
+
+    def run(self, prompt_ids: list[int], sampler: TokenSampler,
+            stats: GenerationStats) -> Iterator[list[int]]:
+        target = self.target
+        target.reset()
+        logits = target.feed(prompt_ids, last_only=True).logits[-1]
+        target.commit()
+        while True:
+            token = sampler.pick(logits)
+            yield [token]
+            logits = target.feed([token]).logits[-1]
+
+    def settle(self, length: int) -> None:
+        if self.target.length > length:
+            self.target.rollback(length)

@@ -1,0 +1,84 @@
+"""What a generation returns: tokens, text, why it ended, and statistics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+@dataclass
+class GenerationStats:
+    """Timings and, for speculative methods, how speculation went.
+
+    ``prefill_seconds`` covers feeding the prompt and choosing the first new
+    token; ``decode_seconds`` covers every later token, so
+    ``tokens_per_second`` is ``(new_tokens - 1) / decode_seconds``.
+    """
+
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    method: str = "plain"
+    # Speculative decoding (zero for plain decoding).
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_histogram: dict[int, int] = field(default_factory=dict)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        if self.new_tokens <= 1 or self.decode_seconds <= 0:
+            return 0.0
+        return (self.new_tokens - 1) / self.decode_seconds
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over drafted tokens."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens committed per target verification (accepted drafts plus the
+        target's own token), the usual 'tau' of speculative decoding."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def other_seconds(self) -> float:
+        return max(0.0, self.prefill_seconds + self.decode_seconds
+                   - self.draft_seconds - self.verify_seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tokens_per_second"] = self.tokens_per_second
+        if self.rounds:
+            d["acceptance_rate"] = self.acceptance_rate
+            d["mean_accepted_tokens"] = self.mean_accepted_tokens
+            d["other_seconds"] = self.other_seconds
+            d["accepted_histogram"] = {str(k): v for k, v in
+                                       sorted(self.accepted_histogram.items())}
+        else:
+            for key in ("rounds", "drafted", "accepted", "accepted_histogram",
+                        "draft_seconds", "verify_seconds"):
+                d.pop(key)
+        return d
+
+
+@dataclass
+class GenerationResult:
+    """``tokens``: generated ids, including a final stop token if one ended
+    generation.  ``text``: their text, without the stop token or stop
+    string.  ``finish_reason``: one of :data:`FINISH_REASONS`."""
+
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "tokens": list(self.tokens),
+                "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}

