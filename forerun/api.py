@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -38,6 +39,8 @@ class Model:
             if tid is not None and tid in tokenizer.special_token_ids:
                 eos.add(tid)
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
+        self._methods: dict = {}
+        self.drafts: list[Model] = []
 
     def __repr__(self) -> str:
         return (f"Model({self.name!r}, {self.config.architecture}, "
@@ -68,7 +71,8 @@ class Model:
                max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                stop: Sequence[str] | str = (), stop_token_ids: Sequence[int] = (),
-               ignore_eos: bool = False, cancel=None) -> "GenerationStream":
+               ignore_eos: bool = False, cancel=None, draft=None,
+               draft_k: int | None = None) -> "GenerationStream":
         """Like :meth:`generate`, but returns an iterator of text deltas; its
         ``result`` attribute holds the :class:`GenerationResult` once the
         iteration has ended."""
@@ -81,7 +85,7 @@ class Model:
                                     min_p=min_p),
             seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
             ignore_eos=ignore_eos)
-        method = self._method()
+        method = self._method(draft, draft_k)
         return GenerationStream(run_generation(
             method, self.tokenizer, ids, params, eos_token_ids=self.eos_token_ids,
             cancel=cancel))
@@ -96,15 +100,76 @@ class Model:
         the random draws.  Generation ends at an end-of-sequence token, a
         ``stop_token_ids`` token, a ``stop`` string (cut from the text), after
         ``max_new_tokens``, or when ``cancel`` (a callable or Event) turns true.
+
+        ``draft`` turns on speculative decoding: a :class:`Model` (or a preset
+        name or path, loaded once and kept) sharing this model's tokenizer.
+        ``draft_k`` fixes the draft length; by default it is chosen every
+        round from measured costs.  The output is the same as without a
+        draft: token for token when greedy, in distribution when sampling.
         """
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
             pass
         return stream.result
 
-    def _method(self):
+    def _method(self, draft=None, draft_k: int | None = None):
         from .decoding.plain import PlainDecoding
-        return PlainDecoding(self.decoder)
+
+        if draft is None:
+            if draft_k is not None:
+                raise GenerationConfigError("draft_k needs a draft (draft=...)")
+            return PlainDecoding(self.decoder)
+        key = (id(draft) if isinstance(draft, Model) else str(draft), draft_k)
+        method = self._methods.get(key)
+        if method is None:
+            method = self._build_speculative(draft, draft_k)
+            self._methods[key] = method
+        return method
+
+    def _build_speculative(self, draft, draft_k: int | None):
+        from .decoding.speculative import SpeculativeDecoding
+        from .drafters.draft_model import DraftModelDrafter
+        from .errors import TokenizerError
+
+        if not isinstance(draft, Model):
+            draft = load(draft, context_length=self.decoder.context_length,
+                         device=self.decoder.device, dtype=self.decoder.model.dtype)
+        if draft.tokenizer.fingerprint() != self.tokenizer.fingerprint():
+            raise TokenizerError(
+                f"draft model {draft.name} uses a different tokenizer from {self.name}; "
+                f"speculative decoding needs a draft with the same vocabulary")
+        if draft.decoder.context_length < self.decoder.context_length:
+            raise ConfigError(
+                f"the draft's context ({draft.decoder.context_length}) is shorter than the "
+                f"target's ({self.decoder.context_length}); load it with the same "
+                f"context_length")
+        method = SpeculativeDecoding(self.decoder, DraftModelDrafter(draft.decoder), k=draft_k)
+        method.cost_store = CostStore(self.name, self.decoder)
+        self.drafts.append(draft)   # keep the draft model alive with its method
+        return method
+
+
+class CostStore:
+    """Keeps the measured verification costs of a target on this machine in
+    forerun's cache, so the adaptive draft length calibrates only once per
+    model, device, thread count and context size."""
+
+    def __init__(self, target_name: str, decoder) -> None:
+        from .paths import cache_dir
+
+        safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in target_name)
+        self.path = (cache_dir() / "costs" / f"{safe}-{decoder.device}-"
+                     f"{torch.get_num_threads()}t-{decoder.context_length}.json")
+
+    def load(self) -> list | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def save(self, seconds: list) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(seconds))
 
 
 class GenerationStream:

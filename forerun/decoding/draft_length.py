@@ -1,0 +1,127 @@
+"""Choosing the draft length k each round from measured costs.
+
+With per-token acceptance probability ``a``, a round that drafts ``k``
+tokens commits ``(1 - a**(k+1)) / (1 - a)`` tokens on average and costs
+``k * t_draft + t_verify(k + 1)``.  On a CPU, ``t_verify`` grows with the
+number of positions verified, so the best ``k`` is the one that maximises
+expected tokens per second, not the largest one.  ``k = 0`` is a plain
+decoding step; it is chosen when drafting does not pay.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ..decoder import Decoder
+
+
+class VerifyCosts:
+    """Seconds a target forward of ``T`` positions takes, for ``T = 1..max``.
+
+    Seeded by :meth:`calibrate` (a few timed forwards, then rolled back) and
+    refined by every measured round (an exponential moving average)."""
+
+    def __init__(self, max_positions: int) -> None:
+        self.seconds: list[float | None] = [None] * (max_positions + 1)
+
+    def calibrate(self, decoder: Decoder, token: int, repeats: int = 2) -> None:
+        """Time forwards of every size on ``decoder`` at its current length,
+        then roll back.  Needs ``max_positions`` free positions."""
+        base = decoder.length
+        for t in range(1, len(self.seconds)):
+            if base + t > decoder.context_length:
+                break
+            best = float("inf")
+            for _ in range(repeats + 1):   # the first run warms up
+                start = time.perf_counter()
+                decoder.feed([token] * t, last_only=False)
+                best = min(best, time.perf_counter() - start)
+                decoder.rollback(base)
+            self.seconds[t] = best
+
+    def observe(self, t: int, seconds: float) -> None:
+        if t >= len(self.seconds):
+            return
+        old = self.seconds[t]
+        self.seconds[t] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def __call__(self, t: int) -> float:
+        """Estimated seconds for ``t`` positions (linear extrapolation from
+        the nearest measured sizes when ``t`` was never measured)."""
+        known = [(i, s) for i, s in enumerate(self.seconds) if s is not None]
+        if not known:
+            return 1.0
+        for i, s in known:
+            if i == t:
+                return s
+        below = [(i, s) for i, s in known if i < t]
+        above = [(i, s) for i, s in known if i > t]
+        if below and above:
+            (i0, s0), (i1, s1) = below[-1], above[0]
+            return s0 + (s1 - s0) * (t - i0) / (i1 - i0)
+        i0, s0 = (below or above)[-1 if below else 0]
+        return s0 * t / i0 if below else s0
+
+
+class AcceptanceEstimate:
+    """Running estimate of the per-token acceptance probability: a decayed
+    count of accepted drafts over accepted drafts plus rejections."""
+
+    def __init__(self, prior: float = 0.7, weight: float = 4.0, decay: float = 0.9) -> None:
+        self.successes = prior * weight
+        self.failures = (1 - prior) * weight
+        self.decay = decay
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.successes = self.successes * self.decay + accepted
+        self.failures = self.failures * self.decay + (1 if accepted < drafted else 0)
+
+    @property
+    def rate(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+
+def expected_tokens(k: int, alpha: float) -> float:
+    """Mean tokens committed by a round of ``k`` drafts, each accepted with
+    probability ``alpha`` independently, plus the target's own token."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def best_draft_length(max_k: int, alpha: float, draft_seconds: float,
+                      verify_seconds: Callable[[int], float]) -> int:
+    """The ``k`` in ``0..max_k`` that maximises expected tokens per second."""
+    best_k, best_rate = 0, 0.0
+    for k in range(max_k + 1):
+        cost = k * draft_seconds + verify_seconds(k + 1)
+        rate = expected_tokens(k, alpha) / cost if cost > 0 else 0.0
+        if rate > best_rate * 1.0001:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+class AdaptiveDraftLength:
+    """Chooses k per round; every ``explore_every`` plain rounds in a row it
+    drafts one token anyway, so the acceptance estimate can recover."""
+
+    def __init__(self, max_k: int = 8, explore_every: int = 8) -> None:
+        self.max_k = max_k
+        self.costs = VerifyCosts(max_k + 1)
+        self.acceptance = AcceptanceEstimate()
+        self.explore_every = explore_every
+        self._plain_streak = 0
+
+    def choose(self, draft_seconds: float) -> int:
+        k = best_draft_length(self.max_k, self.acceptance.rate, draft_seconds, self.costs)
+        if k == 0:
+            self._plain_streak += 1
+            if self._plain_streak >= self.explore_every:
+                self._plain_streak = 0
+                return 1
+        else:
+            self._plain_streak = 0
+        return k

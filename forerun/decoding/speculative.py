@@ -1,0 +1,119 @@
+"""Speculative decoding: a drafter proposes, the target verifies all
+proposals in one forward, and an acceptance rule keeps the output exactly
+the target's.
+
+Invariant between rounds: the target's cache holds every committed token but
+the last one, which is fed at the head of the next verification together
+with the drafts (``k + 1`` positions).  Rejected positions are rolled back in
+O(1); nothing the cache holds is fed again.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from ..decoder import Decoder
+from ..drafters.base import Drafter
+from ..errors import ConfigError
+from ..generation.result import GenerationStats
+from ..sampling import TokenSampler
+from .acceptance import accept_greedy, accept_sampled
+from .draft_length import AdaptiveDraftLength
+
+MAX_DRAFT_LENGTH = 16
+
+
+class SpeculativeDecoding:
+    """Draft-then-verify decoding over any :class:`~forerun.drafters.base.Drafter`.
+
+    ``k``: a fixed draft length, or ``None`` to choose it every round from
+    measured costs (:mod:`forerun.decoding.draft_length`), up to ``max_k``.
+    """
+
+    def __init__(self, target: Decoder, drafter: Drafter, *, k: int | None = None,
+                 max_k: int = 8, name: str | None = None) -> None:
+        if k is not None and not (isinstance(k, int) and 1 <= k <= MAX_DRAFT_LENGTH):
+            raise ConfigError(f"draft length k must be an integer in 1..{MAX_DRAFT_LENGTH}, got {k!r}")
+        if not 1 <= max_k <= MAX_DRAFT_LENGTH:
+            raise ConfigError(f"max_k must lie in 1..{MAX_DRAFT_LENGTH}, got {max_k}")
+        self.target = target
+        self.drafter = drafter
+        self.fixed_k = k
+        self.name = name or drafter.name
+        self.policy = AdaptiveDraftLength(max_k)
+        self._calibrated = False
+        self.cost_store = None   # optional: persists calibration (see api)
+
+    def _calibrate(self, token: int) -> None:
+        if self._calibrated or self.fixed_k is not None:
+            return
+        costs = self.policy.costs
+        stored = self.cost_store.load() if self.cost_store else None
+        if stored and len(stored) == len(costs.seconds):
+            costs.seconds = list(stored)
+        else:
+            costs.calibrate(self.target, token)
+            if self.cost_store:
+                self.cost_store.save(costs.seconds)
+        self._calibrated = True
+
+    def _draft_length(self, room: int) -> int:
+        if self.fixed_k is not None:
+            k = self.fixed_k
+        else:
+            k = self.policy.choose(self.drafter.step_seconds())
+        return max(0, min(k, room))
+
+    def run(self, prompt_ids: list[int], sampler: TokenSampler,
+            stats: GenerationStats) -> Iterator[list[int]]:
+        target, drafter = self.target, self.drafter
+        target.reset()
+        drafter.begin(prompt_ids)
+        sequence = list(prompt_ids)
+        # Prefill all but the last prompt token: it heads the first verification.
+        if len(sequence) > 1:
+            target.feed(sequence[:-1], last_only=True)
+        target.commit()
+        self._calibrate(sequence[-1])
+        vocab = target.vocab_size
+        while True:
+            room = target.context_length - target.length - 1
+            k = self._draft_length(room)
+            t0 = time.perf_counter()
+            draft = drafter.propose(sequence, k, sampler) if k else None
+            tokens = draft.tokens if draft else []
+            # A draft vocabulary wider than the target's can't be verified past
+            # its first out-of-range token.
+            for i, t in enumerate(tokens):
+                if t >= vocab:
+                    tokens = tokens[:i]
+                    draft.probs = None if draft.probs is None else draft.probs[:i]
+                    break
+            t1 = time.perf_counter()
+            base = target.length
+            logits = target.feed([sequence[-1]] + tokens).logits
+            t2 = time.perf_counter()
+            if sampler.greedy:
+                n, extra = accept_greedy(tokens, logits)
+            else:
+                n, extra = accept_sampled(tokens, draft.probs if draft else None,
+                                          sampler.probs(logits), sampler.generator)
+            target.rollback(base + 1 + n)
+            committed = tokens[:n] + [extra]
+            sequence.extend(committed)
+            stats.rounds += 1
+            if tokens:
+                stats.drafted += len(tokens)
+                stats.accepted += n
+                stats.accepted_histogram[n] = stats.accepted_histogram.get(n, 0) + 1
+                self.policy.acceptance.update(len(tokens), n)
+            stats.draft_seconds += t1 - t0
+            stats.verify_seconds += t2 - t1
+            self.policy.costs.observe(len(tokens) + 1, t2 - t1)
+            yield committed
+
+    def settle(self, length: int) -> None:
+        if self.target.length > length:
+            self.target.rollback(length)
+        self.drafter.settle(length)

@@ -1,0 +1,1 @@
+"""Drafters: cheap proposers of the tokens a target model will verify."""

@@ -1,0 +1,82 @@
+"""A small draft model that shares the target's tokenizer."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from ..decoder import Decoder
+from ..sampling import TokenSampler
+from .base import Draft
+
+
+class DraftModelDrafter:
+    """Drafts autoregressively with its own Decoder.
+
+    Its cache always holds a prefix of the committed sequence (plus, during a
+    round, its own drafts); each proposal first feeds the committed tokens it
+    lacks, then drafts.  After verification nothing is re-fed that the cache
+    already holds: a rejected tail is rolled back in O(1).
+    """
+
+    name = "draft"
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self._fed: list[int] = []     # tokens held in the draft cache, in order
+        self._step_ema: float | None = None
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.decoder.reset()
+        self._fed = []
+
+    def _sync(self, sequence: Sequence[int]) -> list[int]:
+        """Roll the cache back to the longest common prefix with ``sequence``
+        and return the tokens still to feed."""
+        n = 0
+        limit = min(len(self._fed), len(sequence))
+        while n < limit and self._fed[n] == sequence[n]:
+            n += 1
+        if n < len(self._fed):
+            self.decoder.rollback(n)
+            del self._fed[n:]
+        return list(sequence[n:])
+
+    def propose(self, sequence: Sequence[int], k: int, sampler: TokenSampler) -> Draft:
+        if k <= 0:
+            return Draft([])
+        room = self.decoder.context_length - len(sequence)
+        k = min(k, room)
+        if k <= 0:
+            return Draft([])
+        todo = self._sync(sequence)
+        if not todo:  # the whole sequence is cached: re-feed its last token
+            self.decoder.rollback(len(self._fed) - 1)
+            todo = [self._fed.pop()]
+        start = time.perf_counter()
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for i in range(k):
+            logits = self.decoder.feed(todo, last_only=True).logits[-1]
+            self._fed.extend(todo)
+            if sampler.greedy:
+                token = int(torch.argmax(logits))
+            else:
+                probs = sampler.probs(logits)
+                token = sampler.draw(probs)
+                rows.append(probs)
+            tokens.append(token)
+            todo = [token]
+        elapsed = (time.perf_counter() - start) / k
+        self._step_ema = elapsed if self._step_ema is None else 0.8 * self._step_ema + 0.2 * elapsed
+        return Draft(tokens, torch.stack(rows) if rows else None)
+
+    def settle(self, length: int) -> None:
+        if len(self._fed) > length:
+            self.decoder.rollback(max(length, self.decoder.committed_length))
+            del self._fed[self.decoder.length:]
+
+    def step_seconds(self) -> float:
+        return self._step_ema if self._step_ema is not None else 0.0
