@@ -57,6 +57,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..api import load
     from ..loading.presets import DEFAULT_MODEL
 
+    from ..generation.params import GenerationParams
+    from ..sampling import SamplingParams
+
+    # Check the settings before spending seconds on loading a model.
+    GenerationParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+                     sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                             top_p=args.top_p, min_p=args.min_p)).validate()
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model = load(args.model or DEFAULT_MODEL, context_length=args.context_length,
                  device=args.device, progress=not args.quiet)

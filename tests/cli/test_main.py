@@ -1,0 +1,76 @@
+"""The command line: output formats and clean errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from forerun.cli.main import main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "forerun.cli.main", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_missing_model_is_a_clean_error():
+    proc = run_cli("generate", "--model", "/nonexistent/x.gguf", "hi")
+    assert proc.returncode == 1
+    assert "forerun: error:" in proc.stderr and "neither a preset nor an existing path" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_corrupt_gguf_is_a_clean_error(tmp_path, capsys):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"GGUF" + b"\x00" * 100)
+    assert main(["generate", "--model", str(path), "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "truncated or corrupt" in err
+
+
+def test_bad_sampling_value_is_a_clean_error(capsys):
+    assert main(["generate", "--model", "/nonexistent", "--top-p", "0", "hi"]) == 1
+    assert "top_p" in capsys.readouterr().err
+    assert main(["generate", "--model", "/nonexistent", "-n", "0", "hi"]) == 1
+    assert "max_new_tokens" in capsys.readouterr().err
+
+
+def test_models_lists_presets(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in ("qwen2.5-coder-1.5b (default)", "qwen2.5-coder-0.5b", "smollm2-135m"):
+        assert name in out
+
+
+@pytest.mark.real_model
+def test_generate_json(preset_gguf, capsys):
+    preset_gguf("smollm2-135m")
+    assert main(["generate", "-m", "smollm2-135m", "-n", "8", "--json", "-q",
+                 "What is 2+2?"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) >= {"text", "tokens", "finish_reason", "stats"}
+    assert 1 <= len(data["tokens"]) <= 8
+    assert data["finish_reason"] in ("stop", "length")
+    for key in ("new_tokens", "prefill_seconds", "decode_seconds", "tokens_per_second"):
+        assert key in data["stats"]
+    assert data["stats"]["new_tokens"] == len(data["tokens"])
+
+
+@pytest.mark.real_model
+def test_generate_streams_text_and_stats(preset_gguf, capsys):
+    preset_gguf("smollm2-135m")
+    assert main(["generate", "-m", "smollm2-135m", "-n", "6", "--raw", "--stats", "-q",
+                 "The capital of France is"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip()
+    assert "new tokens:" in captured.err and "tokens/s" in captured.err
+
+
+@pytest.mark.real_model
+def test_prompt_longer_than_context_is_a_clean_error(preset_gguf):
+    preset_gguf("smollm2-135m")
+    proc = run_cli("generate", "-m", "smollm2-135m", "--context-length", "8", "-q",
+                   "a very long prompt " * 10)
+    assert proc.returncode == 1
+    assert "context holds 8" in proc.stderr and "Traceback" not in proc.stderr
