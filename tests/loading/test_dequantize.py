@@ -247,11 +247,10 @@ def test_negative_dimension():
 
 def _real_gguf_paths() -> list[Path]:
     """The real GGUF model files available on this machine."""
-    candidates = [
-        Path("/work/models/qwen2.5-coder-0.5b.gguf"),
-        Path("/work/models/smollm2-135m.gguf"),
-    ]
-    return [path for path in candidates if path.is_file()]
+    from real_presets import MODELS_DIR, have_model
+
+    return [MODELS_DIR / name for name in ("qwen2.5-coder-0.5b.gguf", "smollm2-135m.gguf")
+            if have_model(name)]
 
 
 def _is_checked(name: str) -> bool:
