@@ -17,6 +17,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, default=None,
                    help="KV cache size in positions (default: the model's, at most 4096)")
     p.add_argument("--device", default=None, help="torch device (default: cuda, mps or cpu)")
+    p.add_argument("--draft", "-d", default=None,
+                   help="speculative decoding with this draft: a preset, .gguf file or "
+                        "folder sharing the model's tokenizer, or 'none' for plain decoding "
+                        "(default: the preset's own draft when --model is not given, "
+                        "i.e. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
+    p.add_argument("--draft-k", type=int, default=None,
+                   help="fixed draft length (default: chosen every round from measured costs)")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -67,6 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model = load(args.model or DEFAULT_MODEL, context_length=args.context_length,
                  device=args.device, progress=not args.quiet)
+    draft = resolve_draft_option(args)
     if args.raw:
         if args.system is not None:
             raise ForerunError("--system needs the chat template; drop --raw or --system")
@@ -78,7 +86,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         source = {"messages": messages + [{"role": "user", "content": prompt}]}
     stream = model.stream(**source, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, seed=args.seed, stop=args.stop)
+                          min_p=args.min_p, seed=args.seed, stop=args.stop, draft=draft,
+                          draft_k=args.draft_k)
     for delta in stream:
         if not args.json:
             sys.stdout.write(delta)
@@ -91,6 +100,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         print_stats(result, sys.stderr)
     return 0
+
+
+def resolve_draft_option(args: argparse.Namespace) -> str | None:
+    """The draft to use: --draft, else the default preset's own draft when
+    no --model was given; 'none' turns speculation off."""
+    from ..loading.presets import DEFAULT_MODEL, get_preset
+
+    if args.draft is not None:
+        if args.draft.lower() == "none":
+            if args.draft_k is not None:
+                raise ForerunError("--draft-k needs a draft; drop --draft none or --draft-k")
+            return None
+        return args.draft
+    if args.model is None:
+        return get_preset(DEFAULT_MODEL).default_draft
+    if args.draft_k is not None:
+        raise ForerunError("--draft-k needs a draft: add --draft PRESET|PATH")
+    return None
 
 
 def print_stats(result, out) -> None:
