@@ -102,7 +102,9 @@ class Model:
         ``max_new_tokens``, or when ``cancel`` (a callable or Event) turns true.
 
         ``draft`` turns on speculative decoding: a :class:`Model` (or a preset
-        name or path, loaded once and kept) sharing this model's tokenizer.
+        name or path, loaded once and kept) sharing this model's tokenizer,
+        ``"ngram"`` for prompt lookup (no draft model), or any
+        :class:`~forerun.drafters.base.Drafter` object.
         ``draft_k`` fixes the draft length; by default it is chosen every
         round from measured costs.  The output is the same as without a
         draft: token for token when greedy, in distribution when sampling.
@@ -119,7 +121,7 @@ class Model:
             if draft_k is not None:
                 raise GenerationConfigError("draft_k needs a draft (draft=...)")
             return PlainDecoding(self.decoder)
-        key = (id(draft) if isinstance(draft, Model) else str(draft), draft_k)
+        key = (draft if isinstance(draft, str) else id(draft), draft_k)
         method = self._methods.get(key)
         if method is None:
             method = self._build_speculative(draft, draft_k)
@@ -128,9 +130,22 @@ class Model:
 
     def _build_speculative(self, draft, draft_k: int | None):
         from .decoding.speculative import SpeculativeDecoding
+
+        method = SpeculativeDecoding(self.decoder, self._drafter(draft), k=draft_k)
+        method.cost_store = CostStore(self.name, self.decoder)
+        return method
+
+    def _drafter(self, draft):
+        """A Drafter for ``draft``: 'ngram' (prompt lookup), a Drafter object,
+        or a draft model (a Model, preset name or path)."""
         from .drafters.draft_model import DraftModelDrafter
         from .errors import TokenizerError
 
+        if isinstance(draft, str) and draft == "ngram":
+            from .drafters.ngram import NgramDrafter
+            return NgramDrafter()
+        if hasattr(draft, "propose"):
+            return draft
         if not isinstance(draft, Model):
             draft = load(draft, context_length=self.decoder.context_length,
                          device=self.decoder.device, dtype=self.decoder.model.dtype)
@@ -143,10 +158,10 @@ class Model:
                 f"the draft's context ({draft.decoder.context_length}) is shorter than the "
                 f"target's ({self.decoder.context_length}); load it with the same "
                 f"context_length")
-        method = SpeculativeDecoding(self.decoder, DraftModelDrafter(draft.decoder), k=draft_k)
-        method.cost_store = CostStore(self.name, self.decoder)
         self.drafts.append(draft)   # keep the draft model alive with its method
-        return method
+        # A model drafting for itself needs a cache of its own.
+        decoder = draft.decoder.fork() if draft.decoder is self.decoder else draft.decoder
+        return DraftModelDrafter(decoder)
 
 
 class CostStore:

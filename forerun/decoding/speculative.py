@@ -117,3 +117,6 @@ class SpeculativeDecoding:
         if self.target.length > length:
             self.target.rollback(length)
         self.drafter.settle(length)
+        if self.cost_store is not None and self._calibrated:
+            # Keep the costs refined by this generation's measurements.
+            self.cost_store.save(self.policy.costs.seconds)

@@ -25,6 +25,11 @@ class TorchDecoder:
         self.cache: KVCache = model.new_cache(context_length)
         self._eos = tuple(int(e) for e in eos_token_ids)
 
+    def fork(self) -> "TorchDecoder":
+        """A second decoder over the same weights with its own, empty cache
+        (a model drafting for itself, or a second conversation)."""
+        return TorchDecoder(self.model, self.context_length, self._eos)
+
     # -- facts -------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
