@@ -1,0 +1,91 @@
+"""Speculative decoding on the real models is lossless: greedy output is
+token-identical to plain greedy decoding."""
+
+import pytest
+
+pytestmark = pytest.mark.real_model
+
+CHAT_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain what a hash table is in three sentences.",
+    "Translate into German: The weather is nice today and we are going to the park.",
+    "What is 17 * 23? Show your steps.",
+    "Summarise: The city council met on Tuesday to discuss the new bike lanes. After two "
+    "hours of debate, members voted 7 to 2 to approve the plan, which adds 12 km of "
+    "protected lanes by next summer.",
+]
+
+REPEAT_PROMPTS = [
+    # Long verbatim repeats: the answer copies the input.
+    "Rename the variable `total` to `running_sum` in this code and return the whole code:\n"
+    "def add_all(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    "    return total\n\ndef mean(values):\n    total = add_all(values)\n"
+    "    return total / len(values)\n",
+    "Repeat the following sentence exactly twice: the quick brown fox jumps over the lazy dog.",
+    # No repeats to exploit.
+    "Name a colour.",
+]
+
+
+def messages(text):
+    return [{"role": "user", "content": text}]
+
+
+def first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def assert_identical(model, prompt_ids, plain, other, label):
+    if other.tokens == plain.tokens:
+        return
+    i = first_difference(plain.tokens, other.tokens)
+    model.decoder.reset()
+    logits = model.decoder.feed(prompt_ids + plain.tokens[:i]).logits[-1]
+    top = logits.topk(2).values
+    pytest.fail(f"{label}: first difference at token {i}; top-2 logit gap of plain decoding "
+                f"there is {float(top[0] - top[1]):.2e}")
+
+
+@pytest.fixture(scope="module")
+def pair(preset_model):
+    return preset_model("qwen2.5-coder-1.5b"), preset_model("qwen2.5-coder-0.5b")
+
+
+@pytest.mark.slow
+def test_draft_model_greedy_is_lossless(pair):
+    target, draft = pair
+    for text in CHAT_PROMPTS:
+        ids = target.encode_prompt(messages=messages(text))
+        plain = target.generate(prompt_ids=ids, max_new_tokens=64)
+        for k in (1, 2, 4, 8, None):
+            out = target.generate(prompt_ids=ids, max_new_tokens=64, draft=draft, draft_k=k)
+            assert_identical(target, ids, plain, out, f"k={k} on {text[:30]!r}")
+            assert out.finish_reason == plain.finish_reason
+            stats = out.stats
+            assert stats.accepted <= stats.drafted
+            assert sum(stats.accepted_histogram.values()) <= stats.rounds
+
+
+@pytest.mark.slow
+def test_draft_model_agrees_often_on_code(pair):
+    """Not a speed claim: the pair really is a draft/target pair."""
+    target, draft = pair
+    out = target.generate(messages=messages(CHAT_PROMPTS[0]), max_new_tokens=64, draft=draft,
+                          draft_k=4)
+    assert out.stats.acceptance_rate > 0.5
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m",
+                                    pytest.param("qwen2.5-coder-1.5b", marks=pytest.mark.slow)])
+def test_ngram_greedy_is_lossless(preset_model, preset):
+    model = preset_model(preset)
+    for text in REPEAT_PROMPTS:
+        ids = model.encode_prompt(messages=messages(text))
+        plain = model.generate(prompt_ids=ids, max_new_tokens=64)
+        for k in (3, None):
+            out = model.generate(prompt_ids=ids, max_new_tokens=64, draft="ngram", draft_k=k)
+            assert_identical(model, ids, plain, out, f"ngram k={k} on {text[:30]!r}")
+    # The verbatim-repeat prompt does get its drafts accepted.
+    ids = model.encode_prompt(messages=messages(REPEAT_PROMPTS[0]))
+    out = model.generate(prompt_ids=ids, max_new_tokens=64, draft="ngram", draft_k=4)
+    assert out.stats.accepted > 0
