@@ -23,8 +23,9 @@ class DecodingMethod(Protocol):
             stats: GenerationStats) -> Iterator[list[int]]:
         """Start from an empty cache, feed the prompt, and yield the tokens
         committed in each round, forever: the runner stops iterating when the
-        output is complete.  Speculative methods record their counters in
-        ``stats``."""
+        output is complete.  Sets ``stats.prefill_seconds`` to the time
+        spent on the target's prompt forward; speculative methods also record
+        their counters in ``stats``."""
         ...
 
     def settle(self, length: int) -> None:

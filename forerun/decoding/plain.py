@@ -3,6 +3,7 @@ reference every other method is checked against."""
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 from ..decoder import Decoder
@@ -20,8 +21,10 @@ class PlainDecoding:
             stats: GenerationStats) -> Iterator[list[int]]:
         target = self.target
         target.reset()
+        start = time.perf_counter()
         logits = target.feed(prompt_ids, last_only=True).logits[-1]
         target.commit()
+        stats.prefill_seconds = time.perf_counter() - start
         while True:
             token = sampler.pick(logits)
             yield [token]

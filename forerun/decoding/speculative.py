@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
+import torch
+
 from ..decoder import Decoder
 from ..drafters.base import Drafter
 from ..errors import ConfigError
@@ -71,11 +73,13 @@ class SpeculativeDecoding:
         target.reset()
         drafter.begin(prompt_ids)
         sequence = list(prompt_ids)
+        start = time.perf_counter()
         # Prefill all but the last prompt token: it heads the first verification.
         if len(sequence) > 1:
             target.feed(sequence[:-1], last_only=True)
         target.commit()
         self._calibrate(sequence[-1])
+        stats.prefill_seconds = time.perf_counter() - start
         vocab = target.vocab_size
         while True:
             room = target.context_length - target.length - 1
@@ -83,22 +87,31 @@ class SpeculativeDecoding:
             t0 = time.perf_counter()
             draft = drafter.propose(sequence, k, sampler) if k else None
             tokens = draft.tokens if draft else []
-            # A draft vocabulary wider than the target's can't be verified past
-            # its first out-of-range token.
-            for i, t in enumerate(tokens):
-                if t >= vocab:
-                    tokens = tokens[:i]
-                    draft.probs = None if draft.probs is None else draft.probs[:i]
-                    break
+            draft_probs = draft.probs if draft else None
+            # A draft vocabulary wider than the target's can't be fed past its
+            # first out-of-range token.  That draft has target probability 0,
+            # so it is always rejected; but a sampled one must still go to the
+            # acceptance rule, whose rejection draws from norm(max(0, p - q))
+            # there (drawing from p instead would not be lossless).
+            cut = next((i for i, t in enumerate(tokens) if t >= vocab), None)
+            if cut is not None:
+                keep = cut + 1 if draft_probs is not None else cut
+                tokens = tokens[:keep]
+                draft_probs = None if draft_probs is None else draft_probs[:keep]
+            fed = tokens if cut is None else tokens[:cut]
             t1 = time.perf_counter()
             base = target.length
-            logits = target.feed([sequence[-1]] + tokens).logits
+            logits = target.feed([sequence[-1]] + fed).logits
             t2 = time.perf_counter()
             if sampler.greedy:
-                n, extra = accept_greedy(tokens, logits)
+                n, extra = accept_greedy(fed, logits)
             else:
-                n, extra = accept_sampled(tokens, draft.probs if draft else None,
-                                          sampler.probs(logits), sampler.generator)
+                target_probs = sampler.probs(logits)
+                if len(fed) < len(tokens):
+                    # The row after the out-of-range draft is never read.
+                    target_probs = torch.cat([target_probs, target_probs[-1:]])
+                n, extra = accept_sampled(tokens, draft_probs, target_probs,
+                                          sampler.generator)
             target.rollback(base + 1 + n)
             committed = tokens[:n] + [extra]
             sequence.extend(committed)
@@ -110,7 +123,7 @@ class SpeculativeDecoding:
                 self.policy.acceptance.update(len(tokens), n)
             stats.draft_seconds += t1 - t0
             stats.verify_seconds += t2 - t1
-            self.policy.costs.observe(len(tokens) + 1, t2 - t1)
+            self.policy.costs.observe(len(fed) + 1, t2 - t1)
             yield committed
 
     def settle(self, length: int) -> None:

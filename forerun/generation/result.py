@@ -12,9 +12,11 @@ FINISH_REASONS = ("stop", "length", "cancelled")
 class GenerationStats:
     """Timings and, for speculative methods, how speculation went.
 
-    ``prefill_seconds`` covers feeding the prompt and choosing the first new
-    token; ``decode_seconds`` covers every later token, so
-    ``tokens_per_second`` is ``(new_tokens - 1) / decode_seconds``.
+    ``prefill_seconds`` covers the forward pass over the prompt (and, the
+    first time a speculative method runs in a process, measuring the
+    target's verification costs); ``decode_seconds`` covers everything after
+    it, so ``tokens_per_second`` is ``new_tokens / decode_seconds`` whatever
+    the method.
     """
 
     new_tokens: int = 0
@@ -32,9 +34,9 @@ class GenerationStats:
 
     @property
     def tokens_per_second(self) -> float:
-        if self.new_tokens <= 1 or self.decode_seconds <= 0:
+        if self.new_tokens < 1 or self.decode_seconds <= 0:
             return 0.0
-        return (self.new_tokens - 1) / self.decode_seconds
+        return self.new_tokens / self.decode_seconds
 
     @property
     def acceptance_rate(self) -> float:

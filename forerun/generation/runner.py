@@ -55,12 +55,9 @@ def run_generation(method: DecodingMethod, tokenizer, prompt_ids: Sequence[int],
     sampler = TokenSampler(params.sampling, params.seed, getattr(target, "device", "cpu"))
 
     start = time.perf_counter()
-    first_at = None
     rounds = method.run(prompt, sampler, stats)
     try:
         for tokens in rounds:
-            if first_at is None:
-                first_at = time.perf_counter()
             delta = output.add(tokens)
             if delta:
                 yield delta
@@ -74,10 +71,7 @@ def run_generation(method: DecodingMethod, tokenizer, prompt_ids: Sequence[int],
     finally:
         rounds.close()
         method.settle(len(prompt) + len(output.tokens))
-    end = time.perf_counter()
-    first_at = first_at or end
-    stats.prefill_seconds = first_at - start
-    stats.decode_seconds = end - first_at
+    stats.decode_seconds = max(0.0, time.perf_counter() - start - stats.prefill_seconds)
     stats.new_tokens = len(output.tokens)
     return GenerationResult(list(output.tokens), output.text,
                             output.finish_reason or "cancelled", stats)
