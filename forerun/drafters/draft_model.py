@@ -26,11 +26,13 @@ class DraftModelDrafter:
     def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder
         self._fed: list[int] = []     # tokens held in the draft cache, in order
+        self._known_committed = 0     # length of the last committed sequence seen
         self._step_ema: float | None = None
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.decoder.reset()
         self._fed = []
+        self._known_committed = 0
 
     def _sync(self, sequence: Sequence[int]) -> list[int]:
         """Roll the cache back to the longest common prefix with ``sequence``
@@ -45,6 +47,7 @@ class DraftModelDrafter:
         return list(sequence[n:])
 
     def propose(self, sequence: Sequence[int], k: int, sampler: TokenSampler) -> Draft:
+        self._known_committed = len(sequence)
         if k <= 0:
             return Draft([])
         room = self.decoder.context_length - len(sequence)
@@ -74,8 +77,12 @@ class DraftModelDrafter:
         return Draft(tokens, torch.stack(rows) if rows else None)
 
     def settle(self, length: int) -> None:
-        if len(self._fed) > length:
-            self.decoder.rollback(max(length, self.decoder.committed_length))
+        # Only the sequence seen at the last proposal is known to be
+        # committed; anything fed after it is a draft that may have been
+        # rejected.
+        keep = min(length, self._known_committed, len(self._fed))
+        if keep < len(self._fed):
+            self.decoder.rollback(max(keep, self.decoder.committed_length))
             del self._fed[self.decoder.length:]
 
     def step_seconds(self) -> float:

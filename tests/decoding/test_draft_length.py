@@ -1,0 +1,264 @@
+"""forerun.decoding.draft_length: choosing k from acceptance and measured
+costs."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from forerun.decoding import draft_length
+from forerun.decoding.draft_length import (AcceptanceEstimate, AdaptiveDraftLength,
+                                           VerifyCosts, best_draft_length, expected_tokens)
+
+from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)
+
+
+def costs_from(seconds: dict[int, float], max_positions: int = 9) -> VerifyCosts:
+    costs = VerifyCosts(max_positions)
+    for t, s in seconds.items():
+        costs.seconds[t] = s
+    return costs
+
+
+# -- expected_tokens ----------------------------------------------------------
+
+@pytest.mark.parametrize("k", [0, 1, 2, 5, 8])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.9, 0.999])
+def test_expected_tokens_is_the_geometric_sum(k, alpha):
+    # drafts are accepted in order until the first rejection, plus one token
+    assert expected_tokens(k, alpha) == pytest.approx(sum(alpha ** i for i in range(k + 1)))
+
+
+def test_expected_tokens_edge_cases():
+    assert expected_tokens(0, 0.7) == pytest.approx(1.0)
+    assert expected_tokens(4, 0.0) == pytest.approx(1.0)
+    assert expected_tokens(4, 1.0) == 5.0
+    assert expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_expected_tokens_matches_simulation():
+    rng = random.Random(0)
+    k, alpha, rounds = 4, 0.6, 40000
+    total = 0
+    for _ in range(rounds):
+        n = 0
+        while n < k and rng.random() < alpha:
+            n += 1
+        total += n + 1
+    assert total / rounds == pytest.approx(expected_tokens(k, alpha), rel=0.02)
+
+
+# -- best_draft_length ----------------------------------------------------------
+
+def brute_force(max_k, alpha, draft_seconds, verify):
+    rates = [expected_tokens(k, alpha) / (k * draft_seconds + verify(k + 1))
+             for k in range(max_k + 1)]
+    return max(range(max_k + 1), key=lambda k: (rates[k], -k))
+
+
+def test_plain_step_when_verifying_two_positions_is_expensive_and_acceptance_low():
+    verify = costs_from({1: 1.0, 2: 3.0, 3: 4.0, 5: 6.0, 9: 10.0})
+    assert best_draft_length(8, 0.3, 0.05, verify) == 0
+    assert best_draft_length(8, 0.6, 0.05, verify) == 0
+
+
+def test_long_drafts_when_verification_is_flat_and_acceptance_high():
+    flat = costs_from({t: 1.0 for t in range(1, 10)})
+    k = best_draft_length(8, 0.95, 0.01, flat)
+    assert k >= 6
+    assert k == brute_force(8, 0.95, 0.01, flat)
+    assert best_draft_length(8, 1.0, 0.0, flat) == 8
+
+
+def test_more_acceptance_never_shortens_the_draft():
+    verify = costs_from({1: 1.0, 2: 1.3, 5: 2.0, 9: 3.5})
+    ks = [best_draft_length(8, a / 20, 0.05, verify) for a in range(21)]
+    assert ks == sorted(ks)
+    assert ks[0] == 0 and ks[-1] > 0
+
+
+def test_costly_drafting_shortens_the_draft():
+    flat = costs_from({t: 1.0 for t in range(1, 10)})
+    ks = [best_draft_length(8, 0.9, d, flat) for d in (0.0, 0.05, 0.2, 0.5, 2.0)]
+    assert ks == sorted(ks, reverse=True)
+    assert ks[-1] == 0
+
+
+@pytest.mark.parametrize("alpha,draft_seconds", list(itertools.product(
+    [0.1, 0.5, 0.8, 0.97], [0.0, 0.02, 0.3])))
+def test_best_draft_length_is_the_argmax_of_tokens_per_second(alpha, draft_seconds):
+    verify = costs_from({1: 1.0, 2: 1.1, 3: 1.25, 6: 1.9, 9: 3.0})
+    assert best_draft_length(8, alpha, draft_seconds, verify) == \
+        brute_force(8, alpha, draft_seconds, verify)
+
+
+def test_best_draft_length_respects_max_k():
+    flat = costs_from({t: 1.0 for t in range(1, 10)})
+    for max_k in range(0, 5):
+        assert best_draft_length(max_k, 0.99, 0.0, flat) == max_k
+
+
+# -- AcceptanceEstimate ----------------------------------------------------------
+
+def test_acceptance_prior():
+    assert AcceptanceEstimate().rate == pytest.approx(0.7)
+    assert AcceptanceEstimate(prior=0.2).rate == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("accepted,limit", [(0, 0.0), (1, 0.5), (3, 0.75)])
+def test_acceptance_moves_toward_the_observed_rate(accepted, limit):
+    """Rounds of 4 drafts with ``accepted`` accepted then a rejection: the
+    per-token rate is accepted / (accepted + 1)."""
+    est = AcceptanceEstimate()
+    gaps = []
+    for _ in range(200):
+        gaps.append(abs(est.rate - limit))
+        est.update(4, accepted)
+    assert est.rate == pytest.approx(limit, abs=1e-6)
+    assert all(b <= a + 1e-12 for a, b in zip(gaps, gaps[1:]))   # monotone approach
+
+
+def test_acceptance_all_accepted_tends_to_one():
+    est = AcceptanceEstimate(prior=0.2)
+    for _ in range(200):
+        est.update(4, 4)
+    assert est.rate > 0.999
+
+
+def test_acceptance_ignores_rounds_without_drafts():
+    est = AcceptanceEstimate()
+    before = (est.successes, est.failures)
+    est.update(0, 0)
+    assert (est.successes, est.failures) == before
+
+
+def test_acceptance_estimate_tracks_a_bernoulli_process():
+    rng = random.Random(1)
+    alpha, est, rates = 0.6, AcceptanceEstimate(prior=0.1), []
+    for i in range(4000):
+        n = 0
+        while n < 4 and rng.random() < alpha:
+            n += 1
+        est.update(4, n)
+        if i >= 100:
+            rates.append(est.rate)
+    # rounds are truncated at 4 drafts: the estimator is S / (S + F)
+    assert sum(rates) / len(rates) == pytest.approx(alpha, abs=0.05)
+
+
+# -- VerifyCosts -------------------------------------------------------------
+
+def test_verify_costs_without_measurements():
+    assert VerifyCosts(9)(3) == 1.0
+
+
+def test_verify_costs_exact_and_interpolated():
+    costs = costs_from({1: 1.0, 4: 4.0, 6: 5.0})
+    assert costs(1) == 1.0 and costs(4) == 4.0
+    assert costs(2) == pytest.approx(2.0)
+    assert costs(3) == pytest.approx(3.0)
+    assert costs(5) == pytest.approx(4.5)
+
+
+def test_verify_costs_extrapolation():
+    costs = costs_from({2: 2.0, 3: 4.0})
+    assert costs(1) == pytest.approx(2.0)        # below every measurement: the nearest
+    assert costs(6) == pytest.approx(4.0 * 6 / 3)  # above: proportional to the last one
+    assert costs(9) == pytest.approx(12.0)
+
+
+def test_verify_costs_observe_is_a_moving_average():
+    costs = VerifyCosts(4)
+    costs.observe(2, 1.0)
+    assert costs.seconds[2] == 1.0
+    costs.observe(2, 2.0)
+    assert costs.seconds[2] == pytest.approx(1.2)
+    costs.observe(9, 5.0)                          # beyond the table: ignored
+    assert len(costs.seconds) == 5
+
+
+class ClockedDecoder(TableDecoder):
+    """A TableDecoder whose feeds advance a fake clock by 10 ms + 1 ms/token."""
+
+    def __init__(self, clock, **kwargs):
+        import torch
+        super().__init__(torch.zeros(3, 4, 4), **kwargs)
+        self.clock = clock
+
+    def feed(self, tokens, **kwargs):
+        self.clock.now += 0.010 + 0.001 * len(tokens)
+        return super().feed(tokens, **kwargs)
+
+
+def test_calibrate_times_every_size_and_rolls_back(monkeypatch):
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(draft_length, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    decoder = ClockedDecoder(clock)
+    decoder.feed([1, 2, 3])
+    decoder.commit()
+    costs = VerifyCosts(5)
+    costs.calibrate(decoder, token=1)
+    assert decoder.length == 3 and decoder.tokens == [1, 2, 3]
+    for t in range(1, 6):
+        assert costs.seconds[t] == pytest.approx(0.010 + 0.001 * t)
+
+
+def test_calibrate_stops_at_the_context_limit(monkeypatch):
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(draft_length, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    decoder = ClockedDecoder(clock, context_length=6)
+    decoder.feed([1, 2, 3])
+    decoder.commit()
+    costs = VerifyCosts(5)
+    costs.calibrate(decoder, token=1)                # only 3 positions are free
+    assert decoder.length == 3
+    assert all(costs.seconds[t] is not None for t in (1, 2, 3))
+    assert costs.seconds[4] is None and costs.seconds[5] is None
+
+
+# -- AdaptiveDraftLength -----------------------------------------------------
+
+def test_adaptive_explores_after_a_streak_of_plain_steps():
+    policy = AdaptiveDraftLength(max_k=8, explore_every=8)
+    policy.costs = costs_from({1: 1.0, 2: 5.0, 9: 20.0})
+    policy.acceptance = AcceptanceEstimate(prior=0.1)
+    choices = [policy.choose(0.1) for _ in range(24)]
+    assert choices == ([0] * 7 + [1]) * 3
+
+
+def test_adaptive_exploration_lets_acceptance_recover():
+    """Drafting pays once the acceptance estimate recovers from a bad spell."""
+    policy = AdaptiveDraftLength(max_k=8, explore_every=4)
+    policy.costs = costs_from({t: 1.0 + 0.02 * t for t in range(1, 10)})
+    policy.acceptance = AcceptanceEstimate(prior=0.01, weight=1.0)
+    ks = []
+    for _ in range(40):
+        k = policy.choose(0.3)
+        ks.append(k)
+        if k:
+            policy.acceptance.update(k, k)           # the draft is now perfect
+    assert ks[:3] == [0, 0, 0] and ks[3] == 1
+    assert ks[-1] >= 4
+
+
+def test_adaptive_streak_resets_when_drafting_pays():
+    policy = AdaptiveDraftLength(max_k=4, explore_every=3)
+    policy.costs = costs_from({1: 1.0, 2: 5.0, 5: 20.0})
+    policy.acceptance = AcceptanceEstimate(prior=0.1)
+    assert [policy.choose(0.1) for _ in range(2)] == [0, 0]
+    policy.costs = costs_from({t: 1.0 for t in range(1, 6)})
+    policy.acceptance = AcceptanceEstimate(prior=0.99)
+    assert policy.choose(0.0) == 4
+    policy.costs = costs_from({1: 1.0, 2: 5.0, 5: 20.0})
+    policy.acceptance = AcceptanceEstimate(prior=0.1)
+    assert [policy.choose(0.1) for _ in range(3)] == [0, 0, 1]
+
+
+def test_adaptive_never_exceeds_max_k():
+    policy = AdaptiveDraftLength(max_k=3)
+    policy.costs = costs_from({t: 1.0 for t in range(1, 5)}, max_positions=4)
+    policy.acceptance = AcceptanceEstimate(prior=0.999)
+    assert policy.choose(0.0) == 3

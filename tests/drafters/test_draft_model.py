@@ -1,0 +1,232 @@
+"""forerun.drafters.draft_model: the draft cache holds a prefix of the
+sequence, only missing tokens are fed, and settle keeps it within bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.generation.result import GenerationStats
+from forerun.sampling import SamplingParams, TokenSampler
+
+from table_decoders import CountingDecoder, TableDecoder, single_thread  # noqa: F401 (autouse)
+
+V = 7
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.9, top_k=5)
+
+
+def table(seed: int) -> torch.Tensor:
+    return torch.randn(3, V, V, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+def make(seed: int = 0, context_length: int = 1 << 20):
+    inner = TableDecoder(table(seed), context_length=context_length)
+    counted = CountingDecoder(inner)
+    return DraftModelDrafter(counted), counted, inner
+
+
+def greedy_chain(t: torch.Tensor, sequence: list[int], k: int) -> list[int]:
+    out, seq = [], list(sequence)
+    for _ in range(k):
+        token = int(torch.argmax(t[(len(seq) - 1) % 3, seq[-1]]))
+        out.append(token)
+        seq.append(token)
+    return out
+
+
+def sampler(params=GREEDY, seed=0):
+    return TokenSampler(params, seed, "cpu")
+
+
+def test_first_proposal_feeds_the_prompt_once_then_one_token_per_draft():
+    drafter, counted, inner = make()
+    prompt = [1, 2, 3, 4]
+    drafter.begin(prompt)
+    draft = drafter.propose(prompt, 4, sampler())
+    assert draft.tokens == greedy_chain(table(0), prompt, 4)
+    assert draft.probs is None
+    assert counted.feeds == [prompt] + [[t] for t in draft.tokens[:3]]
+    # the last draft is not fed: the cache holds the prompt and 3 drafts
+    assert inner.tokens == prompt + draft.tokens[:3]
+
+
+def test_begin_forgets_the_previous_generation():
+    drafter, counted, inner = make()
+    drafter.begin([1, 2])
+    drafter.propose([1, 2], 3, sampler())
+    drafter.begin([5, 6, 0])
+    assert inner.length == 0
+    counted.feeds.clear()
+    drafter.propose([5, 6, 0], 2, sampler())
+    assert counted.feeds[0] == [5, 6, 0]
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 2, 3, 4])
+def test_after_verification_only_missing_tokens_are_fed(accepted):
+    drafter, counted, inner = make()
+    prompt = [3, 1, 4]
+    drafter.begin(prompt)
+    first = drafter.propose(prompt, 4, sampler()).tokens
+    # the target keeps ``accepted`` drafts and adds a token of its own that
+    # differs from the next draft
+    extra = (first[accepted] + 1) % V if accepted < 4 else 0
+    sequence = prompt + first[:accepted] + [extra]
+    counted.feeds.clear()
+    counted.rollbacks.clear()
+    second = drafter.propose(sequence, 3, sampler()).tokens
+    cached = prompt + first[:3]
+    common = min(len(prompt) + accepted, len(cached))
+    # rolled back to the common prefix (or not at all), then fed what it lacks
+    assert counted.rollbacks == ([] if common == len(cached) else [common])
+    assert counted.feeds[0] == sequence[common:]
+    assert counted.feeds[1:] == [[t] for t in second[:2]]
+    assert second == greedy_chain(table(0), sequence, 3)
+    assert inner.tokens == sequence + second[:2]
+
+
+def test_fully_cached_sequence_refeeds_its_last_token():
+    """The sequence is a prefix of what the cache holds (the target accepted
+    drafts the drafter already fed, then the runner asks again)."""
+    drafter, counted, inner = make()
+    prompt = [2, 2, 5]
+    drafter.begin(prompt)
+    first = drafter.propose(prompt, 4, sampler()).tokens
+    sequence = prompt + first[:2]
+    counted.feeds.clear()
+    second = drafter.propose(sequence, 2, sampler()).tokens
+    assert counted.feeds[0] == [first[1]]
+    assert second == greedy_chain(table(0), sequence, 2)
+    assert inner.tokens == sequence + second[:1]
+
+
+def test_sampled_proposals_return_their_distributions():
+    drafter, counted, inner = make(seed=3)
+    s = sampler(SAMPLED, seed=1)
+    prompt = [0, 6]
+    drafter.begin(prompt)
+    draft = drafter.propose(prompt, 5, s)
+    assert len(draft.tokens) == 5
+    assert draft.probs.shape == (5, V)
+    seq = list(prompt)
+    for i, token in enumerate(draft.tokens):
+        expected = s.probs(table(3)[(len(seq) - 1) % 3, seq[-1]])
+        assert torch.allclose(draft.probs[i], expected)
+        assert draft.probs[i, token] > 0
+        assert int((draft.probs[i] > 0).sum()) == 5      # top_k = 5 applied
+        seq.append(token)
+
+
+def test_non_positive_k_proposes_nothing_and_feeds_nothing():
+    drafter, counted, inner = make()
+    drafter.begin([1])
+    for k in (0, -1):
+        draft = drafter.propose([1, 2], k, sampler())
+        assert draft.tokens == [] and draft.probs is None
+    assert counted.feeds == []
+
+
+def test_proposals_stop_at_the_draft_context():
+    drafter, counted, inner = make(context_length=8)
+    drafter.begin([1, 2, 3, 4, 5])
+    draft = drafter.propose([1, 2, 3, 4, 5], 8, sampler())
+    assert 1 <= len(draft.tokens) <= 3
+    assert inner.length <= 8
+    full = [1, 2, 3, 4, 5, 6, 0, 1]
+    assert drafter.propose(full, 4, sampler()).tokens == []
+
+
+def test_settle_keeps_only_what_is_known_committed():
+    drafter, counted, inner = make()
+    prompt = [4, 4, 4]
+    drafter.begin(prompt)
+    drafter.propose(prompt, 5, sampler())
+    assert inner.length == 7              # prompt + 4 fed drafts
+    drafter.settle(9)                     # the drafts were never confirmed: dropped
+    assert inner.length == 3
+    assert drafter._fed == inner.tokens == prompt
+    drafts = drafter.propose(prompt, 3, sampler()).tokens
+    drafter.settle(2)                     # below what it saw committed
+    assert inner.length == 2 and drafter._fed == prompt[:2]
+    # it carries on from there, feeding only what it lacks
+    sequence = prompt + drafts[:1]
+    counted.feeds.clear()
+    drafter.propose(sequence, 2, sampler())
+    assert counted.feeds[0] == sequence[2:]
+
+
+def test_step_seconds_is_measured():
+    drafter, _, _ = make()
+    assert drafter.step_seconds() == 0.0
+    drafter.begin([1])
+    drafter.propose([1], 3, sampler())
+    assert drafter.step_seconds() > 0.0
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_inside_speculative_decoding_nothing_cached_is_fed_again(params):
+    """Over many rounds: each proposal feeds exactly the committed tokens the
+    draft cache lacks (after rolling back to the longest common prefix) and
+    then one token per draft but the last."""
+    target = TableDecoder(table(1))
+    draft_counter = CountingDecoder(TableDecoder(table(2)))
+    drafter = DraftModelDrafter(draft_counter)
+    method = SpeculativeDecoding(target, drafter, k=4)
+    record = []
+    original = drafter.propose
+
+    def propose(sequence, k, s):
+        before = list(draft_counter.inner.tokens)
+        n_feeds = len(draft_counter.feeds)
+        draft = original(sequence, k, s)
+        record.append((list(sequence), before, draft.tokens,
+                       draft_counter.feeds[n_feeds:]))
+        return draft
+
+    drafter.propose = propose
+    stats = GenerationStats()
+    rounds = method.run([1, 2, 3], sampler(params, seed=5), stats)
+    out = []
+    for tokens in rounds:
+        out += tokens
+        if len(out) >= 300:
+            break
+    rounds.close()
+    method.settle(3 + 300)
+    assert len(record) == stats.rounds > 50
+    for sequence, before, drafts, feeds in record:
+        common = 0
+        while (common < min(len(before), len(sequence))
+               and before[common] == sequence[common]):
+            common += 1
+        missing = sequence[common:] or sequence[-1:]
+        assert feeds[0] == missing
+        assert feeds[1:] == [[t] for t in drafts[:-1]]
+        # the cache only ever held a prefix of the sequence plus drafts
+        assert before[:common] == sequence[:common]
+    # the total fed is the sequence once plus the drafts and the re-fed tokens
+    fed = sum(len(f) for f in draft_counter.feeds)
+    assert fed <= len(out) + 3 + stats.drafted
+    assert draft_counter.inner.length <= 3 + 300
+
+
+def test_settle_after_a_rejected_round_keeps_no_rejected_draft():
+    """After the target rejected drafts the drafter already fed, settle(n)
+    must leave only committed (valid) positions.  DraftModelDrafter.settle
+    only knows a length: when the rejected tail is shorter than what it
+    rolls back to, a rejected draft stays in its cache (harmless today:
+    begin() resets, and the next propose() re-syncs on its own record)."""
+    drafter, counted, inner = make()
+    prompt = [3, 1, 4]
+    drafter.begin(prompt)
+    first = drafter.propose(prompt, 4, sampler()).tokens     # cache: prompt + 3 drafts
+    extra = (first[0] + 1) % V                                # draft 1 rejected
+    sequence = prompt + [extra]
+    drafter.settle(len(sequence))
+    assert inner.length <= len(sequence)
+    assert drafter._fed == inner.tokens                        # its record is right
+    assert inner.tokens == sequence[:inner.length], (
+        f"settle kept rejected draft {inner.tokens[len(prompt):]} where the sequence "
+        f"has {[extra]}")
