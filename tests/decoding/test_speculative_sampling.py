@@ -294,6 +294,30 @@ def test_deterministic_drafter_broken_twin_is_detected(monkeypatch):
     assert_detected(counts, COMBINED, [1], "deterministic residual_is_p")
 
 
+def test_ngram_drafter_is_exact():
+    """Prompt lookup proposes what followed earlier occurrences: point-mass
+    drafts, accepted with probability p(x)."""
+    from forerun.drafters.ngram import NgramDrafter
+
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1]
+    method = SpeculativeDecoding(TableDecoder(TARGET), NgramDrafter(1, 3), k=4)
+    counts, stats = draw_counts(method, TOP_P, prompt, N_SEQUENCES, seed=5)
+    check_stats(stats, N_SEQUENCES)
+    assert stats.drafted > N_SEQUENCES           # it did propose, most rounds
+    assert_exact(counts, TOP_P, prompt, "ngram drafter")
+
+
+def test_ngram_drafter_broken_twin_is_detected(monkeypatch):
+    from forerun.drafters.ngram import NgramDrafter
+
+    monkeypatch.setattr(speculative_module, "accept_sampled",
+                        _accept_then(lambda p, q, x: p))
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1]
+    method = SpeculativeDecoding(TableDecoder(TARGET), NgramDrafter(1, 3), k=4)
+    counts, _ = draw_counts(method, TOP_P, prompt, N_BROKEN, seed=5)
+    assert_detected(counts, TOP_P, prompt, "ngram residual_is_p")
+
+
 # -- the test doubles themselves ---------------------------------------------------
 
 def test_table_decoder_follows_the_decoder_contract():
