@@ -3,6 +3,8 @@ reference for forerun's engine."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from forerun.config import ModelConfig
@@ -50,3 +52,21 @@ def forerun_decoder(model, context_length: int = 256) -> TorchDecoder:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     network = Transformer(config, state)
     return TorchDecoder(network, context_length, config.eos_token_ids)
+
+
+def tiny_tokenizer_json(path):
+    """A byte-level BPE tokenizer of VOCAB tokens with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 50,
+                            trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
+                         "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}"}))

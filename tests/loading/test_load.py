@@ -11,25 +11,7 @@ import torch
 import forerun
 from forerun.errors import (ConfigError, ContextLengthError, ModelFormatError,
                             ModelNotFoundError, UnsupportedArchitectureError)
-from tiny_models import VOCAB, hf_model
-
-
-def tiny_tokenizer_json(path):
-    """A byte-level BPE tokenizer of VOCAB tokens with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 50,
-                            trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>",
-        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
-                         "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}"}))
+from tiny_models import VOCAB, hf_model, tiny_tokenizer_json
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])

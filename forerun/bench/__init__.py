@@ -1,0 +1,31 @@
+"""``forerun bench``: decoding methods side by side on a prompt set.
+
+Every method runs on every prompt, interleaved prompt by prompt (for each
+prompt, every method in turn), at fixed seeds after a warm-up, so the drift
+of a noisy machine hits all of them alike.  Greedy runs check each method's
+tokens against plain decoding of the same engine.
+
+Python use::
+
+    from forerun.bench import BenchSettings, run_bench, write_reports
+    report = run_bench(BenchSettings(methods=["plain", "draft-k4"], limit=2),
+                       model=forerun.load("smollm2-135m"), draft=...)
+    write_reports(report, "bench-out/x")
+
+New methods plug in with one :func:`register_method` entry (see
+:mod:`forerun.bench.methods`).
+"""
+
+from .errors import BenchError, MethodUnavailable
+from .methods import (BenchMethod, ForerunMethod, MethodOutput, available_methods,
+                      make_method, register_method, register_pattern)
+from .prompts import DEFAULT_PROMPTS, Prompt, load_prompts, select_prompts
+from .report import print_report, write_reports
+from .runner import BenchReport, BenchSettings, run_bench
+
+__all__ = [
+    "BenchError", "BenchMethod", "BenchReport", "BenchSettings", "DEFAULT_PROMPTS",
+    "ForerunMethod", "MethodOutput", "MethodUnavailable", "Prompt", "available_methods",
+    "load_prompts", "make_method", "print_report", "register_method", "register_pattern",
+    "run_bench", "select_prompts", "write_reports",
+]

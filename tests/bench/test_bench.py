@@ -1,0 +1,360 @@
+"""The benchmark harness on tiny models: prompt files, the interleaved loop,
+multi-turn prompts, token checks, failures, peers and the report files."""
+
+import importlib.util
+import io
+import json
+import sys
+
+import pytest
+
+from forerun.bench import (BenchError, BenchMethod, BenchSettings, ForerunMethod, load_prompts,
+                           print_report, run_bench, select_prompts, write_reports)
+from forerun.bench.prompts import DEFAULT_PROMPTS
+from forerun.cli.main import main
+from forerun.errors import ForerunError
+
+from .conftest import PROMPTS
+
+CATEGORIES = {"conversation", "translation", "summarization", "qa", "math", "rag", "code"}
+
+
+def settings(**kw):
+    base = dict(methods=("plain",), max_new_tokens=6, warmup=1, progress=False)
+    base.update(kw)
+    return BenchSettings(**base)
+
+
+def bench(tiny, prompts=None, **kw):
+    model, draft, folder, draft_folder = tiny
+    kw.setdefault("model", str(folder))
+    kw.setdefault("draft", str(draft_folder))
+    prompts = select_prompts(load_prompts_from(PROMPTS)) if prompts is None else prompts
+    return run_bench(settings(**kw), model=model, draft=draft, prompts=prompts,
+                     log=lambda m: None)
+
+
+def load_prompts_from(objs):
+    from forerun.bench.prompts import _parse
+
+    return [_parse(o, "test") for o in objs]
+
+
+def rows_of(report, method):
+    return [r for r in report.rows if r["method"] == method]
+
+
+# -- prompt files --------------------------------------------------------------
+
+def test_shipped_prompt_set():
+    prompts = load_prompts()
+    assert prompts == load_prompts(DEFAULT_PROMPTS)
+    assert len(prompts) >= 70
+    assert {p.category for p in prompts} == CATEGORIES
+    for p in prompts:
+        assert p.turns and all(t.strip() for t in p.turns)
+    assert all(len(p.turns) == 2 for p in prompts if p.category == "conversation")
+    # Long inputs where the category calls for them.
+    for category in ("summarization", "rag"):
+        assert min(len(p.turns[0]) for p in prompts if p.category == category) > 1500
+    assert sum(len(p.turns[0]) > 1500 for p in prompts if p.category == "code") >= 4
+    assert len({p.question_id for p in prompts}) == len(prompts)
+
+
+def test_spec_bench_file(tmp_path):
+    path = tmp_path / "question.jsonl"
+    lines = [{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."],
+              "reference": ["ignored"]},
+             {"question_id": 82, "category": "writing", "turns": ["Write a haiku."]},
+             {"question_id": 91, "category": "math_reasoning", "turns": ["What is 2+2?"]}]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    prompts = load_prompts(path)
+    assert [p.question_id for p in prompts] == [81, 82, 91]
+    assert prompts[0].turns == ("Write a poem.", "Shorter.")
+    assert prompts[0].category == "writing"
+    assert [p.question_id for p in select_prompts(prompts, limit=1)] == [81, 91]
+    assert [p.question_id for p in select_prompts(prompts, ["math_reasoning"])] == [91]
+    with pytest.raises(BenchError, match="no prompts in category nope.*writing"):
+        select_prompts(prompts, ["nope"])
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "line 2: not valid JSON"),
+    ('{"question_id": 2, "category": "x"}', "line 2: 'turns' must be"),
+    ('{"question_id": 2, "category": "x", "turns": []}', "line 2: 'turns' must be"),
+    ('{"question_id": 1, "category": "x", "turns": ["a"]}', "appears twice"),
+])
+def test_bad_prompt_files(tmp_path, line, message):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"question_id": 1, "category": "x", "turns": ["a"]}\n' + line + "\n")
+    with pytest.raises(BenchError, match=message):
+        load_prompts(path)
+    with pytest.raises(BenchError, match="does not exist"):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
+# -- the loop ------------------------------------------------------------------
+
+class Spy(BenchMethod):
+    """Plain decoding that records the prompts it was given."""
+
+    def __init__(self, corrupt=False):
+        self.calls = []
+        self.corrupt = corrupt
+
+    def generate(self, ctx, prompt_ids, **kw):
+        self.calls.append(list(prompt_ids))
+        out = ForerunMethod("plain").generate(ctx, prompt_ids, **kw)
+        if self.corrupt:
+            out.tokens[-1] = (out.tokens[-1] + 1) % 300
+        return out
+
+
+def test_speculative_methods_match_plain(tiny):
+    report = bench(tiny, methods=("plain", "draft", "draft-k2"))
+    assert [m for m in report.methods] == ["plain", "draft", "draft-k2"]
+    assert all(i["status"] == "ok" for i in report.methods.values())
+    assert len(report.rows) == 3 * len(PROMPTS)
+    assert not report.mismatches()
+    for r in rows_of(report, "draft-k2"):
+        assert r["status"] == "ok" and r["mismatch"] is False
+        assert r["rounds"] > 0 and r["mean_accepted_tokens"] >= 1
+        assert 0 <= r["acceptance_rate"] <= 1
+    overall = report.summary["by_temperature"][0]["methods"]
+    assert overall["plain"]["overall"]["speedup"] == pytest.approx(1.0)
+    assert overall["draft-k2"]["overall"]["speedup"] > 0
+    assert set(overall["draft"]["categories"]) == {"qa", "chat"}
+
+
+def test_multi_turn_uses_plain_answer(tiny, registry):
+    spy = Spy()
+    registry("spy", lambda: spy)
+    model = tiny[0]
+    report = bench(tiny, methods=("plain", "spy"), warmup=0)
+    plain = next(r for r in rows_of(report, "plain") if r["question_id"] == 3)
+    assert len(plain["turns"]) == 2
+    first_answer = model.tokenizer.decode(plain["turns"][0]["tokens"])
+    # Calls: prompts 1, 2, then both turns of prompt 3.
+    assert len(spy.calls) == 4
+    turn2 = model.tokenizer.decode(spy.calls[3])
+    expected = model.encode_prompt(messages=[
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": model.generate(
+            prompt_ids=spy.calls[2], max_new_tokens=6).text},
+        {"role": "user", "content": "the lazy dog"}])
+    assert spy.calls[3] == expected
+    assert "hello" in turn2 and "the lazy dog" in turn2
+    assert first_answer.replace("</s>", "") in turn2
+    spy_row = next(r for r in rows_of(report, "spy") if r["question_id"] == 3)
+    assert spy_row["new_tokens"] == sum(t["new_tokens"] for t in spy_row["turns"])
+    assert spy_row["mismatch"] is False
+
+
+def test_mismatch_is_flagged(tiny, registry, capsys):
+    registry("wrong", lambda: Spy(corrupt=True))
+    report = bench(tiny, methods=("plain", "wrong"))
+    bad = report.mismatches()
+    assert len(bad) == len(PROMPTS) and {r["method"] for r in bad} == {"wrong"}
+    assert bad[0]["first_mismatch"]["turn"] == 1
+    agg = report.summary["by_temperature"][0]["methods"]["wrong"]["overall"]
+    assert agg["mismatches"] == len(PROMPTS)
+    out = io.StringIO()
+    print_report(report, out)
+    assert "TOKEN MISMATCH" in out.getvalue() and "wrong differs from plain" in out.getvalue()
+    assert "TOKEN MISMATCH" in capsys.readouterr().err
+
+
+def test_sampling_skips_token_check(tiny, registry):
+    registry("wrong", lambda: Spy(corrupt=True))
+    report = bench(tiny, methods=("plain", "wrong"), temperatures=(0.0, 0.8), seed=7)
+    hot = [r for r in report.rows if r["temperature"] == 0.8]
+    assert hot and all(r["mismatch"] is None for r in hot)
+    assert len(report.summary["by_temperature"]) == 2
+
+
+class Broken(BenchMethod):
+    def __init__(self, where):
+        self.where = where
+        self.calls = 0
+
+    def setup(self, ctx):
+        if self.where == "setup":
+            raise ForerunError("cannot set up the broken method")
+
+    def generate(self, ctx, prompt_ids, **kw):
+        self.calls += 1
+        if self.where == "generate":
+            raise ForerunError("the broken method refuses")
+        if self.where == "bug" and self.calls == 3:   # after the warm-up and prompt 1
+            raise RuntimeError("a bug")
+        return ForerunMethod("plain").generate(ctx, prompt_ids, **kw)
+
+
+def test_failing_methods_are_reported(tiny, registry):
+    for where in ("setup", "generate", "bug"):
+        registry(f"broken-{where}", lambda where=where: Broken(where))
+    model, _, folder, _ = tiny
+    report = run_bench(settings(model=str(folder), methods=(
+        "plain", "broken-setup", "broken-generate", "broken-bug", "draft"), warmup=1),
+        model=model, prompts=load_prompts_from(PROMPTS), log=lambda m: None)
+    methods = report.methods
+    assert methods["plain"]["status"] == "ok"
+    assert methods["broken-setup"]["status"] == "failed"
+    assert "cannot set up" in methods["broken-setup"]["message"]
+    assert methods["broken-generate"]["status"] == "failed"
+    assert "refuses" in methods["broken-generate"]["message"]
+    # No draft given and none by default: a clear message.
+    assert methods["draft"]["status"] == "failed"
+    assert "no draft model" in methods["draft"]["message"]
+    # A crash on some prompts: those rows fail, the others count.
+    bug_rows = rows_of(report, "broken-bug")
+    assert methods["broken-bug"]["status"] == "ok"
+    assert any(r["status"] == "failed" and "RuntimeError" in r["error"] for r in bug_rows)
+    assert all(r["status"] == "ok" for r in rows_of(report, "plain"))
+    out = io.StringIO()
+    print_report(report, out)
+    assert "broken-generate: FAILED" in out.getvalue()
+
+
+def test_ngram_method_runs_or_fails_cleanly(tiny):
+    report = bench(tiny, methods=("plain", "ngram"))
+    info = report.methods["ngram"]
+    assert info["status"] in ("ok", "failed")
+    if info["status"] == "failed":
+        assert "ngram" in info["message"]
+    else:
+        assert not report.mismatches()
+
+
+def test_unknown_method_and_bad_settings():
+    with pytest.raises(BenchError, match="unknown method 'turbo'.*draft-kN"):
+        settings(methods=("turbo",)).validate()
+    with pytest.raises(BenchError, match="draft length"):
+        settings(methods=("draft-k99",)).validate()
+    with pytest.raises(BenchError, match="temperatures"):
+        settings(temperatures=(-1.0,)).validate()
+
+
+# -- peers ---------------------------------------------------------------------
+
+def test_missing_peer_packages_are_skipped(tiny, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    report = bench(tiny, peer_transformers=True, peer_llama_cpp=True)
+    for name in ("hf-plain", "hf-assisted", "hf-lookup"):
+        assert report.methods[name]["status"] == "skipped"
+        assert "transformers is not installed" in report.methods[name]["message"]
+    assert report.methods["llamacpp-plain"]["status"] == "skipped"
+    assert "llama-cpp-python is not installed" in report.methods["llamacpp-plain"]["message"]
+    assert report.methods["plain"]["status"] == "ok"
+    assert {r["method"] for r in report.rows} == {"plain"}
+    out = io.StringIO()
+    print_report(report, out)
+    assert "hf-plain: SKIPPED: transformers is not installed" in out.getvalue()
+
+
+def test_transformers_peers(tiny):
+    pytest.importorskip("transformers")
+    report = bench(tiny, peer_transformers=True, peer_llama_cpp=True)
+    for name in ("hf-plain", "hf-assisted", "hf-lookup"):
+        assert report.methods[name]["status"] == "ok", report.methods[name]
+        for r, p in zip(rows_of(report, name), rows_of(report, "plain")):
+            assert r["status"] == "ok"
+            assert r["new_tokens"] == p["new_tokens"]   # the same work as forerun plain
+            assert r["plain_match"] is not None
+    # Same float32 weights: transformers' greedy tokens are forerun's.
+    agg = report.summary["by_temperature"][0]["methods"]["hf-plain"]["overall"]
+    assert agg["plain_match"] > 0.5 and agg["speedup"] > 0
+    # A folder is no GGUF: llama.cpp is skipped (or missing).
+    assert report.methods["llamacpp-plain"]["status"] == "skipped"
+
+
+def test_peers_need_the_loaded_models_file(tiny):
+    report = bench(tiny, model="smollm2-135m", peer_transformers=True)
+    info = report.methods["hf-plain"]
+    assert info["status"] == "skipped" and "file is not known" in info["message"]
+
+
+# -- reports -------------------------------------------------------------------
+
+def test_report_files(tiny, tmp_path):
+    report = bench(tiny, methods=("plain", "draft-k2"))
+    written = write_reports(report, tmp_path / "out")
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert set(data) >= {"settings", "machine", "methods", "categories", "rows", "summary",
+                         "notes"}
+    for key in ("torch_threads", "cpu_model", "forerun_version", "date"):
+        assert data["machine"][key] not in (None, "")
+    assert data["settings"]["max_new_tokens"] == 6
+    row = data["rows"][0]
+    for key in ("question_id", "category", "method", "new_tokens", "wall_seconds",
+                "tokens_per_second", "mean_accepted_tokens", "acceptance_rate", "mismatch",
+                "turns"):
+        assert key in row
+    assert "prefill" in data["notes"]["tokens_per_second"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "draft-k2" in md and "Speedup over plain decoding by category" in md
+    assert "prefill" in md
+    if importlib.util.find_spec("matplotlib") is not None:
+        png = tmp_path / "out" / "speedup.png"
+        assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+        assert not written["messages"]
+
+
+def test_report_without_matplotlib(tiny, tmp_path, monkeypatch):
+    report = bench(tiny, warmup=0)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    written = write_reports(report, tmp_path)
+    assert not (tmp_path / "speedup.png").exists()
+    assert (tmp_path / "report.md").is_file()
+    assert "matplotlib is not installed" in written["messages"][0]
+
+
+# -- the command line ----------------------------------------------------------
+
+def test_cli_bench(tiny_folders, prompt_file, tmp_path, capsys):
+    target, draft = tiny_folders
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(target), "--draft", str(draft), "--prompts",
+                 str(prompt_file), "--methods", "plain,draft-k2", "--categories", "qa",
+                 "--limit", "1", "-n", "4", "-t", "0,0.5", "--out", str(out), "-q"]) == 0
+    captured = capsys.readouterr()
+    assert "draft-k2" in captured.out and "speedup" in captured.out
+    assert "temperature 0.5 (sampled)" in captured.out
+    assert (out / "report.md").is_file() and (out / "report.json").is_file()
+    data = json.loads((out / "report.json").read_text())
+    assert data["settings"]["prompt_count"] == 1
+    assert data["settings"]["temperatures"] == [0.0, 0.5]
+
+
+def test_cli_errors_are_clean(prompt_file, capsys):
+    assert main(["bench", "--methods", "plain,turbo", "--prompts", str(prompt_file)]) == 1
+    assert "unknown method 'turbo'" in capsys.readouterr().err
+    assert main(["bench", "--prompts", "/nonexistent.jsonl"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["bench", "--list-methods"]) == 0
+    listing = capsys.readouterr().out
+    assert "draft-kN" in listing and "hf-assisted" in listing
+
+
+# -- a real model --------------------------------------------------------------
+
+@pytest.mark.real_model
+def test_real_model_with_llama_cpp(preset_model, tmp_path):
+    """The llama.cpp peer needs a GGUF: the smallest preset, a few tokens."""
+    model = preset_model("smollm2-135m")
+    prompts = [p for p in load_prompts() if p.category == "qa"][:1]
+    report = run_bench(settings(model="smollm2-135m", max_new_tokens=4, warmup=0,
+                                peer_llama_cpp=True),
+                       model=model, prompts=prompts, log=lambda m: None)
+    assert report.methods["plain"]["status"] == "ok"
+    llama = report.methods["llamacpp-plain"]
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert llama["status"] == "skipped"
+        return
+    assert llama["status"] == "ok", llama
+    row = rows_of(report, "llamacpp-plain")[0]
+    assert row["new_tokens"] == rows_of(report, "plain")[0]["new_tokens"]
+    assert row["plain_match"] is not None
+    write_reports(report, tmp_path)
+    assert (tmp_path / "report.json").is_file()
