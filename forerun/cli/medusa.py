@@ -1,0 +1,119 @@
+"""``forerun medusa``: train Medusa heads for a model (and inspect them)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import ForerunError
+
+
+def add_parser(sub) -> None:
+    medusa = sub.add_parser("medusa", help="Medusa heads: train them on a local corpus")
+    msub = medusa.add_subparsers(dest="medusa_command", required=True)
+
+    train = msub.add_parser(
+        "train", help="train heads on a frozen model by self-distillation, on this machine",
+        description="Train Medusa heads: head i learns the model's own prediction of the "
+                    "token i+2 positions ahead, teacher-forced over the corpus. The model's "
+                    "hidden states and predictions are cached, so epochs and re-runs are "
+                    "cheap. Prints each head's held-out top-1/top-5 agreement with the model.")
+    train.add_argument("--model", "-m", default="qwen2.5-coder-1.5b",
+                       help="preset name, .gguf file or Hugging Face folder "
+                            "(default: qwen2.5-coder-1.5b)")
+    train.add_argument("--corpus", nargs="+", required=True, metavar="PATH",
+                       help="text files or folders (searched recursively)")
+    train.add_argument("--heads", type=int, default=3, help="number of heads (default 3)")
+    train.add_argument("--out", "-o", required=True, help="output .safetensors file")
+    train.add_argument("--epochs", type=int, default=2)
+    train.add_argument("--max-tokens", type=int, default=None,
+                       help="training tokens to use (default: the whole corpus)")
+    train.add_argument("--held-out-tokens", type=int, default=None,
+                       help="held-out tokens for the accuracy report (default: a tenth of "
+                            "--max-tokens)")
+    train.add_argument("--seq-len", type=int, default=512,
+                       help="tokens per corpus chunk fed to the model (default 512)")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--batch-size", type=int, default=128)
+    train.add_argument("--teacher-top-k", type=int, default=10,
+                       help="the model's top-k predictions kept as soft targets (default 10)")
+    train.add_argument("--own-lm-head", action="store_true",
+                       help="train an LM head per head instead of sharing the model's "
+                            "(much larger files)")
+    train.add_argument("--full-vocab", action="store_true",
+                       help="train and draft over the whole vocabulary instead of the "
+                            "corpus' candidate vocabulary (slow on a CPU)")
+    train.add_argument("--off-path-weight", type=float, default=1.0,
+                       help="loss weight of positions whose following corpus tokens are not "
+                            "the model's own greedy choices (default 1: plain teacher "
+                            "forcing; lower values focus on text that looks like the "
+                            "model's output)")
+    train.add_argument("--rank", type=int, default=None,
+                       help="train each block's matrix at this rank (a regulariser for small "
+                            "corpora; saved as the full matrix)")
+    train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--no-cache", action="store_true",
+                       help="do not cache the model's hidden states between runs")
+    train.add_argument("--device", default=None, help="torch device (default: cuda, mps or cpu)")
+    train.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+
+    show = msub.add_parser("info", help="describe a heads file (either format)")
+    show.add_argument("path")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.medusa_command == "train":
+        return cmd_train(args)
+    return cmd_info(args)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ..api import load
+    from ..training.medusa import TrainSettings, train_medusa
+
+    settings = TrainSettings(heads=args.heads, epochs=args.epochs, lr=args.lr,
+                             batch_size=args.batch_size, own_lm_head=args.own_lm_head,
+                             full_vocab=args.full_vocab, seed=args.seed, rank=args.rank,
+                             weight_decay=args.weight_decay,
+                             off_path_weight=args.off_path_weight)
+    if args.heads < 1 or args.epochs < 1 or args.batch_size < 1 or args.teacher_top_k < 1:
+        raise ForerunError("--heads, --epochs, --batch-size and --teacher-top-k must be >= 1")
+    if args.rank is not None and args.rank < 1:
+        raise ForerunError("--rank must be >= 1")
+    if not 0 <= args.off_path_weight <= 1:
+        raise ForerunError("--off-path-weight must lie in 0..1")
+    model = load(args.model, context_length=args.seq_len, device=args.device,
+                 progress=not args.quiet)
+    if not getattr(model.decoder, "has_hidden_states", False) or not hasattr(
+            model.decoder, "model"):
+        raise ForerunError("training Medusa heads needs forerun's torch engine "
+                           "(hidden states and the LM head)")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    train_medusa(model.decoder, lambda text: model.tokenizer.encode(text), model.name,
+                 args.corpus, args.out, settings=settings, seq_len=args.seq_len,
+                 max_tokens=args.max_tokens, held_out_tokens=args.held_out_tokens,
+                 top_k=args.teacher_top_k, cache=not args.no_cache,
+                 progress=not args.quiet, log=log)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from ..drafters.medusa import MedusaHeads
+
+    heads = MedusaHeads.load(args.path)
+    out = sys.stdout
+    out.write(f"heads: {heads.num_heads} (residual blocks per head: {heads.num_layers})\n")
+    out.write(f"hidden size: {heads.hidden_size}\n")
+    out.write(f"LM head: {'own, per head' if heads.lm_heads is not None else 'the model’s (shared)'}\n")
+    if heads.vocab is not None:
+        out.write(f"candidate vocabulary: {heads.vocab.numel()} tokens\n")
+    if heads.info.get("base_model"):
+        out.write(f"trained for: {heads.info['base_model']}\n")
+    acc = heads.info.get("accuracy") or {}
+    for i, (t1, t5) in enumerate(zip(acc.get("top1", []), acc.get("top5", []))):
+        out.write(f"head {i}: held-out top-1 {t1:.3f}, top-5 {t5:.3f}\n")
+    return 0

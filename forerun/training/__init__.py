@@ -1,0 +1,1 @@
+"""Training of drafting components on a frozen base model (Medusa heads)."""

@@ -1,0 +1,574 @@
+"""Training Medusa heads on a frozen base model, on the CPU, by
+self-distillation.
+
+Head ``i`` reads the base model's final hidden state at position ``t`` and
+learns to predict what the *base model itself* predicts at position
+``t + 1 + i`` (its distribution of token ``t + 2 + i``), teacher-forced over
+a local text corpus.  Learning the model's own predictions rather than the
+corpus' next tokens is what matters for speculative decoding: a head is
+useful when it agrees with the model, right or wrong.
+
+The base model runs once per corpus chunk: its hidden states and its top-k
+log-probabilities (the soft teacher targets) are cached on disk
+(``<forerun cache>/medusa-cache/<model>/``, one file per chunk), so epochs,
+re-runs with other settings and an interrupted run cost no base forwards.
+
+The loss is the cross-entropy of the head's distribution against the
+teacher's top-k distribution (renormalised).  It is computed over a
+*candidate vocabulary* (the corpus' tokens plus every teacher top-k token),
+not the whole vocabulary: on a CPU the full 150k-row LM head would dominate
+training ~10x over, and the drafter uses the same candidate vocabulary at
+inference (it stores it with the heads), so training and use agree.  The
+residual blocks start at zero (each head starts as the base model's own
+next-token head), as in Medusa.
+
+Held-out text (whole files, never trained on) measures each head's top-1 and
+top-5 agreement with the base model's argmax, and the hit rate of each rank
+(stored with the heads: the tree policy's prior).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..drafters.medusa import MedusaHeads
+from ..errors import ConfigError, ModelNotFoundError
+
+TEXT_SUFFIXES = {".py", ".pyi", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js",
+                 ".ts", ".java", ".go", ".rs", ".json", ".toml", ".yaml", ".yml", ".html",
+                 ".css", ".sh", ".tex", ".csv", ""}
+MAX_FILE_BYTES = 2_000_000
+MIN_CHUNK = 16
+RANKS = 10        # ranks whose hit rates are recorded
+
+
+# -- the corpus ---------------------------------------------------------------
+
+def corpus_files(paths: Iterable[str | Path]) -> list[Path]:
+    """Every text file named or found (recursively) under ``paths``, in a
+    deterministic order.  Folders contribute files with common text
+    suffixes (or none); hidden folders and ``__pycache__`` are skipped."""
+    out: list[Path] = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if not path.exists():
+            raise ModelNotFoundError(f"corpus path {path} does not exist")
+        if path.is_file():
+            out.append(path)
+            continue
+        for f in sorted(path.rglob("*")):
+            rel = f.relative_to(path).parts
+            if any(part.startswith(".") or part == "__pycache__" for part in rel):
+                continue
+            if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES \
+                    and f.stat().st_size <= MAX_FILE_BYTES:
+                out.append(f)
+    seen, unique = set(), []
+    for f in out:
+        key = f.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(f)
+    if not unique:
+        raise ConfigError(f"no text files found in the corpus {[str(p) for p in paths]}")
+    return unique
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if b"\0" in data[:4096]:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+@dataclass
+class Corpus:
+    """Token chunks of at most ``seq_len`` tokens, split by file into
+    training and held-out text."""
+
+    train: list[list[int]]
+    held_out: list[list[int]]
+    train_files: int = 0
+    held_out_files: int = 0
+
+    @property
+    def train_tokens(self) -> int:
+        return sum(len(c) for c in self.train)
+
+    @property
+    def held_out_tokens(self) -> int:
+        return sum(len(c) for c in self.held_out)
+
+
+def _chunks(tokens: list[int], seq_len: int) -> list[list[int]]:
+    out = [tokens[i:i + seq_len] for i in range(0, len(tokens), seq_len)]
+    return [c for c in out if len(c) >= MIN_CHUNK]
+
+
+def build_corpus(files: Sequence[Path], encode: Callable[[str], list[int]], *,
+                 seq_len: int = 512, max_tokens: int | None = None,
+                 held_out_tokens: int | None = None, seed: int = 0) -> Corpus:
+    """Tokenize ``files`` in a seeded shuffled order: the first files go to
+    the held-out set until it has ``held_out_tokens`` (default: a tenth of
+    the budget, at least one file), the rest to training until it has
+    ``max_tokens`` (default: everything)."""
+    if seq_len < MIN_CHUNK:
+        raise ConfigError(f"seq_len must be at least {MIN_CHUNK}, got {seq_len}")
+    order = sorted(files, key=lambda f: hashlib.sha256(f"{seed}:{f.name}:{f}".encode())
+                   .hexdigest())
+    if held_out_tokens is None:
+        held_out_tokens = max(MIN_CHUNK, (max_tokens or 100_000) // 10)
+    # With a token budget, no file may take more than a sixteenth of it (a
+    # window at a seeded random place), so a small budget still sees many files.
+    cap = None if max_tokens is None else max(seq_len, max_tokens // 16)
+    rng = random.Random(seed)
+    corpus = Corpus([], [])
+    leftovers: list[list[int]] = []     # what the cap cut from training files
+    for f in order:
+        text = _read_text(f)
+        if not text or not text.strip():
+            continue
+        tokens = [int(t) for t in encode(text)]
+        cut: list[list[int]] = []
+        if cap is not None and len(tokens) > cap:
+            start = rng.randrange(0, len(tokens) - cap + 1)
+            cut = [tokens[:start], tokens[start + cap:]]
+            tokens = tokens[start:start + cap]
+        if corpus.held_out_tokens < held_out_tokens:
+            room = held_out_tokens - corpus.held_out_tokens
+            corpus.held_out += _chunks(tokens[:max(room, MIN_CHUNK)], seq_len)
+            corpus.held_out_files += 1
+            continue
+        if max_tokens is not None:
+            room = max_tokens - corpus.train_tokens
+            if room < MIN_CHUNK:
+                break
+            tokens = tokens[:room]
+        corpus.train += _chunks(tokens, seq_len)
+        corpus.train_files += 1
+        leftovers += cut
+    # A corpus of few files did not fill the budget under the cap: use the
+    # rest of its training files.
+    for part in leftovers:
+        room = max_tokens - corpus.train_tokens if max_tokens is not None else 0
+        if room < MIN_CHUNK:
+            break
+        corpus.train += _chunks(part[:room], seq_len)
+    if not corpus.train or not corpus.held_out:
+        raise ConfigError(
+            f"the corpus is too small: {corpus.train_tokens} training and "
+            f"{corpus.held_out_tokens} held-out tokens from {len(files)} files; give "
+            f"more text (at least two files)")
+    return corpus
+
+
+# -- the teacher: the base model's hidden states and predictions -------------
+
+@dataclass
+class TeacherData:
+    """Per corpus position: the base's final hidden state and its top-k
+    log-probabilities of the next token, chunk by chunk."""
+
+    hidden: torch.Tensor      # [N, H] float32
+    top_ids: torch.Tensor     # [N, k] int64
+    top_logp: torch.Tensor    # [N, k] float32
+    tokens: torch.Tensor      # [N] int64, the corpus tokens
+    chunk: torch.Tensor       # [N] int64, chunk index of each row
+    offset: torch.Tensor      # [N] int64, position of each row in its chunk
+    length: torch.Tensor      # [N] int64, length of its chunk
+
+    def pairs(self, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``t`` and ``t + 1 + head`` in the same chunk: the input and
+        the teacher row of head ``head``."""
+        src = torch.nonzero(self.offset + 1 + head < self.length).reshape(-1)
+        return src, src + 1 + head
+
+    def on_policy(self, src: torch.Tensor, head: int) -> torch.Tensor:
+        """Which rows ``t`` of ``src`` are followed by the model's own greedy
+        tokens ``t+1 .. t+1+head``: there the corpus looks like the model's
+        output, which is what the heads draft at inference (head ``i``'s
+        guess counts only once the tokens before it were accepted)."""
+        n = self.tokens.numel()
+        greedy = torch.zeros(n, dtype=torch.bool)
+        same_chunk = self.offset[:-1] + 1 < self.length[:-1]
+        greedy[:-1] = (self.tokens[1:] == self.top_ids[:-1, 0]) & same_chunk
+        ok = torch.ones(src.numel(), dtype=torch.bool)
+        for j in range(head + 1):
+            ok &= greedy[(src + j).clamp_max(n - 1)]
+        return ok
+
+
+def model_key(decoder, name: str) -> str:
+    """Identifies a base model for the cache: its name, config and a few of
+    its weights."""
+    network = decoder.model
+    digest = hashlib.sha256(name.encode())
+    config = network.config.to_dict() if hasattr(network.config, "to_dict") else {}
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(str([float(x) for x in network.lm_head[:4, :4].float().reshape(-1)]).encode())
+    digest.update(str(network.dtype).encode())
+    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in name)[:60]
+    return f"{safe}-{digest.hexdigest()[:16]}"
+
+
+def collect_teacher(decoder, chunks: Sequence[list[int]], *, top_k: int = 10,
+                    cache: Path | None = None, progress: bool = True,
+                    desc: str = "base model") -> TeacherData:
+    """Run the frozen base over every chunk (or read the cached result)."""
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    hidden, ids, logps, toks, chunk_ix, offsets, lengths = [], [], [], [], [], [], []
+    total = sum(len(c) for c in chunks)
+    bar = tqdm(total=total, unit="tok", desc=desc, disable=not progress, leave=False)
+    for n, tokens in enumerate(chunks):
+        path = None
+        if cache is not None:
+            key = hashlib.sha256(json.dumps([top_k, list(tokens)]).encode()).hexdigest()[:32]
+            path = cache / f"{key}.safetensors"
+        data = None
+        if path is not None and path.is_file():
+            try:
+                data = load_file(str(path))
+            except Exception:  # a truncated file from an interrupted run
+                data = None
+        if data is None:
+            decoder.reset()
+            with torch.inference_mode():
+                out = decoder.feed(tokens, return_hidden=True)
+                logp = torch.log_softmax(out.logits.float(), dim=-1)
+                top = torch.topk(logp, top_k, dim=-1)
+            data = {"hidden": out.hidden.float().cpu().contiguous(),
+                    "top_ids": top.indices.to(torch.int32).cpu().contiguous(),
+                    "top_logp": top.values.float().cpu().contiguous()}
+            decoder.reset()
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                save_file(data, str(tmp))
+                tmp.replace(path)
+        length = len(tokens)
+        hidden.append(data["hidden"])
+        ids.append(data["top_ids"].long())
+        logps.append(data["top_logp"])
+        toks.append(torch.as_tensor(tokens, dtype=torch.long))
+        chunk_ix.append(torch.full((length,), n, dtype=torch.long))
+        offsets.append(torch.arange(length))
+        lengths.append(torch.full((length,), length, dtype=torch.long))
+        bar.update(length)
+    bar.close()
+    return TeacherData(torch.cat(hidden), torch.cat(ids), torch.cat(logps), torch.cat(toks),
+                       torch.cat(chunk_ix), torch.cat(offsets), torch.cat(lengths))
+
+
+# -- training -----------------------------------------------------------------
+
+@dataclass
+class TrainSettings:
+    heads: int = 3
+    epochs: int = 2
+    lr: float = 1e-3
+    batch_size: int = 128
+    warmup: float = 0.05
+    own_lm_head: bool = False
+    full_vocab: bool = False
+    seed: int = 0
+    rank: int | None = None        # low-rank blocks (saved as full matrices)
+    weight_decay: float = 0.0
+    # Loss weight of positions not followed by the model's own greedy tokens
+    # (1 = plain teacher forcing).
+    off_path_weight: float = 1.0
+
+
+@dataclass
+class HeadAccuracy:
+    """Agreement of each head with the base model's argmax on held-out text:
+    over all positions, and on the model's own path (positions followed by
+    the model's greedy tokens, the condition under which a head's guess is
+    verified at inference)."""
+
+    top1: list[float]
+    top5: list[float]
+    rank_hits: list[list[float]]    # [head][rank]: share of rows where rank r was right
+    positions: list[int]
+    own_top1: list[float] = field(default_factory=list)
+    own_top5: list[float] = field(default_factory=list)
+    own_rank_hits: list[list[float]] = field(default_factory=list)
+    own_positions: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"top1": self.top1, "top5": self.top5, "rank_hits": self.rank_hits,
+                "positions": self.positions, "own_path_top1": self.own_top1,
+                "own_path_top5": self.own_top5, "own_path_rank_hits": self.own_rank_hits,
+                "own_path_positions": self.own_positions}
+
+    def lines(self) -> list[str]:
+        out = []
+        for i in range(len(self.top1)):
+            line = (f"head {i} (token t+{i + 2}): top-1 {self.top1[i]:.3f}  top-5 "
+                    f"{self.top5[i]:.3f}  ({self.positions[i]} held-out positions)")
+            if self.own_top1:
+                line += (f"; on the model's own path: top-1 {self.own_top1[i]:.3f}  top-5 "
+                         f"{self.own_top5[i]:.3f}  ({self.own_positions[i]} positions)")
+            out.append(line)
+        return out
+
+
+@dataclass
+class TrainResult:
+    heads: MedusaHeads
+    accuracy: HeadAccuracy
+    initial_accuracy: HeadAccuracy
+    train_tokens: int
+    held_out_tokens: int
+    vocab_size: int          # candidate vocabulary used
+    seconds: dict = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+
+
+def candidate_vocab(teacher: TeacherData, vocab_size: int) -> torch.Tensor:
+    """Sorted token ids: every corpus token and every teacher top-k token."""
+    ids = torch.cat([teacher.tokens, teacher.top_ids.reshape(-1)])
+    ids = ids[(ids >= 0) & (ids < vocab_size)]
+    return torch.unique(ids)
+
+
+class _Heads(torch.nn.Module):
+    """The heads being trained.  With ``rank`` the block's matrix is trained
+    as ``U @ V`` (``U`` starting at zero), a regulariser for small corpora;
+    it is saved as the full matrix, in Medusa's layout."""
+
+    def __init__(self, n: int, hidden: int, lm_rows: torch.Tensor, own_lm_head: bool,
+                 rank: int | None = None) -> None:
+        super().__init__()
+        self.rank = rank
+        if rank is None:
+            self.w = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.zeros(hidden, hidden)) for _ in range(n)])
+        else:
+            self.u = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.zeros(hidden, rank)) for _ in range(n)])
+            self.v = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.randn(rank, hidden) / hidden ** 0.5)
+                 for _ in range(n)])
+        self.b = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.zeros(hidden)) for _ in range(n)])
+        self.lm_rows = lm_rows          # frozen, shared
+        self.own = torch.nn.ParameterList(
+            [torch.nn.Parameter(lm_rows.clone()) for _ in range(n)]) if own_lm_head else None
+
+    def weight(self, i: int) -> torch.Tensor:
+        return self.w[i] if self.rank is None else self.u[i] @ self.v[i]
+
+    def forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.rank is None:
+            z = F.linear(x, self.w[i], self.b[i])
+        else:
+            z = F.linear(F.linear(x, self.v[i]), self.u[i], self.b[i])
+        y = x + F.silu(z)
+        return F.linear(y, self.own[i] if self.own is not None else self.lm_rows)
+
+
+def _soft_targets(teacher: TeacherData, rows: torch.Tensor, local: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = local[teacher.top_ids[rows]]                   # [B, k] into the candidate vocab
+    probs = torch.softmax(teacher.top_logp[rows], dim=-1)
+    probs = probs * (ids >= 0)                           # outside the vocab: dropped
+    probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
+    return ids.clamp_min(0), probs
+
+
+@torch.no_grad()
+def evaluate(model: _Heads, teacher: TeacherData, local: torch.Tensor, heads: int,
+             batch: int = 512) -> HeadAccuracy:
+    acc = HeadAccuracy([], [], [], [])
+    for i in range(heads):
+        src, tgt = teacher.pairs(i)
+        own = teacher.on_policy(src, i)
+        counts, own_counts = torch.zeros(RANKS), torch.zeros(RANKS)
+        n, n_own = int(src.numel()), int(own.sum())
+        for s in range(0, n, batch):
+            rows, trg = src[s:s + batch], tgt[s:s + batch]
+            logits = model(i, teacher.hidden[rows])
+            k = min(RANKS, logits.shape[-1])
+            ranked = torch.topk(logits, k, dim=-1).indices          # local ids
+            want = local[teacher.top_ids[trg, 0]]                   # -1 if outside
+            match = (ranked == want[:, None]).float()
+            counts[:k] += match.sum(0)
+            own_counts[:k] += match[own[s:s + batch]].sum(0)
+        for total, c, top1, top5, hits, positions in (
+                (n, counts, acc.top1, acc.top5, acc.rank_hits, acc.positions),
+                (n_own, own_counts, acc.own_top1, acc.own_top5, acc.own_rank_hits,
+                 acc.own_positions)):
+            rate = (c / max(total, 1)).tolist()
+            hits.append([round(r, 5) for r in rate])
+            top1.append(round(rate[0], 4))
+            top5.append(round(sum(rate[:5]), 4))
+            positions.append(total)
+    return acc
+
+
+def train_heads(teacher: TeacherData, held_out: TeacherData, lm_head: torch.Tensor,
+                settings: TrainSettings, *, progress: bool = True,
+                log: Callable[[str], None] | None = None) -> TrainResult:
+    """Train ``settings.heads`` heads on cached teacher data."""
+    from tqdm import tqdm
+
+    torch.manual_seed(settings.seed)
+    rng = random.Random(settings.seed)
+    vocab_size, hidden = lm_head.shape
+    if settings.full_vocab:
+        vocab = torch.arange(vocab_size)
+    else:
+        vocab = candidate_vocab(teacher, vocab_size)
+    local = torch.full((vocab_size,), -1, dtype=torch.long)
+    local[vocab] = torch.arange(vocab.numel())
+    lm_rows = lm_head.detach().float().cpu().index_select(0, vocab).contiguous()
+    model = _Heads(settings.heads, hidden, lm_rows, settings.own_lm_head, settings.rank)
+
+    initial = evaluate(model, held_out, local, settings.heads)
+    # own_path[i][t]: row t is followed by the model's own greedy tokens for head i.
+    own_path = []
+    for i in range(settings.heads):
+        mask = torch.zeros(teacher.tokens.numel(), dtype=torch.bool)
+        src, _ = teacher.pairs(i)
+        mask[src] = teacher.on_policy(src, i)
+        own_path.append(mask)
+    src0, _ = teacher.pairs(0)
+    rows_all = src0.tolist()
+    steps_per_epoch = max(1, math.ceil(len(rows_all) / settings.batch_size))
+    total_steps = steps_per_epoch * settings.epochs
+    warmup = max(1, int(settings.warmup * total_steps))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return settings.lr * (step + 1) / warmup
+        t = (step - warmup) / max(1, total_steps - warmup)
+        return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    losses: list[float] = []
+    start = time.perf_counter()
+    step = 0
+    bar = tqdm(total=total_steps, desc="training heads", unit="step", disable=not progress,
+               leave=False)
+    for epoch in range(settings.epochs):
+        rng.shuffle(rows_all)
+        epoch_loss, epoch_n = 0.0, 0
+        for s in range(0, len(rows_all), settings.batch_size):
+            rows = torch.as_tensor(rows_all[s:s + settings.batch_size])
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            loss = torch.zeros(())
+            for i in range(settings.heads):
+                ok = teacher.offset[rows] + 1 + i < teacher.length[rows]
+                r = rows[ok]
+                if r.numel() == 0:
+                    continue
+                ids, probs = _soft_targets(teacher, r + 1 + i, local)
+                logq = torch.log_softmax(model(i, teacher.hidden[r]), dim=-1)
+                ce = -(probs * logq.gather(1, ids)).sum(-1)
+                weight = torch.where(own_path[i][r], 1.0, settings.off_path_weight)
+                loss = loss + (ce * weight).sum() / weight.sum().clamp_min(1e-6)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            epoch_loss += float(loss.detach())
+            epoch_n += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss.detach()) / settings.heads:.3f}")
+        losses.append(epoch_loss / max(1, epoch_n) / settings.heads)
+        if log is not None:
+            acc = evaluate(model, held_out, local, settings.heads)
+            with tqdm.external_write_mode():
+                log(f"epoch {epoch + 1}/{settings.epochs}: mean loss per head {losses[-1]:.3f}; "
+                    f"held-out top-1 " + " ".join(f"{a:.3f}" for a in acc.top1))
+    bar.close()
+    train_seconds = time.perf_counter() - start
+    accuracy = evaluate(model, held_out, local, settings.heads)
+    blocks = [[(model.weight(i).detach().clone(), model.b[i].detach().clone())]
+              for i in range(settings.heads)]
+    own = [m.detach().clone() for m in model.own] if model.own is not None else None
+    heads = MedusaHeads(blocks, own, None if settings.full_vocab else vocab.clone(),
+                        vocab_size, {})
+    return TrainResult(heads, accuracy, initial, int(teacher.tokens.numel()),
+                       int(held_out.tokens.numel()), int(vocab.numel()),
+                       {"train": train_seconds}, losses)
+
+
+def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
+                 corpus: Sequence[str | Path], out: str | Path | None, *,
+                 settings: TrainSettings | None = None, seq_len: int = 512,
+                 max_tokens: int | None = None, held_out_tokens: int | None = None,
+                 top_k: int = 10, cache: bool = True, progress: bool = True,
+                 log: Callable[[str], None] | None = print) -> TrainResult:
+    """The whole pipeline: corpus, cached teacher data, training, held-out
+    accuracy, and the heads written to ``out`` (forerun's format)."""
+    from ..paths import cache_dir
+
+    settings = settings or TrainSettings()
+    if settings.heads < 1:
+        raise ConfigError(f"--heads must be at least 1, got {settings.heads}")
+    if settings.epochs < 1:
+        raise ConfigError(f"--epochs must be at least 1, got {settings.epochs}")
+    if seq_len > decoder.context_length:
+        raise ConfigError(f"seq_len {seq_len} exceeds the model's context "
+                          f"({decoder.context_length})")
+    log = log or (lambda _msg: None)
+    files = corpus_files(corpus)
+    data = build_corpus(files, encode, seq_len=seq_len, max_tokens=max_tokens,
+                        held_out_tokens=held_out_tokens, seed=settings.seed)
+    log(f"corpus: {data.train_tokens} training tokens from {data.train_files} files, "
+        f"{data.held_out_tokens} held-out tokens from {data.held_out_files} files")
+    where = cache_dir() / "medusa-cache" / model_key(decoder, model_name) if cache else None
+    t0 = time.perf_counter()
+    held = collect_teacher(decoder, data.held_out, top_k=top_k, cache=where,
+                           progress=progress, desc="base model (held-out)")
+    train = collect_teacher(decoder, data.train, top_k=top_k, cache=where,
+                            progress=progress, desc="base model (training)")
+    teacher_seconds = time.perf_counter() - t0
+    log(f"base model hidden states and predictions: {teacher_seconds:.1f} s")
+    result = train_heads(train, held, decoder.model.lm_head, settings, progress=progress,
+                         log=log)
+    result.seconds["teacher"] = teacher_seconds
+    result.heads.info = {
+        "base_model": model_name,
+        "accuracy": result.accuracy.to_dict(),
+        "training": {"train_tokens": result.train_tokens,
+                     "held_out_tokens": result.held_out_tokens,
+                     "epochs": settings.epochs, "lr": settings.lr,
+                     "batch_size": settings.batch_size, "seq_len": seq_len,
+                     "teacher_top_k": top_k, "candidate_vocab": result.vocab_size,
+                     "own_lm_head": settings.own_lm_head, "seed": settings.seed,
+                     "rank": settings.rank, "weight_decay": settings.weight_decay,
+                     "off_path_weight": settings.off_path_weight},
+    }
+    log("held-out agreement with the base model before training (each head = the base's "
+        "own next-token head):")
+    for line in result.initial_accuracy.lines():
+        log("  " + line)
+    log("after training:")
+    for line in result.accuracy.lines():
+        log("  " + line)
+    if out is not None:
+        result.heads.save(out)
+        log(f"wrote {out} ({Path(out).stat().st_size / 1e6:.1f} MB)")
+    return result
