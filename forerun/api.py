@@ -15,7 +15,9 @@ from .generation.runner import run_generation
 from .sampling import SamplingParams
 
 DEFAULT_CONTEXT_LENGTH = 4096
-ENGINES = ("torch",)
+ENGINES = ("torch", "llama.cpp")
+# Other spellings of the llama.cpp engine that load() accepts.
+_ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "llama-cpp": "llama.cpp"}
 
 # Chat end-of-turn tokens that end generation besides the model's EOS: the
 # chat templates of the supported families close each turn with one of them.
@@ -103,7 +105,10 @@ class Model:
 
         ``draft`` turns on speculative decoding: a :class:`Model` (or a preset
         name or path, loaded once and kept) sharing this model's tokenizer,
-        ``"ngram"`` for prompt lookup (no draft model), or any
+        ``"ngram"`` for prompt lookup (no draft model), ``"medusa"`` for the
+        Medusa heads forerun ships for this preset (``"medusa:PATH"`` for
+        other heads; tree verification, ``draft_k`` fixes the tree's node
+        count), or any
         :class:`~forerun.drafters.base.Drafter` object.
         ``draft_k`` fixes the draft length; by default it is chosen every
         round from measured costs.  The output is the same as without a
@@ -130,7 +135,16 @@ class Model:
 
     def _build_speculative(self, draft, draft_k: int | None):
         from .decoding.speculative import SpeculativeDecoding
+        from .drafters.medusa import is_medusa_spec, medusa_drafter
 
+        if is_medusa_spec(draft):
+            # Medusa heads draft a tree; draft_k fixes its node count.
+            from .decoding.tree_speculative import TreeSpeculativeDecoding
+
+            method = TreeSpeculativeDecoding(self.decoder, medusa_drafter(self, draft),
+                                             nodes=draft_k)
+            method.cost_store = CostStore(self.name + "+tree", self.decoder)
+            return method
         method = SpeculativeDecoding(self.decoder, self._drafter(draft), k=draft_k)
         method.cost_store = CostStore(self.name, self.decoder)
         return method
@@ -147,8 +161,12 @@ class Model:
         if hasattr(draft, "propose"):
             return draft
         if not isinstance(draft, Model):
-            draft = load(draft, context_length=self.decoder.context_length,
-                         device=self.decoder.device, dtype=self.decoder.model.dtype)
+            # The draft runs on the target's engine (and, for torch, its dtype).
+            engine = getattr(self.decoder, "engine", "torch")
+            dtype = getattr(getattr(self.decoder, "model", None), "dtype", None)
+            draft = load(draft, engine=engine, context_length=self.decoder.context_length,
+                         device=self.decoder.device,
+                         **({"dtype": dtype} if dtype is not None else {}))
         if draft.tokenizer.fingerprint() != self.tokenizer.fingerprint():
             raise TokenizerError(
                 f"draft model {draft.name} uses a different tokenizer from {self.name}; "
@@ -207,24 +225,42 @@ class GenerationStream:
 
 def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
          context_length: int | None = None, device: str | torch.device | None = None,
-         dtype: torch.dtype = torch.float32, progress: bool = True) -> Model:
+         dtype: torch.dtype = torch.float32, progress: bool = True,
+         engine_options: dict[str, Any] | None = None) -> Model:
     """Load a model by preset name, ``.gguf`` path or Hugging Face folder.
 
     ``context_length`` sets the KV cache size (default: the model's own limit,
     capped at 4096 positions); ``device`` defaults to CUDA, then MPS, then the
     CPU.  The first load of a GGUF model converts it into forerun's cache
     (``$FORERUN_CACHE``, default ``~/.cache/forerun``).
-    """
-    if engine not in ENGINES:
-        if engine in ("llama.cpp", "llamacpp", "llama_cpp"):
-            raise EngineUnavailableError(
-                "the llama.cpp engine is not available in this version of forerun")
-        raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    from .engines.torch_engine import TorchDecoder
-    from .engines.transformer import Transformer
-    from .loading.load import load_model_files
 
-    files = load_model_files(model, progress=progress)
+    ``engine="llama.cpp"`` runs a GGUF file (a preset or a path) with
+    llama.cpp instead, on the CPU and with its quantized weights (nothing is
+    converted; ``dtype`` does not apply).  It needs llama-cpp-python
+    (``pip install 'forerun[llama]'``).  ``engine_options`` go to
+    :class:`~forerun.engines.llama_cpp_engine.LlamaCppDecoder`: ``n_threads``,
+    ``n_threads_batch``, ``n_batch``, ``flash_attn``, ``extra_buffers``.
+    """
+    engine = _ENGINE_ALIASES.get(engine, engine) if isinstance(engine, str) else engine
+    if engine not in ENGINES:
+        raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if engine == "llama.cpp":
+        from .engines.llama_cpp_engine import import_llama_cpp
+        from .loading.load import load_gguf_files
+
+        import_llama_cpp()   # EngineUnavailableError before any file is read
+        if device is not None and torch.device(device).type != "cpu":
+            raise ConfigError(
+                f"the llama.cpp engine runs on the CPU; device {str(device)!r} is not "
+                f"supported (drop --device, or use engine='torch')")
+        files = load_gguf_files(model, progress=progress)
+    else:
+        if engine_options:
+            raise ConfigError(f"engine_options apply to the llama.cpp engine, not to "
+                              f"{engine!r}; got {', '.join(engine_options)}")
+        from .loading.load import load_model_files
+
+        files = load_model_files(model, progress=progress)
     config = files.config
     if context_length is None:
         context_length = min(config.max_position_embeddings, DEFAULT_CONTEXT_LENGTH)
@@ -234,6 +270,20 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
         raise ConfigError(
             f"context_length {context_length} exceeds the model's limit of "
             f"{config.max_position_embeddings} positions")
+    if engine == "llama.cpp":
+        from .engines.llama_cpp_engine import ENGINE_OPTIONS, LlamaCppDecoder
+
+        options = dict(engine_options or {})
+        unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+        if unknown:
+            raise ConfigError(f"unknown llama.cpp engine option(s) {', '.join(unknown)}; "
+                              f"the options are {', '.join(ENGINE_OPTIONS)}")
+        decoder = LlamaCppDecoder(files.gguf_path, context_length=context_length,
+                                  eos_token_ids=config.eos_token_ids, **options)
+        return Model(files.name, decoder, files.tokenizer, config)
+    from .engines.torch_engine import TorchDecoder
+    from .engines.transformer import Transformer
+
     device = torch.device(device) if device is not None else default_device()
     network = Transformer(config, files.weights, dtype=dtype, device=device)
     decoder = TorchDecoder(network, context_length, config.eos_token_ids)

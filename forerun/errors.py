@@ -55,3 +55,12 @@ class EngineUnavailableError(ForerunError):
 
 class InvalidTokenError(ForerunError, ValueError):
     """A token id outside the model's vocabulary."""
+
+
+class UnsupportedOperationError(ForerunError, ValueError):
+    """An operation the chosen engine can't perform (a tree attention mask
+    or hidden states on the llama.cpp engine)."""
+
+
+class EngineError(ForerunError, RuntimeError):
+    """An engine that failed to run (a llama.cpp call that returned an error)."""

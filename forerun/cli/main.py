@@ -17,9 +17,15 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, default=None,
                    help="KV cache size in positions (default: the model's, at most 4096)")
     p.add_argument("--device", default=None, help="torch device (default: cuda, mps or cpu)")
+    p.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
+                   help="torch: forerun's PyTorch engine (default); llama.cpp: run the GGUF "
+                        "with llama.cpp (needs: pip install 'forerun[llama]'); a draft "
+                        "model given by name runs on the same engine")
     p.add_argument("--draft", "-d", default=None,
                    help="speculative decoding with this draft: a preset, .gguf file or "
-                        "folder sharing the model's tokenizer, or 'none' for plain decoding "
+                        "folder sharing the model's tokenizer, 'ngram' (prompt lookup), "
+                        "'medusa' (the preset's shipped Medusa heads; 'medusa:FILE' for "
+                        "others), or 'none' for plain decoding "
                         "(default: the preset's own draft when --model is not given, "
                         "i.e. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
     p.add_argument("--draft-k", type=int, default=None,
@@ -57,7 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
 
     sub.add_parser("models", help="list the built-in presets and whether they are installed")
+    _add_bench_parser(sub)
+    from .medusa import add_parser as _add_medusa_parser
+    _add_medusa_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub) -> None:
+    from ..bench.cli import add_arguments
+
+    add_arguments(sub.add_parser(
+        "bench", help="benchmark decoding methods (plain, draft, ngram, ...) on a prompt set"))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..bench.cli import run_from_args
+
+    return run_from_args(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -72,8 +94,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                      sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
                                              top_p=args.top_p, min_p=args.min_p)).validate()
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    model = load(args.model or DEFAULT_MODEL, context_length=args.context_length,
-                 device=args.device, progress=not args.quiet)
+    model = load(args.model or DEFAULT_MODEL, engine=args.engine,
+                 context_length=args.context_length, device=args.device,
+                 progress=not args.quiet)
     draft = resolve_draft_option(args)
     if args.raw:
         if args.system is not None:
@@ -163,6 +186,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+        if args.command == "medusa":
+            from .medusa import run as cmd_medusa
+            return cmd_medusa(args)
         return cmd_models(args)
     except ForerunError as exc:
         print(f"forerun: error: {exc}", file=sys.stderr)

@@ -95,3 +95,67 @@ def load_model_files(spec: str | Path, *, progress: bool = True) -> ModelFiles:
             f"{path} is neither a .gguf file nor a model folder; forerun loads GGUF files "
             f"and Hugging Face folders with safetensors weights")
     return load_converted(convert_gguf(path, progress=progress), name, path)
+
+
+def load_gguf_files(spec: str | Path, *, engine: str = "llama.cpp",
+                    progress: bool = True) -> ModelFiles:
+    """Config and tokenizer of a GGUF model read from its header, without
+    touching the weights (no dequantization, no conversion cache): what an
+    engine that runs the GGUF itself needs.  ``weights`` is empty.
+
+    Parsing a header with a large vocabulary takes seconds, so the config and
+    tokenizer are kept in ``<cache>/gguf-header/`` (a few MB, keyed like the
+    conversion cache by the file's path, size and modification time)."""
+    path = resolve_spec(spec, progress=progress)
+    name = str(spec) if str(spec) in PRESETS else path.name
+    if path.is_dir():
+        raise ModelFormatError(
+            f"the {engine} engine runs GGUF files, and {path} is a folder; give a preset "
+            f"or a .gguf file, or load the folder with engine='torch'")
+    if path.suffix.lower() != ".gguf":
+        raise ModelFormatError(
+            f"the {engine} engine runs GGUF files, and {path} is not a .gguf file")
+    config, tokenizer = _gguf_header(path)
+    return ModelFiles(name, config, {}, tokenizer, gguf_path=path)
+
+
+GGUF_HEADER_VERSION = "1"
+
+
+def _gguf_header(path: Path) -> tuple[ModelConfig, Any]:
+    """(config, tokenizer) of a GGUF file, from the header cache when it
+    holds them."""
+    import hashlib
+    import os
+    import shutil
+
+    from ..paths import cache_dir
+    from ..tokenizer import Tokenizer, tokenizer_from_gguf_metadata
+    from .gguf_file import GGUFFile
+
+    st = path.stat()
+    key = hashlib.sha256(
+        f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{GGUF_HEADER_VERSION}".encode()
+    ).hexdigest()[:16]
+    folder = cache_dir() / "gguf-header" / f"{path.stem}-{key}"
+    if (folder / "complete").is_file():
+        try:
+            return (ModelConfig.from_dict(_read_json(folder / "config.json")),
+                    Tokenizer.load(folder / "tokenizer"))
+        except Exception:   # a damaged entry: read the file again
+            pass
+    gguf = GGUFFile(path)
+    config = gguf.config()
+    tokenizer = tokenizer_from_gguf_metadata(gguf.metadata)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+        tokenizer.save(tmp / "tokenizer")
+        (tmp / "complete").write_text(str(path.resolve()))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    except OSError:   # a read-only cache only costs the next load the parse
+        shutil.rmtree(tmp, ignore_errors=True)
+    return config, tokenizer

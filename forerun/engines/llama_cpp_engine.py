@@ -1,0 +1,458 @@
+"""A :class:`~forerun.decoder.Decoder` over llama.cpp (llama-cpp-python's
+low-level API): the GGUF runs with its quantized weights, as llama.cpp runs
+it, and every decoding method of forerun works on it unchanged.
+
+One llama.cpp context holds one sequence (id 0).  Feeding appends positions
+to it with ``llama_decode``; rollback removes the sequence's tail from
+llama.cpp's KV memory (``llama_memory_seq_rm``), which only frees cells: no
+copy, no re-forward.
+
+Losslessness needs batch invariance: speculative decoding verifies a draft
+in one forward of ``k + 1`` positions where plain decoding runs ``k + 1``
+forwards of one, and greedy output is token-identical only if both give the
+same logits.  llama.cpp's CPU kernels are bit-identical for forwards of up to
+7 positions with flash attention on, but switch to other kernels for 8 and
+more, which moves logits by up to ~0.5 (and without flash attention already
+for 2).  So by default llama.cpp runs every forward in micro-batches of
+``n_ubatch = 7`` positions with flash attention: any split of a sequence into
+feeds gives the same logits, at the price of a prefill about 2x slower than
+with large micro-batches.  ``n_ubatch=512`` buys the fast prefill back; then
+speculative decoding's output may differ from plain decoding wherever two
+tokens are nearly tied.
+
+What llama.cpp can't express through this engine yet: arbitrary attention
+masks (tree verification needs several sequence ids per token, later work);
+:meth:`LlamaCppDecoder.forward` accepts only the plain causal mask with
+consecutive positions.  Hidden states are not exposed.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..decoder import ForwardOutput
+from ..errors import (CacheStateError, ConfigError, ContextLengthError, EngineError,
+                      EngineUnavailableError, InvalidTokenError, ModelFormatError,
+                      ModelNotFoundError, UnsupportedOperationError)
+
+INSTALL_HINT = "pip install 'forerun[llama]'"
+DEFAULT_BATCH = 512
+# The largest micro-batch whose logits are bit-identical to one-position
+# forwards (llama.cpp's CPU kernels, flash attention on; see above).
+INVARIANT_UBATCH = 7
+# What forerun.load(..., engine="llama.cpp", engine_options={...}) passes on.
+ENGINE_OPTIONS = ("n_threads", "n_threads_batch", "n_batch", "n_ubatch", "flash_attn",
+                  "extra_buffers", "verbose")
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def import_llama_cpp() -> Any:
+    """The ``llama_cpp`` module, or :class:`EngineUnavailableError` naming
+    the install command."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise EngineUnavailableError(
+            f"the llama.cpp engine needs llama-cpp-python, which is not installed; "
+            f"install it with: {INSTALL_HINT}") from exc
+    return llama_cpp
+
+
+def _init_backend(lc: Any, verbose: bool) -> None:
+    global _backend_ready
+    try:   # llama-cpp-python routes llama.cpp's log through this logger
+        from llama_cpp._logger import set_verbose
+        set_verbose(verbose)
+    except ImportError:
+        pass
+    with _backend_lock:
+        if not _backend_ready:
+            lc.llama_backend_init()
+            _backend_ready = True
+
+
+def cpu_has_amx() -> bool:
+    """Whether the CPU advertises Intel AMX tiles (Linux ``/proc/cpuinfo``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_tile" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def default_extra_buffers() -> bool:
+    """llama.cpp's extra weight buffers (repacked layouts, AMX) by default,
+    except on a CPU that advertises AMX: llama.cpp's AMX matrix multiply
+    crashes the process (SIGSEGV) on batched forwards in virtual machines
+    that advertise AMX without letting programs use it.  ``extra_buffers=True``
+    turns them back on where AMX works."""
+    return not cpu_has_amx()
+
+
+def model_params(lc: Any, extra_buffers: bool) -> Any:
+    """llama.cpp model parameters: CPU only, memory-mapped, with or without
+    the extra buffer types."""
+    params = lc.llama_model_default_params()
+    params.n_gpu_layers = 0
+    params.use_extra_bufts = bool(extra_buffers)
+    return params
+
+
+class _LlamaModel:
+    """A loaded llama.cpp model, shared by the contexts of a decoder and its
+    forks.  Freed when the last of them closes (or when it is collected)."""
+
+    def __init__(self, lc: Any, path: Path, extra_buffers: bool) -> None:
+        self.lc = lc
+        self.path = path
+        self.extra_buffers = extra_buffers
+        self.users = 0
+        self.ptr = lc.llama_model_load_from_file(
+            str(path).encode("utf-8"), model_params(lc, extra_buffers))
+        if not self.ptr:
+            raise ModelFormatError(f"llama.cpp could not load {path}")
+        self.vocab = lc.llama_model_get_vocab(self.ptr)
+        self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
+        self.n_ctx_train = int(lc.llama_model_n_ctx_train(self.ptr))
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users <= 0:
+            self.free()
+
+    def free(self) -> None:
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr:
+            self.lc.llama_model_free(ptr)
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:   # interpreter shutdown: the bindings may be gone
+            pass
+
+
+class LlamaCppDecoder:
+    """Implements the Decoder protocol over a llama.cpp context; see
+    :mod:`forerun.decoder` for the contract of each method.
+
+    ``path``: a GGUF file.  ``context_length``: positions the cache holds
+    (default: the model's own limit, at most 4096).  ``n_threads``: threads
+    for a forward (default ``torch.get_num_threads()``), ``n_threads_batch``
+    for a forward of several positions (default ``n_threads``).
+    ``n_batch``: the most positions one ``llama_decode`` takes; longer feeds
+    are split.  ``n_ubatch``: the most positions llama.cpp computes at once
+    (default 7, which keeps logits independent of how positions are grouped
+    into feeds; see the module docstring).  ``flash_attn``: llama.cpp's flash
+    attention (on by default: needed for that invariance).
+    ``extra_buffers``: see :func:`default_extra_buffers`.
+    """
+
+    engine = "llama.cpp"
+    device = "cpu"
+
+    def __init__(self, path: str | Path, *, context_length: int | None = None,
+                 eos_token_ids: Sequence[int] = (), n_threads: int | None = None,
+                 n_threads_batch: int | None = None, n_batch: int = DEFAULT_BATCH,
+                 n_ubatch: int = INVARIANT_UBATCH, flash_attn: bool = True,
+                 extra_buffers: bool | None = None,
+                 verbose: bool = False, _model: _LlamaModel | None = None) -> None:
+        self._ctx = None
+        self._batch = None
+        self._model: _LlamaModel | None = None
+        if n_threads is None:
+            n_threads = torch.get_num_threads()
+        if n_threads_batch is None:
+            n_threads_batch = n_threads
+        for name, value in (("context_length", context_length), ("n_batch", n_batch),
+                            ("n_ubatch", n_ubatch), ("n_threads", n_threads),
+                            ("n_threads_batch", n_threads_batch)):
+            if value is None and name == "context_length":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        lc = import_llama_cpp()
+        self._lc = lc
+        _init_backend(lc, verbose)
+        path = Path(path)
+        if _model is None:
+            if not path.is_file():
+                raise ModelNotFoundError(f"GGUF file {path} does not exist")
+            if extra_buffers is None:
+                extra_buffers = default_extra_buffers()
+            _model = _LlamaModel(lc, path, bool(extra_buffers))
+        self._model = _model
+        _model.users += 1
+        if context_length is None:
+            context_length = min(_model.n_ctx_train, 4096)
+        self.options = dict(n_threads=n_threads, n_threads_batch=n_threads_batch,
+                            n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=bool(flash_attn),
+                            verbose=verbose)
+        self.path = path
+        self._capacity = context_length
+        self._eos = tuple(int(e) for e in eos_token_ids)
+        self._n_batch = min(n_batch, context_length)
+        self._n_ubatch = min(n_ubatch, self._n_batch)
+        self._vocab = _model.n_vocab
+
+        params = lc.llama_context_default_params()
+        params.n_ctx = context_length
+        params.n_batch = self._n_batch
+        params.n_ubatch = self._n_ubatch
+        params.n_seq_max = 1
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads_batch
+        params.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                  else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.no_perf = True
+        self._ctx = lc.llama_init_from_model(_model.ptr, params)
+        if not self._ctx:
+            raise EngineError(
+                f"llama.cpp could not create a context of {context_length} positions "
+                f"for {path} (out of memory?)")
+        self._mem = lc.llama_get_memory(self._ctx)
+        self._batch = lc.llama_batch_init(self._n_batch, 0, 1)
+        b = self._batch
+        n = self._n_batch
+        # numpy views of the batch arrays: filling a batch costs no Python loop.
+        self._tok = np.ctypeslib.as_array(b.token, shape=(n,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(n,))
+        self._out = np.ctypeslib.as_array(b.logits, shape=(n,))
+        for i in range(n):   # every position belongs to sequence 0
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+        self._length = 0
+        self._committed = 0
+
+    # -- lifetime ----------------------------------------------------------
+    def fork(self) -> "LlamaCppDecoder":
+        """A second decoder over the same loaded model with its own context
+        and an empty cache (a model drafting for itself)."""
+        self._check_open()
+        return LlamaCppDecoder(self.path, context_length=self._capacity,
+                               eos_token_ids=self._eos, _model=self._model, **self.options)
+
+    def close(self) -> None:
+        """Free the context (and the model, once its last context is closed).
+        The decoder can't be used afterwards."""
+        lc = self._lc if hasattr(self, "_lc") else None
+        batch, self._batch = getattr(self, "_batch", None), None
+        ctx, self._ctx = getattr(self, "_ctx", None), None
+        model, self._model = getattr(self, "_model", None), None
+        if lc is not None:
+            if batch is not None:
+                lc.llama_batch_free(batch)
+            if ctx:
+                lc.llama_free(ctx)
+        if model is not None:
+            model.release()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:   # interpreter shutdown: the bindings may be gone
+            pass
+
+    def __enter__(self) -> "LlamaCppDecoder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._ctx is None:
+            raise CacheStateError("this llama.cpp decoder has been closed")
+
+    # -- facts -------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def context_length(self) -> int:
+        return self._capacity
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def committed_length(self) -> int:
+        return self._committed
+
+    @property
+    def has_hidden_states(self) -> bool:
+        return False
+
+    # -- forward -----------------------------------------------------------
+    def _tokens(self, tokens: Sequence[int] | torch.Tensor) -> np.ndarray:
+        self._check_open()
+        if isinstance(tokens, torch.Tensor):
+            ids = tokens.detach().to("cpu", torch.long).reshape(-1).numpy()
+        else:
+            try:
+                ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise InvalidTokenError(f"token ids must be integers: {exc}") from exc
+        if ids.size == 0:
+            raise CacheStateError("feed() needs at least one token")
+        if int(ids.min()) < 0 or int(ids.max()) >= self._vocab:
+            raise InvalidTokenError(
+                f"token ids must lie in 0..{self._vocab - 1}, got {ids.tolist()[:8]}...")
+        if self._length + ids.size > self._capacity:
+            raise ContextLengthError(
+                f"{ids.size} tokens do not fit: the context holds "
+                f"{self._length} of {self._capacity} positions. Use a shorter input "
+                f"or load the model with a larger context_length.")
+        return ids
+
+    def _no_hidden(self, return_hidden: bool) -> None:
+        if return_hidden:
+            raise UnsupportedOperationError(
+                "the llama.cpp engine does not expose hidden states "
+                "(has_hidden_states is False); use the torch engine for methods that need them")
+
+    def _decode(self, ids: np.ndarray, last_only: bool) -> torch.Tensor:
+        lc, ctx, vocab = self._lc, self._ctx, self._vocab
+        start = self._length
+        total = int(ids.size)
+        rows: list[np.ndarray] = []
+        for off in range(0, total, self._n_batch):
+            n = min(self._n_batch, total - off)
+            last_chunk = off + n == total
+            self._tok[:n] = ids[off:off + n]
+            self._pos[:n] = np.arange(start + off, start + off + n)
+            if last_only:
+                self._out[:n] = 0
+                self._out[n - 1] = 1 if last_chunk else 0
+            else:
+                self._out[:n] = 1
+            self._batch.n_tokens = n
+            rc = lc.llama_decode(ctx, self._batch)
+            if rc != 0:
+                # Leave the cache as it was before this feed.
+                lc.llama_memory_seq_rm(self._mem, 0, start, -1)
+                raise EngineError(f"llama_decode failed with status {rc} "
+                                  f"(feeding {total} tokens at position {start})")
+            if not last_only:
+                ptr = lc.llama_get_logits(ctx)
+                rows.append(np.ctypeslib.as_array(ptr, shape=(n, vocab)).copy())
+            elif last_chunk:
+                ptr = lc.llama_get_logits_ith(ctx, n - 1)
+                rows.append(np.ctypeslib.as_array(ptr, shape=(1, vocab)).copy())
+        self._length = start + total
+        logits = rows[0] if len(rows) == 1 else np.concatenate(rows)
+        return torch.from_numpy(logits)
+
+    def feed(self, tokens: Sequence[int] | torch.Tensor, *, last_only: bool = False,
+             return_hidden: bool = False) -> ForwardOutput:
+        self._no_hidden(return_hidden)
+        ids = self._tokens(tokens)
+        return ForwardOutput(self._decode(ids, last_only))
+
+    def forward(self, tokens: Sequence[int] | torch.Tensor,
+                positions: Sequence[int] | torch.Tensor, attention_mask: torch.Tensor,
+                *, return_hidden: bool = False) -> ForwardOutput:
+        """Only the causal case: ``positions`` must be ``length .. length+T-1``
+        and ``attention_mask`` the causal mask (every fed token sees the whole
+        cache and the fed tokens up to itself).  Anything else (a tree mask)
+        raises :class:`~forerun.errors.UnsupportedOperationError`."""
+        self._no_hidden(return_hidden)
+        ids = self._tokens(tokens)
+        t = int(ids.size)
+        pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1).cpu()
+        if pos.numel() != t:
+            raise CacheStateError(f"{t} tokens need {t} positions, got {pos.numel()}")
+        mask = torch.as_tensor(attention_mask).cpu()
+        start = self._length
+        if mask.dtype != torch.bool or tuple(mask.shape) != (t, start + t):
+            raise CacheStateError(
+                f"attention_mask must be bool of shape {(t, start + t)}, got "
+                f"{mask.dtype} {tuple(mask.shape)}")
+        if not bool(mask.any(dim=1).all()):
+            raise CacheStateError("every row of attention_mask must allow at least one slot")
+        causal = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
+        if not torch.equal(pos, torch.arange(start, start + t)) or not torch.equal(mask, causal):
+            raise UnsupportedOperationError(
+                "the llama.cpp engine supports forward() only with consecutive positions "
+                "and the plain causal attention mask; tree attention masks are not "
+                "supported yet (use the torch engine for tree verification)")
+        return ForwardOutput(self._decode(ids, last_only=False))
+
+    # -- cache control -----------------------------------------------------
+    def rollback(self, length: int) -> None:
+        self._check_open()
+        if not self._committed <= length <= self._length:
+            raise CacheStateError(
+                f"cannot roll back to length {length}: it must lie between the "
+                f"committed length {self._committed} and the current length {self._length}")
+        if length < self._length:
+            if not self._lc.llama_memory_seq_rm(self._mem, 0, int(length), -1):
+                raise EngineError(f"llama.cpp could not remove positions {length}.. "
+                                  f"from its KV memory")
+        self._length = int(length)
+
+    def commit(self, length: int | None = None) -> None:
+        length = self._length if length is None else length
+        if not self._committed <= length <= self._length:
+            raise CacheStateError(
+                f"cannot commit length {length}: it must lie between the committed "
+                f"length {self._committed} and the current length {self._length}")
+        self._committed = int(length)
+
+    def reset(self) -> None:
+        self._check_open()
+        self._lc.llama_memory_clear(self._mem, False)
+        self._length = 0
+        self._committed = 0
+
+    def __repr__(self) -> str:
+        return (f"LlamaCppDecoder({str(self.path)!r}, context {self._capacity}, "
+                f"{self.options['n_threads']} threads)")
+
+
+def reference_llama(path: str | Path, *, context_length: int, n_threads: int | None = None,
+                    n_batch: int = DEFAULT_BATCH, n_ubatch: int = INVARIANT_UBATCH,
+                    flash_attn: bool = True, extra_buffers: bool | None = None,
+                    vocab_only: bool = False) -> Any:
+    """A llama-cpp-python ``llama_cpp.Llama`` over ``path`` set up like a
+    :class:`LlamaCppDecoder` with the same options (context, threads, batch
+    and micro-batch sizes, flash attention, weight buffers), so that both
+    compute the same logits: what tests and benchmarks compare the engine
+    with.  ``Llama`` has no argument for the weight buffers, so its model
+    parameters are patched while it loads."""
+    lc = import_llama_cpp()
+    import llama_cpp.llama_cpp as low
+
+    if extra_buffers is None:
+        extra_buffers = default_extra_buffers()
+    if n_threads is None:
+        n_threads = torch.get_num_threads()
+    original = low.llama_model_default_params
+
+    def params() -> Any:
+        p = original()
+        p.use_extra_bufts = bool(extra_buffers)
+        return p
+
+    low.llama_model_default_params = params
+    try:
+        return lc.Llama(model_path=str(path), n_ctx=context_length, n_batch=n_batch,
+                        n_ubatch=n_ubatch, n_threads=n_threads, n_threads_batch=n_threads,
+                        flash_attn=flash_attn, vocab_only=vocab_only, verbose=False)
+    finally:
+        low.llama_model_default_params = original

@@ -1,0 +1,463 @@
+"""The llama.cpp engine: the Decoder protocol's contracts, agreement with
+llama-cpp-python itself (tokenizer and greedy generation on the same GGUF),
+and lossless speculative decoding on it.
+
+Skipped when llama-cpp-python is not installed, except in CI (``CI`` set),
+where its absence is an error: these tests must not vanish there.
+"""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+import forerun
+from forerun.errors import (CacheStateError, ConfigError, ContextLengthError,
+                            EngineUnavailableError, InvalidTokenError, ModelFormatError,
+                            UnsupportedOperationError)
+
+HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+if not HAVE_LLAMA_CPP and os.environ.get("CI"):
+    raise RuntimeError("CI must run the llama.cpp engine tests: pip install 'forerun[llama]'")
+
+needs_llama_cpp = pytest.mark.skipif(
+    not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed (pip install 'forerun[llama]')")
+
+CONTEXT = 1024
+NEW_TOKENS = 32
+# One llama.cpp thread: ggml's OpenMP threads spin at every barrier, and on a
+# machine whose cores are busy with other work a 2-thread forward can take
+# 30x longer than a 1-thread one.  The thread count is not what is tested.
+THREADS = 1
+
+_MODELS: dict = {}
+_REFERENCES: dict = {}
+
+
+@pytest.fixture(scope="module")
+def llama_model(preset_gguf):
+    """``llama_model(name)``: a forerun Model of a preset on the llama.cpp
+    engine, loaded once."""
+
+    def get(name):
+        if name not in _MODELS:
+            preset_gguf(name)
+            _MODELS[name] = forerun.load(name, engine="llama.cpp", context_length=CONTEXT,
+                                         progress=False, engine_options={"n_threads": THREADS})
+        return _MODELS[name]
+
+    yield get
+    for model in _MODELS.values():
+        model.decoder.close()
+    _MODELS.clear()
+
+
+@pytest.fixture(scope="module")
+def reference(preset_gguf):
+    """``reference(name, vocab_only=False)``: llama-cpp-python's own ``Llama``
+    on the same GGUF, set up like the engine."""
+    from forerun.engines.llama_cpp_engine import reference_llama
+
+    def get(name, vocab_only=False):
+        key = (name, vocab_only)
+        if key not in _REFERENCES:
+            _REFERENCES[key] = reference_llama(preset_gguf(name), context_length=CONTEXT,
+                                               n_threads=THREADS, vocab_only=vocab_only)
+        return _REFERENCES[key]
+
+    yield get
+    for llm in _REFERENCES.values():
+        llm.close()
+    _REFERENCES.clear()
+
+
+def chat(model, text):
+    return model.encode_prompt(messages=[{"role": "user", "content": text}])
+
+
+def llama_greedy(llm, prompt_ids, n):
+    """``n`` greedy tokens from llama-cpp-python's own generation loop."""
+    llm.reset()
+    tokens = []
+    gen = llm.generate(list(prompt_ids), top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0,
+                       temp=0.0, repeat_penalty=1.0, reset=True)
+    try:
+        for token in gen:
+            tokens.append(int(token))
+            if len(tokens) == n:
+                break
+    finally:
+        gen.close()
+    return tokens
+
+
+def first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def assert_same_tokens(model, prompt_ids, expected, got, label):
+    if got == expected:
+        return
+    i = first_difference(expected, got)
+    model.decoder.reset()
+    logits = model.decoder.feed(list(prompt_ids) + expected[:i], last_only=True).logits[-1]
+    top = logits.topk(2).values
+    pytest.fail(f"{label}: first difference at token {i} ({expected[i:i + 3]} vs "
+                f"{got[i:i + 3]}); top-2 logit gap there is {float(top[0] - top[1]):.3f}")
+
+
+# -- engine selection ------------------------------------------------------------
+
+def test_engine_unavailable_without_llama_cpp(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)   # import llama_cpp -> ImportError
+    with pytest.raises(EngineUnavailableError, match=r"pip install 'forerun\[llama\]'"):
+        forerun.load("smollm2-135m", engine="llama.cpp")
+
+
+def test_unknown_engine():
+    with pytest.raises(ConfigError, match="unknown engine"):
+        forerun.load("smollm2-135m", engine="vllm")
+
+
+@needs_llama_cpp
+def test_llama_cpp_needs_a_gguf_and_the_cpu(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelFormatError, match="GGUF"):
+        forerun.load(tmp_path, engine="llama.cpp")
+    with pytest.raises(ConfigError, match="CPU"):
+        forerun.load("smollm2-135m", engine="llama.cpp", device="cuda")
+    with pytest.raises(ConfigError, match="engine_options"):
+        forerun.load("smollm2-135m", engine_options={"n_threads": 1})
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_engine_options(preset_gguf):
+    path = preset_gguf("smollm2-135m")
+    with pytest.raises(ConfigError, match="n_thread"):
+        forerun.load(path, engine="llama.cpp", engine_options={"n_thread": 1})
+    model = forerun.load(path, engine="llama_cpp", context_length=64,
+                         engine_options={"n_threads": 1, "n_batch": 8})
+    try:
+        assert model.decoder.engine == "llama.cpp" and model.decoder.context_length == 64
+        assert model.decoder.options["n_threads"] == 1
+        assert model.decoder.options["n_batch"] == 8
+    finally:
+        model.decoder.close()
+    model = forerun.load(path, engine="llama.cpp", context_length=64)
+    try:
+        assert model.decoder.options["n_threads"] == torch.get_num_threads()
+        assert model.decoder.options["n_ubatch"] == 7 and model.decoder.options["flash_attn"]
+    finally:
+        model.decoder.close()
+
+
+# -- the Decoder protocol --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm(llama_model):
+    return llama_model("smollm2-135m")
+
+
+@pytest.fixture
+def decoder(smollm):
+    d = smollm.decoder
+    d.reset()
+    yield d
+    d.reset()
+
+
+PROMPT = list(range(1000, 1040))
+MORE = [300, 301, 302, 303, 304, 305, 306, 307, 308]
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_facts(smollm):
+    d = smollm.decoder
+    assert d.vocab_size == smollm.config.vocab_size == 49152
+    assert d.context_length == CONTEXT
+    assert d.has_hidden_states is False
+    assert d.device == "cpu"
+    assert d.eos_token_ids == smollm.config.eos_token_ids
+    assert isinstance(d, forerun.decoder.Decoder)
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_feed_shapes_and_last_only(decoder):
+    full = decoder.feed(PROMPT).logits
+    assert full.dtype == torch.float32 and tuple(full.shape) == (len(PROMPT), 49152)
+    assert decoder.length == len(PROMPT)
+    decoder.reset()
+    last = decoder.feed(PROMPT, last_only=True).logits
+    assert tuple(last.shape) == (1, 49152)
+    assert torch.equal(last[0], full[-1])
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_rollback_restores_logits(decoder):
+    decoder.feed(PROMPT, last_only=True)
+    first = decoder.feed(MORE).logits
+    decoder.rollback(len(PROMPT))
+    assert decoder.length == len(PROMPT)
+    decoder.feed([7, 8, 9, 10])             # something else in between
+    decoder.rollback(len(PROMPT))
+    again = decoder.feed(MORE).logits
+    assert torch.equal(first, again)
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_logits_do_not_depend_on_how_positions_are_grouped(decoder):
+    """What makes speculative decoding lossless on this engine: verifying k+1
+    positions in one feed gives the logits of k+1 one-position feeds (and a
+    prompt split in two feeds gives the same cache as one feed)."""
+    decoder.feed(PROMPT, last_only=True)
+    together = decoder.feed(MORE).logits
+    decoder.reset()
+    decoder.feed(PROMPT[:17], last_only=True)
+    decoder.feed(PROMPT[17:], last_only=True)
+    one_by_one = torch.cat([decoder.feed([t]).logits for t in MORE])
+    assert torch.equal(together, one_by_one)
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_feeds_longer_than_a_batch(smollm, decoder):
+    from forerun.engines.llama_cpp_engine import LlamaCppDecoder
+
+    expected = decoder.feed(PROMPT).logits
+    with LlamaCppDecoder(smollm.decoder.path, context_length=128, n_batch=16,
+                         n_threads=THREADS) as small:
+        assert torch.equal(small.feed(PROMPT).logits, expected)
+        small.reset()
+        assert torch.equal(small.feed(PROMPT, last_only=True).logits[0], expected[-1])
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_context_overflow_changes_nothing(smollm):
+    from forerun.engines.llama_cpp_engine import LlamaCppDecoder
+
+    with LlamaCppDecoder(smollm.decoder.path, context_length=48, n_threads=THREADS) as d:
+        d.feed(PROMPT, last_only=True)
+        with pytest.raises(ContextLengthError, match="do not fit"):
+            d.feed(MORE)                     # 40 + 9 > 48
+        assert d.length == len(PROMPT)
+        got = d.feed(MORE[:8]).logits        # exactly fills the context
+        assert d.length == 48
+        with pytest.raises(ContextLengthError):
+            d.feed([5])
+        d.reset()
+        d.feed(PROMPT, last_only=True)
+        assert torch.equal(d.feed(MORE[:8]).logits, got)
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_commit_floor(decoder):
+    decoder.feed(PROMPT[:10], last_only=True)
+    decoder.commit()
+    assert decoder.committed_length == 10
+    decoder.feed(PROMPT[10:20], last_only=True)
+    with pytest.raises(CacheStateError):
+        decoder.rollback(9)
+    with pytest.raises(CacheStateError):
+        decoder.rollback(21)
+    with pytest.raises(CacheStateError):
+        decoder.commit(5)                    # the floor never goes down
+    with pytest.raises(CacheStateError):
+        decoder.commit(25)
+    decoder.rollback(10)
+    assert decoder.length == 10
+    decoder.reset()
+    assert decoder.length == 0 and decoder.committed_length == 0
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_bad_tokens(decoder):
+    with pytest.raises(InvalidTokenError):
+        decoder.feed([5, -1])
+    with pytest.raises(InvalidTokenError):
+        decoder.feed([49152])
+    with pytest.raises(CacheStateError):
+        decoder.feed([])
+    assert decoder.length == 0
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_forward_supports_only_the_causal_mask(decoder):
+    decoder.feed(PROMPT, last_only=True)
+    start, t = decoder.length, 4
+    causal = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
+    got = decoder.forward(MORE[:t], list(range(start, start + t)), causal).logits
+    decoder.rollback(start)
+    assert torch.equal(got, decoder.feed(MORE[:t]).logits)
+    decoder.rollback(start)
+    tree = causal.clone()
+    tree[2, start + 1] = False               # siblings: node 2 does not see node 1
+    with pytest.raises(UnsupportedOperationError, match="tree"):
+        decoder.forward(MORE[:t], [start, start + 1, start + 1, start + 2], tree)
+    with pytest.raises(UnsupportedOperationError):
+        decoder.forward(MORE[:t], list(range(start, start + t)), tree)
+    with pytest.raises(CacheStateError, match="shape"):
+        decoder.forward(MORE[:t], list(range(start, start + t)), causal[:, 1:])
+    assert decoder.length == start
+    with pytest.raises(UnsupportedOperationError, match="hidden"):
+        decoder.feed([5], return_hidden=True)
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_fork_has_its_own_cache(decoder):
+    expected = decoder.feed(PROMPT).logits
+    fork = decoder.fork()
+    try:
+        assert fork.length == 0 and decoder.length == len(PROMPT)
+        assert torch.equal(fork.feed(PROMPT).logits, expected)
+        fork.rollback(5)
+        fork.feed([9, 9, 9])
+        assert decoder.length == len(PROMPT)
+        after = decoder.feed(MORE[:2]).logits     # untouched by what the fork did
+        fork.reset()
+        assert torch.equal(fork.feed(PROMPT + MORE[:2]).logits[-2:], after)
+    finally:
+        fork.close()
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_closed_decoder(smollm):
+    d = smollm.decoder.fork()
+    d.close()
+    d.close()                                # twice is fine
+    with pytest.raises(CacheStateError, match="closed"):
+        d.feed([5])
+    # the model stays loaded for the decoder it was forked from
+    smollm.decoder.reset()
+    assert smollm.decoder.feed([5, 6]).logits.shape == (2, 49152)
+    smollm.decoder.reset()
+
+
+# -- agreement with llama-cpp-python ----------------------------------------------
+
+TOKENIZER_TEXTS = [
+    "Hello world",
+    " leading space and trailing space ",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }",
+    "x = {'a': [1, 2, 3], \"b\": None}  # comment",
+    "Numbers: 1234567890 3.14159 -42 1e-9 0x1F",
+    "Größe, naïve café, Ærøskøbing, Zürich",
+    "日本語のテキストと中文文本",
+    "Привет, мир! Как дела?",
+    "emoji 🙂🚀👩‍💻 mixed with text",
+    "tabs\tand\nnewlines\r\n\n\nand    many     spaces",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "text<|endoftext|>more text",
+    "I'm sure you've heard they'll go, we'd done it, it's DON'T",
+    "https://example.com/path?query=1&other=two#frag",
+    "    indented\n\tcode\n",
+    "ALLCAPS lowercase CamelCase snake_case kebab-case",
+    "a" * 40 + " " + "ab" * 15,
+    "$$\\frac{a}{b} + \\sqrt{x^2}$$",
+    "''' triple quotes \"\"\" and `backticks`",
+]
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_tokenizer_agrees_with_llama_cpp(llama_model, reference, name):
+    model = llama_model(name)
+    llm = reference(name, vocab_only=True)
+    for text in TOKENIZER_TEXTS:
+        ours = model.tokenizer.encode(text, add_special_tokens=False)
+        theirs = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        assert ours == theirs, f"{name}: tokens differ on {text!r}"
+        back = llm.detokenize(theirs, special=True).decode("utf-8")
+        assert model.tokenizer.decode(ours) == back == text, f"{name}: text differs on {text!r}"
+
+
+GREEDY_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain what a hash table is in three sentences.",
+    "Repeat exactly: the quick brown fox jumps over the lazy dog.",
+]
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b",
+                                  pytest.param("qwen2.5-coder-1.5b", marks=pytest.mark.slow)])
+def test_greedy_matches_llama_cpp_python(llama_model, reference, name):
+    model = llama_model(name)
+    llm = reference(name)
+    for text in GREEDY_PROMPTS:
+        ids = chat(model, text)
+        ours = model.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        theirs = llama_greedy(llm, ids, NEW_TOKENS)
+        assert_same_tokens(model, ids, theirs, ours.tokens, f"{name} on {text[:30]!r}")
+
+
+# -- speculative decoding on the engine ----------------------------------------
+
+SD_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Repeat the following sentence exactly twice: the quick brown fox jumps over the "
+    "lazy dog.",
+]
+KS = [1, 3, None]
+
+
+def check_speculative(model, draft, label):
+    for text in SD_PROMPTS:
+        ids = chat(model, text)
+        plain = model.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS)
+        for k in KS:
+            out = model.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, draft=draft,
+                                 draft_k=k)
+            assert_same_tokens(model, ids, plain.tokens, out.tokens,
+                               f"{label}, k={k}, on {text[:30]!r}")
+            assert out.finish_reason == plain.finish_reason
+            assert out.stats.accepted <= out.stats.drafted
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_ngram_is_lossless(smollm):
+    check_speculative(smollm, "ngram", "smollm2 ngram")
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_self_draft_on_a_fork_is_lossless(smollm):
+    check_speculative(smollm, smollm, "smollm2 drafting for itself")
+    out = smollm.generate(prompt_ids=chat(smollm, SD_PROMPTS[0]), max_new_tokens=16,
+                          draft=smollm, draft_k=3)
+    assert out.stats.acceptance_rate == 1.0      # the same model drafts exactly its output
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_pytorch_draft_for_a_llama_cpp_target(smollm, preset_model):
+    draft = preset_model("smollm2-135m", CONTEXT)   # forerun's torch engine, same tokenizer
+    assert draft.tokenizer.fingerprint() == smollm.tokenizer.fingerprint()
+    check_speculative(smollm, draft, "smollm2 on llama.cpp with a torch draft")
+    out = smollm.generate(prompt_ids=chat(smollm, SD_PROMPTS[1]), max_new_tokens=16,
+                          draft=draft, draft_k=3)
+    assert out.stats.acceptance_rate > 0.5       # dequantized weights: nearly the same model
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@needs_llama_cpp
+def test_draft_model_is_lossless_with_both_on_llama_cpp(llama_model):
+    target = llama_model("qwen2.5-coder-1.5b")
+    check_speculative(target, llama_model("qwen2.5-coder-0.5b"), "1.5B + 0.5B draft")
