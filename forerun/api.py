@@ -8,7 +8,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .errors import ConfigError, EngineUnavailableError, GenerationConfigError
+from .errors import ConfigError, GenerationConfigError
 from .generation.params import GenerationParams
 from .generation.result import GenerationResult
 from .generation.runner import run_generation
@@ -185,13 +185,14 @@ class Model:
 class CostStore:
     """Keeps the measured verification costs of a target on this machine in
     forerun's cache, so the adaptive draft length calibrates only once per
-    model, device, thread count and context size."""
+    model, engine, device, thread count and context size."""
 
     def __init__(self, target_name: str, decoder) -> None:
         from .paths import cache_dir
 
         safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in target_name)
-        self.path = (cache_dir() / "costs" / f"{safe}-{decoder.device}-"
+        engine = type(decoder).__name__
+        self.path = (cache_dir() / "costs" / f"{safe}-{engine}-{decoder.device}-"
                      f"{torch.get_num_threads()}t-{decoder.context_length}.json")
 
     def load(self) -> list | None:
