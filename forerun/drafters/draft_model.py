@@ -58,10 +58,11 @@ class DraftModelDrafter:
         if not todo:  # the whole sequence is cached: re-feed its last token
             self.decoder.rollback(len(self._fed) - 1)
             todo = [self._fed.pop()]
-        start = time.perf_counter()
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        step_seconds = []
         for i in range(k):
+            start = time.perf_counter()
             logits = self.decoder.feed(todo, last_only=True).logits[-1]
             self._fed.extend(todo)
             if sampler.greedy:
@@ -71,9 +72,15 @@ class DraftModelDrafter:
                 token = sampler.draw(probs)
                 rows.append(probs)
             tokens.append(token)
+            # A step that catches up on a long run of committed tokens (the
+            # prompt, at first) is not what one more draft token costs.
+            if len(todo) <= 2:
+                step_seconds.append(time.perf_counter() - start)
             todo = [token]
-        elapsed = (time.perf_counter() - start) / k
-        self._step_ema = elapsed if self._step_ema is None else 0.8 * self._step_ema + 0.2 * elapsed
+        if step_seconds:
+            elapsed = sum(step_seconds) / len(step_seconds)
+            self._step_ema = (elapsed if self._step_ema is None
+                              else 0.8 * self._step_ema + 0.2 * elapsed)
         return Draft(tokens, torch.stack(rows) if rows else None)
 
     def settle(self, length: int) -> None:
