@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="preset name, .gguf file or Hugging Face folder "
                         "(default: qwen2.5-coder-1.5b)")
+    p.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
+                   help="the engine of forerun's rows, model and draft: torch (default) or "
+                        "llama.cpp (GGUF models, quantized weights; needs forerun[llama])")
     p.add_argument("--draft", "-d", default=None,
                    help="the draft model of the draft methods: a preset, .gguf file or folder "
                         "sharing the model's tokenizer (default: the preset's own draft, "
@@ -85,7 +88,7 @@ def settings_from_args(args: argparse.Namespace):
     if not methods:
         raise BenchError("--methods is empty")
     return BenchSettings(
-        model=args.model or DEFAULT_MODEL, draft=_default_draft(args), prompts=args.prompts,
+        model=args.model or DEFAULT_MODEL, engine=args.engine, draft=_default_draft(args), prompts=args.prompts,
         methods=tuple(methods), categories=tuple(_split([args.categories])) or None,
         limit=args.limit, max_new_tokens=args.max_new_tokens,
         temperatures=tuple(dict.fromkeys(temps)), seed=args.seed, warmup=args.warmup,

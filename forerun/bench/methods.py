@@ -253,6 +253,10 @@ register_method("ngram", lambda: ForerunMethod("ngram", draft="ngram",
                 "prompt-lookup (n-gram) speculation: Model.generate(draft='ngram')")
 register_pattern(r"ngram-k(\d+)", _ngram_k, "ngram-kN",
                  "prompt-lookup speculation, draft length fixed at N")
+register_method("medusa", lambda: ForerunMethod("medusa", draft="medusa",
+                                                description="Medusa heads, tree verification"),
+                "Medusa heads with tree verification: Model.generate(draft='medusa') "
+                "(the torch engine; the preset's shipped heads)")
 
 # The peers (transformers, llama.cpp) register themselves.
 from . import peers  # noqa: E402,F401

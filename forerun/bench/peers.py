@@ -106,51 +106,22 @@ class TransformersMethod(BenchMethod):
 
 # -- llama.cpp -----------------------------------------------------------------
 
-# A child process decodes a 4-token batch: some llama.cpp builds crash (a
-# segmentation fault, not an exception) in their repacked CPU kernels, e.g.
-# AMX ones on virtual machines that don't enable AMX.
-_PROBE = """
-import sys
-import llama_cpp
-from llama_cpp import llama as _llama
-if sys.argv[2] == "0":
-    _orig = _llama.llama_cpp.llama_model_default_params
-    def _params():
-        p = _orig()
-        p.use_extra_bufts = False
-        return p
-    _llama.llama_cpp.llama_model_default_params = _params
-llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
-llm.eval([1, 2, 3, 4])
-"""
+def _llama_flash_enabled() -> int:
+    import llama_cpp
 
-REPACK_ENV = "FORERUN_BENCH_LLAMA_CPP_REPACK"
-
-
-def _probe_llama_cpp(path, repack: bool) -> tuple[bool, str]:
-    import subprocess
-    import sys
-
-    try:
-        proc = subprocess.run([sys.executable, "-c", _PROBE, str(path), "1" if repack else "0"],
-                              capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return False, "timed out"
-    if proc.returncode == 0:
-        return True, ""
-    tail = (proc.stderr.strip().splitlines() or [""])[-1]
-    return False, f"exit status {proc.returncode} {tail}".strip()
+    return llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
 
 
 class LlamaCppMethod(BenchMethod):
-    """llama-cpp-python on the GGUF file itself (quantized weights), with
-    torch's thread count; a token loop over ``Llama.generate``.
+    """llama-cpp-python on the GGUF file itself (quantized weights), a token
+    loop over ``Llama.generate``.
 
-    Before loading, a child process checks that this llama.cpp build can
-    decode a batch on this machine; if it crashes, the weights are loaded
-    without llama.cpp's extra (repacked) CPU buffers, which avoids the
-    crashing kernels, and the report says so.  ``FORERUN_BENCH_LLAMA_CPP_REPACK``
-    (``1`` or ``0``) skips the check and forces the choice.
+    It is set up exactly like forerun's llama.cpp engine
+    (:func:`~forerun.engines.llama_cpp_engine.reference_llama`): the same
+    threads, micro-batch size, flash attention and weight buffers, so that
+    with ``--engine llama.cpp`` the two rows differ only by forerun's
+    protocol and decoding loop.  When the run's model is on the torch engine,
+    the engine's defaults are used.
     """
 
     engine = "llama.cpp"
@@ -164,48 +135,29 @@ class LlamaCppMethod(BenchMethod):
         self.note = None
 
     def setup(self, ctx: BenchContext) -> None:
-        import os
-
-        llama_cpp = _require("llama_cpp", "llama-cpp-python", "--peer-llama-cpp")
-        import torch
+        _require("llama_cpp", "llama-cpp-python", "--peer-llama-cpp")
+        from ..engines.llama_cpp_engine import reference_llama
 
         path = ctx.source_file("model")
         if path.is_dir() or path.suffix.lower() != ".gguf":
             raise MethodUnavailable(f"llama.cpp needs a GGUF file; {path} is not one")
         key = "llama.cpp:model"
         if key not in ctx.shared:
-            forced = os.environ.get(REPACK_ENV)
-            if forced in ("0", "1"):
-                repack = forced == "1"
-            else:
-                repack, why = _probe_llama_cpp(path, True)
-                if not repack:
-                    ok, why2 = _probe_llama_cpp(path, False)
-                    if not ok:
-                        raise MethodUnavailable(
-                            f"llama.cpp crashes on this machine when decoding ({why}; without "
-                            f"repacked weights: {why2})")
-                    self.note = (f"llama.cpp's repacked CPU kernels crash on this machine "
-                                 f"({why}); loaded with use_extra_bufts=False")
-            threads = torch.get_num_threads()
-            from llama_cpp import llama as llama_module
-
-            original = llama_module.llama_cpp.llama_model_default_params
-            if not repack:
-                def params():
-                    p = original()
-                    p.use_extra_bufts = False
-                    return p
-                llama_module.llama_cpp.llama_model_default_params = params
-            try:
-                ctx.shared[key] = llama_cpp.Llama(
-                    model_path=str(path), n_ctx=ctx.context_length, n_threads=threads,
-                    n_threads_batch=threads, logits_all=False, verbose=False)
-            finally:
-                llama_module.llama_cpp.llama_model_default_params = original
-            ctx.shared[key + ":note"] = self.note
+            decoder = ctx.model.decoder
+            options = dict(getattr(decoder, "options", None) or {}) \
+                if getattr(decoder, "engine", None) == "llama.cpp" else {}
+            settings = {k: options[k] for k in ("n_threads", "n_batch", "n_ubatch", "flash_attn")
+                        if k in options}
+            extra = getattr(getattr(decoder, "_model", None), "extra_buffers", None)
+            ctx.shared[key] = reference_llama(path, context_length=ctx.context_length,
+                                              extra_buffers=extra, **settings)
         self._llm = ctx.shared[key]
-        self.note = ctx.shared.get(key + ":note")
+        llm = self._llm
+        params = llm.context_params
+        flash = params.flash_attn_type == _llama_flash_enabled()
+        self.note = (f"llama-cpp-python set up like forerun's llama.cpp engine: "
+                     f"n_ubatch={params.n_ubatch}, flash attention {'on' if flash else 'off'}, "
+                     f"{params.n_threads} threads")
 
     def generate(self, ctx: BenchContext, prompt_ids: Sequence[int], *, max_new_tokens: int,
                  temperature: float, seed: int) -> MethodOutput:

@@ -33,6 +33,7 @@ class BenchSettings:
     the methods that need one fail with a message)."""
 
     model: str = "qwen2.5-coder-1.5b"
+    engine: str = "torch"               # the engine of the model and the draft
     draft: str | None = None
     prompts: str | None = None          # a Spec-Bench file; None: forerun-bench.jsonl
     methods: Sequence[str] = ("plain", "draft", "ngram")
@@ -226,8 +227,9 @@ def run_bench(settings: BenchSettings, *, model=None, draft=None,
     if model is None:
         from ..api import load
 
-        model = load(settings.model, context_length=settings.context_length,
-                     device=settings.device, progress=settings.progress)
+        model = load(settings.model, engine=settings.engine,
+                     context_length=settings.context_length, device=settings.device,
+                     progress=settings.progress)
     if model.tokenizer.chat_template is None:
         raise BenchError(f"model {model.name} has no chat template; the benchmark's prompts "
                          f"are chat turns")

@@ -358,3 +358,31 @@ def test_real_model_with_llama_cpp(preset_model, tmp_path):
     assert row["plain_match"] is not None
     write_reports(report, tmp_path)
     assert (tmp_path / "report.json").is_file()
+
+
+@pytest.mark.real_model
+def test_real_model_on_the_llama_cpp_engine(tmp_path, capsys):
+    """``--engine llama.cpp``: forerun's rows run on llama.cpp, the prompt-
+    lookup row reproduces plain decoding's tokens on that engine, the peer
+    is set up like the engine, and Medusa (torch only) fails with a reason
+    instead of ending the run."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed")
+    from real_presets import require_preset
+
+    require_preset("smollm2-135m")
+    code = main(["bench", "-m", "smollm2-135m", "--engine", "llama.cpp", "--draft", "none",
+                 "--methods", "plain,ngram,medusa", "--categories", "summarization",
+                 "--limit", "1", "-n", "12", "--warmup", "0", "--peer-llama-cpp", "-q",
+                 "-o", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["settings"]["engine"] == "llama.cpp"
+    assert "on llama.cpp" in (tmp_path / "report.md").read_text()
+    methods = report["methods"]
+    assert methods["ngram"]["status"] == "ok"
+    assert "torch engine" in (methods["medusa"]["message"] or "")
+    assert "n_ubatch=7" in methods["llamacpp-plain"]["note"]
+    rows = {r["method"]: r for r in report["rows"] if r["status"] == "ok"}
+    assert rows["ngram"]["mismatch"] is False
+    assert rows["llamacpp-plain"]["plain_match"] == 1.0
