@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from ..decoder import Decoder
 from ..generation.result import GenerationStats
@@ -32,3 +32,31 @@ class DecodingMethod(Protocol):
         """After the runner stopped: roll every model back so it holds at most
         ``length`` positions (prompt plus kept output), all of them valid."""
         ...
+
+
+class DraftAndVerify:
+    """What speculative methods share: a ``target``, a ``drafter`` with a
+    ``settle(length)``, and a ``policy`` whose measured verification
+    ``costs`` persist in ``cost_store`` once calibrated (``_calibrated``)."""
+
+    def _use_stored_or_measure(self, measure: Callable[[], None]) -> None:
+        """Fill ``policy.costs`` from ``cost_store`` when it holds costs of
+        the same sizes, else ``measure()`` them (and store them)."""
+        costs = self.policy.costs
+        stored = self.cost_store.load() if self.cost_store else None
+        if stored and len(stored) == len(costs.seconds):
+            costs.seconds = list(stored)
+        else:
+            measure()
+            if self.cost_store:
+                self.cost_store.save(costs.seconds)
+        self._calibrated = True
+
+    def settle(self, length: int) -> None:
+        """Roll the target and the drafter back to ``length`` positions, and
+        keep the verification costs refined by this generation."""
+        if self.target.length > length:
+            self.target.rollback(length)
+        self.drafter.settle(length)
+        if self.cost_store is not None and self._calibrated:
+            self.cost_store.save(self.policy.costs.seconds)

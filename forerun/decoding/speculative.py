@@ -21,12 +21,13 @@ from ..errors import ConfigError
 from ..generation.result import GenerationStats
 from ..sampling import TokenSampler
 from .acceptance import accept_greedy, accept_sampled
+from .base import DraftAndVerify
 from .draft_length import AdaptiveDraftLength
 
 MAX_DRAFT_LENGTH = 16
 
 
-class SpeculativeDecoding:
+class SpeculativeDecoding(DraftAndVerify):
     """Draft-then-verify decoding over any :class:`~forerun.drafters.base.Drafter`.
 
     ``k``: a fixed draft length, or ``None`` to choose it every round from
@@ -50,15 +51,7 @@ class SpeculativeDecoding:
     def _calibrate(self, token: int) -> None:
         if self._calibrated or self.fixed_k is not None:
             return
-        costs = self.policy.costs
-        stored = self.cost_store.load() if self.cost_store else None
-        if stored and len(stored) == len(costs.seconds):
-            costs.seconds = list(stored)
-        else:
-            costs.calibrate(self.target, token)
-            if self.cost_store:
-                self.cost_store.save(costs.seconds)
-        self._calibrated = True
+        self._use_stored_or_measure(lambda: self.policy.costs.calibrate(self.target, token))
 
     def _draft_length(self, room: int) -> int:
         if self.fixed_k is not None:
@@ -115,21 +108,10 @@ class SpeculativeDecoding:
             target.rollback(base + 1 + n)
             committed = tokens[:n] + [extra]
             sequence.extend(committed)
-            stats.rounds += 1
+            stats.record_round(drafted=len(tokens), accepted=n, draft_seconds=t1 - t0,
+                               verify_seconds=t2 - t1)
             if tokens:
-                stats.drafted += len(tokens)
-                stats.accepted += n
-                stats.accepted_histogram[n] = stats.accepted_histogram.get(n, 0) + 1
                 self.policy.acceptance.update(len(tokens), n)
-            stats.draft_seconds += t1 - t0
-            stats.verify_seconds += t2 - t1
             self.policy.costs.observe(len(fed) + 1, t2 - t1)
             yield committed
 
-    def settle(self, length: int) -> None:
-        if self.target.length > length:
-            self.target.rollback(length)
-        self.drafter.settle(length)
-        if self.cost_store is not None and self._calibrated:
-            # Keep the costs refined by this generation's measurements.
-            self.cost_store.save(self.policy.costs.seconds)

@@ -39,6 +39,7 @@ from ..decoder import Decoder
 from ..errors import ConfigError
 from ..generation.result import GenerationStats
 from ..sampling import TokenSampler
+from .base import DraftAndVerify
 from .tree import TreePolicy, TreeShape, tree_shape
 from .tree_acceptance import accept_tree_greedy, accept_tree_sampled, accept_tree_typical
 
@@ -78,7 +79,7 @@ class TreeDrafter(Protocol):
         ...
 
 
-class TreeSpeculativeDecoding:
+class TreeSpeculativeDecoding(DraftAndVerify):
     """Draft-tree-then-verify decoding over a :class:`TreeDrafter`.
 
     ``tree``: a fixed shape (a :class:`~forerun.decoding.tree.TreeShape` or
@@ -122,15 +123,7 @@ class TreeSpeculativeDecoding:
     def _calibrate(self, token: int) -> None:
         if self._calibrated or self.fixed_tree is not None or self.policy.fixed_nodes:
             return
-        costs = self.policy.costs
-        stored = self.cost_store.load() if self.cost_store else None
-        if stored and len(stored) == len(costs.seconds):
-            costs.seconds = list(stored)
-        else:
-            self.policy.calibrate(self.target, token)
-            if self.cost_store:
-                self.cost_store.save(costs.seconds)
-        self._calibrated = True
+        self._use_stored_or_measure(lambda: self.policy.calibrate(self.target, token))
 
     def _shape(self, room: int, have_hidden: bool) -> TreeShape:
         if room <= 0 or (self.drafter.needs_hidden and not have_hidden):
@@ -216,24 +209,14 @@ class TreeSpeculativeDecoding:
                 hidden = again.hidden[-1] if want_hidden else None
             committed = [tokens[i] for i in path[1:]] + [int(extra)]
             sequence.extend(committed)
-            stats.rounds += 1
+            stats.record_round(drafted=shape.depth if shape.num_nodes else 0, accepted=n - 1,
+                               draft_seconds=t1 - t0, verify_seconds=t2 - t1)
             if shape.num_nodes:
-                stats.drafted += shape.depth
-                stats.accepted += n - 1
-                stats.accepted_histogram[n - 1] = stats.accepted_histogram.get(n - 1, 0) + 1
                 self.nodes_verified += shape.num_nodes
                 self.policy.acceptance.update(shape, path)
-            stats.draft_seconds += t1 - t0
-            stats.verify_seconds += t2 - t1
             self.policy.costs.observe(shape.size, t2 - t1)
             yield committed
 
-    def settle(self, length: int) -> None:
-        if self.target.length > length:
-            self.target.rollback(length)
-        self.drafter.settle(length)
-        if self.cost_store is not None and self._calibrated:
-            self.cost_store.save(self.policy.costs.seconds)
 
 
 def _probs_of(sampler: TokenSampler, logits: torch.Tensor):

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, ModelFormatError, ModelNotFoundError
+from ..json_files import read_json_object
 from ..sampling import TokenSampler
 
 FORMAT = "forerun-medusa/1"
@@ -238,15 +239,7 @@ class MedusaHeads:
 
 
 def _read_config(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ModelFormatError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelFormatError(f"{path} must hold a JSON object")
-    return data
+    return read_json_object(path, ModelFormatError, missing_ok=True)
 
 
 def _read_tensors(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -20,6 +20,17 @@ with large micro-batches.  ``n_ubatch=512`` buys the fast prefill back; then
 speculative decoding's output may differ from plain decoding wherever two
 tokens are nearly tied.
 
+One more limit, measured with llama-cpp-python 0.3.36: once more than 256
+positions are cached, llama.cpp's flash attention computes a one-position
+forward with another kernel when it runs on several threads (the keys are
+split across threads and the partial results merged), and its logits differ
+from a multi-position forward's by up to ~0.5.  With ``n_threads=1`` both
+kernels agree bit for bit at any length (tested).  So with several threads
+and long contexts, greedy speculative decoding on this engine can pick the
+other token where plain decoding's top two logits are nearly tied (in the
+benchmark every such difference was a tie within 0.25 logits); pass
+``n_threads=1`` where token identity matters more than speed.
+
 What llama.cpp can't express through this engine yet: arbitrary attention
 masks (tree verification needs several sequence ids per token, later work);
 :meth:`LlamaCppDecoder.forward` accepts only the plain causal mask with

@@ -32,6 +32,19 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
+    def record_round(self, *, drafted: int, accepted: int, draft_seconds: float,
+                     verify_seconds: float) -> None:
+        """Count one speculative round: ``drafted`` tokens proposed, of which
+        the first ``accepted`` were kept.  A round with nothing drafted (a
+        plain step) counts as a round but not in the acceptance figures."""
+        self.rounds += 1
+        if drafted:
+            self.drafted += drafted
+            self.accepted += accepted
+            self.accepted_histogram[accepted] = self.accepted_histogram.get(accepted, 0) + 1
+        self.draft_seconds += draft_seconds
+        self.verify_seconds += verify_seconds
+
     @property
     def tokens_per_second(self) -> float:
         if self.new_tokens < 1 or self.decode_seconds <= 0:

@@ -15,6 +15,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError, ModelFormatError, ModelNotFoundError
+from ..json_files import read_json_object
 from .presets import PRESETS, resolve_preset
 from .weights import SafetensorsWeights, safetensors_files
 
@@ -31,13 +32,7 @@ class ModelFiles:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
-    return data
+    return read_json_object(path, ConfigError)
 
 
 def resolve_spec(spec: str | Path, *, progress: bool = True) -> Path:

@@ -9,26 +9,18 @@ post-processor does for ``add_bos_token``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
 from ..errors import ModelNotFoundError, TokenizerError
+from ..json_files import read_json_object
 from .tokenizer import Tokenizer
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TokenizerError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path} must hold a JSON object")
-    return data
+    return read_json_object(path, TokenizerError, missing_ok=True)
 
 
 def _token_content(value: Any, where: str) -> str | None:

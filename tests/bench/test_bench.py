@@ -126,6 +126,18 @@ def test_speculative_methods_match_plain(tiny):
     assert set(overall["draft"]["categories"]) == {"qa", "chat"}
 
 
+def test_greedy_runs_are_reproducible(tiny):
+    """A second greedy run gives every row the same tokens, turn by turn."""
+    def tokens(report):
+        return {(r["question_id"], r["method"]): [t["tokens"] for t in r["turns"]]
+                for r in report.rows}
+
+    first = bench(tiny, methods=("plain", "draft", "ngram"))
+    second = bench(tiny, methods=("plain", "draft", "ngram"))
+    assert tokens(first) == tokens(second)
+    assert all(t for turns in tokens(first).values() for t in turns)
+
+
 def test_multi_turn_uses_plain_answer(tiny, registry):
     spy = Spy()
     registry("spy", lambda: spy)

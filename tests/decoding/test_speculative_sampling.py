@@ -24,6 +24,7 @@ from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.generation.result import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 
+from method_runs import run_method
 from table_decoders import (TableDecoder, chi_square_pvalue, joint_distribution,
                             single_thread)  # noqa: F401 (single_thread: autouse fixture)
 
@@ -79,16 +80,8 @@ def draw_counts(method, params: SamplingParams, prompt: list[int], count: int,
     stats = GenerationStats()
     vocab = method.target.vocab_size
     codes = np.empty(count, dtype=np.int64)
-    settle_at = len(prompt) + N_TOKENS
     for j in range(count):
-        rounds = method.run(prompt, sampler, stats)
-        seq: list[int] = []
-        for tokens in rounds:
-            seq += tokens
-            if len(seq) >= N_TOKENS:
-                break
-        rounds.close()
-        method.settle(settle_at)
+        seq = run_method(method, prompt, N_TOKENS, sampler, stats)
         codes[j] = (seq[0] * vocab + seq[1]) * vocab + seq[2]
     return np.bincount(codes, minlength=vocab ** N_TOKENS), stats
 
@@ -354,7 +347,8 @@ def test_table_decoder_follows_the_decoder_contract():
 
 
 def test_joint_distribution_is_the_product_of_steps():
-    from table_decoders import step_probabilities
+    from method_runs import run_method
+from table_decoders import step_probabilities
 
     joint = joint_distribution(TARGET, COMBINED, [4, 2])
     assert joint.shape == (V, V, V)

@@ -14,8 +14,8 @@ from forerun.decoding.tree_acceptance import accept_tree_greedy
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.errors import ConfigError
 from forerun.generation.result import GenerationStats
-from forerun.sampling import SamplingParams, TokenSampler
 
+from method_runs import greedy_tokens
 from tiny_models import VOCAB, forerun_decoder, hf_model
 
 
@@ -238,28 +238,14 @@ def test_greedy_tree_decoding_is_plain_greedy(arch, tree):
     method._calibrated = True
     prompt = [5, 17, 42, 99]
     n = 40
-    plain = _generate(PlainDecoding(forerun_decoder(hf_model(arch, seed=5), 128)), prompt, n)
+    plain = greedy_tokens(PlainDecoding(forerun_decoder(hf_model(arch, seed=5), 128)), prompt, n)
     stats = GenerationStats()
-    out = _generate(method, prompt, n, stats)
+    out = greedy_tokens(method, prompt, n, stats)
     assert out == plain
     assert stats.accepted > 0 and stats.rounds < n
     assert 0 <= stats.accepted <= stats.drafted
     assert sum(k * v for k, v in stats.accepted_histogram.items()) == stats.accepted
     assert model is target.model
-
-
-def _generate(method, prompt, n, stats=None):
-    sampler = TokenSampler(SamplingParams(), seed=0)
-    stats = stats or GenerationStats()
-    out: list[int] = []
-    rounds = method.run(list(prompt), sampler, stats)
-    for tokens in rounds:
-        out += tokens
-        if len(out) >= n:
-            break
-    rounds.close()
-    method.settle(len(prompt) + n)
-    return out[:n]
 
 
 def test_tree_decoding_near_the_end_of_the_context(arch):
@@ -268,7 +254,7 @@ def test_tree_decoding_near_the_end_of_the_context(arch):
     drafter = OracleTreeDrafter(forerun_decoder(hf_model(arch, seed=5), context_length=64))
     method = TreeSpeculativeDecoding(target, drafter, tree=TreeShape.from_counts([3, 2, 2]))
     prompt = list(range(3, 10))
-    out = _generate(method, prompt, 24 - len(prompt))
-    plain = _generate(PlainDecoding(forerun_decoder(hf_model(arch, seed=5), 24)), prompt,
+    out = greedy_tokens(method, prompt, 24 - len(prompt))
+    plain = greedy_tokens(PlainDecoding(forerun_decoder(hf_model(arch, seed=5), 24)), prompt,
                       24 - len(prompt))
     assert out == plain

@@ -22,6 +22,7 @@ from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.generation.result import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 
+from method_runs import run_method
 from table_decoders import TableDecoder, chi_square_pvalue, joint_distribution
 
 pytest.importorskip("scipy.stats")
@@ -97,14 +98,7 @@ def draw_counts(method, params, prompt, count, seed):
     stats = GenerationStats()
     codes = np.empty(count, dtype=np.int64)
     for j in range(count):
-        rounds = method.run(prompt, sampler, stats)
-        seq: list[int] = []
-        for tokens in rounds:
-            seq += tokens
-            if len(seq) >= N_TOKENS:
-                break
-        rounds.close()
-        method.settle(len(prompt) + N_TOKENS)
+        seq = run_method(method, prompt, N_TOKENS, sampler, stats)
         codes[j] = (seq[0] * V + seq[1]) * V + seq[2]
     return np.bincount(codes, minlength=V ** N_TOKENS), stats
 

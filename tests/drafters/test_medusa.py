@@ -20,6 +20,7 @@ from forerun.generation.result import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 from forerun.training.medusa import TrainSettings, train_medusa
 
+from method_runs import greedy_tokens
 from tiny_models import VOCAB, forerun_decoder, hf_model
 
 H = 64   # hidden size of the tiny models
@@ -176,20 +177,6 @@ def test_broken_files_are_clear_errors(tmp_path):
 
 # -- greedy Medusa decoding is plain greedy decoding -------------------------------------
 
-def _generate(method, prompt, n, stats=None):
-    sampler = TokenSampler(SamplingParams(), seed=0)
-    stats = stats if stats is not None else GenerationStats()
-    out: list[int] = []
-    rounds = method.run(list(prompt), sampler, stats)
-    for tokens in rounds:
-        out += tokens
-        if len(out) >= n:
-            break
-    rounds.close()
-    method.settle(len(prompt) + n)
-    return out[:n]
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("tree", [None, TreeShape.from_counts([3, 2, 2]),
                                   TreeShape([(0, 0, 0), (1, 0), (2,), (0, 1)])],
@@ -204,7 +191,7 @@ def test_greedy_medusa_is_plain_greedy(arch, tree):
     plain_method = PlainDecoding(forerun_decoder(ref, context_length=160))
     for prompt in ([3], [5, 17, 42, 99, 7], list(range(20, 60))):
         stats = GenerationStats()
-        assert _generate(method, prompt, 48, stats) == _generate(plain_method, prompt, 48)
+        assert greedy_tokens(method, prompt, 48, stats) == greedy_tokens(plain_method, prompt, 48)
         assert stats.rounds <= 48 and stats.accepted <= stats.drafted
     assert method.nodes_verified > 0
 
@@ -344,9 +331,9 @@ def test_training_on_a_tiny_model(tmp_path, monkeypatch):
     # The heads draft for the model they were trained on.
     method = TreeSpeculativeDecoding(dec, MedusaDrafter.for_decoder(heads, dec, "tiny"),
                                      tree=TreeShape.from_counts([2, 1]))
-    plain = _generate(PlainDecoding(forerun_decoder(hf_model("qwen2", seed=2), 128)),
+    plain = greedy_tokens(PlainDecoding(forerun_decoder(hf_model("qwen2", seed=2), 128)),
                       encode("alpha beta"), 20)
-    assert _generate(method, encode("alpha beta"), 20) == plain
+    assert greedy_tokens(method, encode("alpha beta"), 20) == plain
 
 
 def test_cli_train_and_info(tmp_path, monkeypatch, capsys):

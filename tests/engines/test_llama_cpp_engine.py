@@ -227,6 +227,22 @@ def test_logits_do_not_depend_on_how_positions_are_grouped(decoder):
 
 @pytest.mark.real_model
 @needs_llama_cpp
+def test_grouping_invariance_beyond_256_positions(decoder):
+    """Past 256 cached positions llama.cpp's flash attention takes another
+    kernel for a one-query forward (keys split across threads); with one
+    thread that kernel still gives the multi-query kernel's logits, which is
+    what makes ``n_threads=1`` exact at any context length."""
+    assert decoder.options["n_threads"] == 1
+    long_prompt = [1000 + (i * 37) % 9000 for i in range(600)]
+    decoder.feed(long_prompt, last_only=True)
+    together = decoder.feed(MORE[:4]).logits
+    decoder.rollback(len(long_prompt))
+    one_by_one = torch.cat([decoder.feed([t]).logits for t in MORE[:4]])
+    assert torch.equal(together, one_by_one)
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
 def test_feeds_longer_than_a_batch(smollm, decoder):
     from forerun.engines.llama_cpp_engine import LlamaCppDecoder
 

@@ -1,0 +1,31 @@
+"""Running a decoding method directly (without the generation runner), as
+the runner does: take the tokens its rounds yield, stop, settle."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from forerun.generation.result import GenerationStats
+from forerun.sampling import SamplingParams, TokenSampler
+
+
+def run_method(method, prompt: Sequence[int], n: int, sampler: TokenSampler,
+               stats: GenerationStats) -> list[int]:
+    """The first ``n`` tokens ``method`` generates after ``prompt``; the
+    method is then settled at ``len(prompt) + n`` positions."""
+    out: list[int] = []
+    rounds = method.run(list(prompt), sampler, stats)
+    for tokens in rounds:
+        out += tokens
+        if len(out) >= n:
+            break
+    rounds.close()
+    method.settle(len(prompt) + n)
+    return out[:n]
+
+
+def greedy_tokens(method, prompt: Sequence[int], n: int,
+                  stats: GenerationStats | None = None) -> list[int]:
+    """:func:`run_method` with greedy decoding."""
+    return run_method(method, prompt, n, TokenSampler(SamplingParams(), seed=0),
+                      stats if stats is not None else GenerationStats())
