@@ -347,8 +347,7 @@ def test_table_decoder_follows_the_decoder_contract():
 
 
 def test_joint_distribution_is_the_product_of_steps():
-    from method_runs import run_method
-from table_decoders import step_probabilities
+    from table_decoders import step_probabilities
 
     joint = joint_distribution(TARGET, COMBINED, [4, 2])
     assert joint.shape == (V, V, V)
