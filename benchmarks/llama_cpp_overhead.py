@@ -4,7 +4,7 @@ own ``Llama`` generation loop, on the same GGUF with the same llama.cpp
 settings (threads, context, batch and micro-batch sizes, flash attention).
 
     python benchmarks/llama_cpp_overhead.py [--model qwen2.5-coder-1.5b]
-        [--new-tokens 128] [--repeats 1] [--threads N] [--n-ubatch 7]
+        [--new-tokens 128] [--repeats 1] [--threads N] [--n-ubatch 512]
 
 Both compute the same logits, so both generate the same tokens (checked).
 Each prompt runs on both back to back, alternating which goes first, so
@@ -71,16 +71,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="llama.cpp threads for both (default: torch.get_num_threads())")
     parser.add_argument("--n-ubatch", type=int, default=None,
-                        help="llama.cpp micro-batch for both (default: the engine's, 7)")
+                        help="llama.cpp prefill micro-batch for both (default: the engine's, 512)")
     parser.add_argument("--context-length", type=int, default=1024)
     args = parser.parse_args()
 
     import forerun
-    from forerun.engines.llama_cpp_engine import INVARIANT_UBATCH, reference_llama
+    from forerun.engines.llama_cpp_engine import DEFAULT_BATCH, reference_llama
     from forerun.loading.load import resolve_spec
 
     threads = args.threads or torch.get_num_threads()
-    ubatch = args.n_ubatch or INVARIANT_UBATCH
+    ubatch = args.n_ubatch or DEFAULT_BATCH
     t = time.perf_counter()
     ours = forerun.load(args.model, engine="llama.cpp", context_length=args.context_length,
                         engine_options={"n_threads": threads, "n_ubatch": ubatch})
@@ -90,7 +90,7 @@ def main() -> None:
     llm = reference_llama(path, context_length=args.context_length, n_threads=threads,
                           n_ubatch=ubatch)
     print(f"llama-cpp-python load: {time.perf_counter() - t:.1f} s")
-    print(f"threads: {threads}, n_ubatch: {ubatch}, flash attention on")
+    print(f"threads: {threads}, n_ubatch: {ubatch}, flash attention on, q8_0 keys")
 
     runners = {"forerun": lambda ids, n: run_forerun(ours, ids, n),
                "llama-cpp-python": lambda ids, n: run_llama(llm, ids, n)}

@@ -86,6 +86,15 @@ class Decoder(Protocol):
         return, ``length`` has grown by ``T``.  An empty ``tokens`` is an
         error.  If the tokens do not fit in the context, nothing changes and
         :class:`~forerun.errors.ContextLengthError` is raised.
+
+        Grouping: a feed that returns every position's logits must give the
+        logits (and cache) that feeding the same tokens one by one would
+        give, as far as the engine's kernels allow; greedy speculative
+        decoding is token-identical to plain decoding only through this.  A
+        ``last_only`` feed (a prefill) may use faster kernels with slightly
+        different numerics, so a method that must match plain decoding
+        prefills a prompt as plain decoding does: one ``last_only`` feed of
+        the whole prompt.
         """
         ...
 

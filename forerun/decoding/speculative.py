@@ -67,12 +67,16 @@ class SpeculativeDecoding(DraftAndVerify):
         drafter.begin(prompt_ids)
         sequence = list(prompt_ids)
         start = time.perf_counter()
-        # Prefill all but the last prompt token: it heads the first verification.
-        if len(sequence) > 1:
-            target.feed(sequence[:-1], last_only=True)
+        # The prefill is plain decoding's, the same one feed of the whole
+        # prompt (an engine may compute a prefill with other kernels than a
+        # verification), and its logits give the first token.
+        logits = target.feed(sequence, last_only=True).logits[-1]
         target.commit()
         self._calibrate(sequence[-1])
         stats.prefill_seconds = time.perf_counter() - start
+        first = sampler.pick(logits)
+        sequence.append(first)
+        yield [first]
         vocab = target.vocab_size
         while True:
             room = target.context_length - target.length - 1

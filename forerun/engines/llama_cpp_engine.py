@@ -10,26 +10,29 @@ copy, no re-forward.
 Losslessness needs batch invariance: speculative decoding verifies a draft
 in one forward of ``k + 1`` positions where plain decoding runs ``k + 1``
 forwards of one, and greedy output is token-identical only if both give the
-same logits.  llama.cpp's CPU kernels are bit-identical for forwards of up to
-7 positions with flash attention on, but switch to other kernels for 8 and
-more, which moves logits by up to ~0.5 (and without flash attention already
-for 2).  So by default llama.cpp runs every forward in micro-batches of
-``n_ubatch = 7`` positions with flash attention: any split of a sequence into
-feeds gives the same logits, at the price of a prefill about 2x slower than
-with large micro-batches.  ``n_ubatch=512`` buys the fast prefill back; then
-speculative decoding's output may differ from plain decoding wherever two
-tokens are nearly tied.
+same logits.  Measured with llama-cpp-python 0.3.36 on a CPU, llama.cpp
+keeps that invariance only within these bounds, which this engine holds to:
 
-One more limit, measured with llama-cpp-python 0.3.36: once more than 256
-positions are cached, llama.cpp's flash attention computes a one-position
-forward with another kernel when it runs on several threads (the keys are
-split across threads and the partial results merged), and its logits differ
-from a multi-position forward's by up to ~0.5.  With ``n_threads=1`` both
-kernels agree bit for bit at any length (tested).  So with several threads
-and long contexts, greedy speculative decoding on this engine can pick the
-other token where plain decoding's top two logits are nearly tied (in the
-benchmark every such difference was a tie within 0.25 logits); pass
-``n_threads=1`` where token identity matters more than speed.
+* **At most 7 positions per micro-batch.**  llama.cpp's CPU kernels are
+  bit-identical for forwards of 1 to 7 positions with flash attention on,
+  but switch to other kernels for 8 and more, which moves logits by up to
+  ~0.5 (and without flash attention already for 2).  So a feed that returns
+  every position's logits (a verification) runs in ``llama_decode`` calls of
+  at most 7 positions.  A ``last_only`` feed (a prefill) runs in calls of
+  ``n_batch`` positions with large micro-batches, about 4x faster on a long
+  prompt; its numerics differ slightly, which the Decoder protocol allows
+  (every method prefills a prompt the same way: one ``last_only`` feed).
+* **Keys cached as Q8_0** (``cache_type_k="q8_0"``, llama.cpp's
+  ``--cache-type-k q8_0``).  With F16 keys and values, once more than 256
+  positions are cached, llama.cpp's flash attention computes a one-position
+  forward with another kernel on several threads (keys split across
+  threads, partial results merged), whose logits differ from a
+  multi-position forward's by up to ~0.5.  That kernel exists only for F16
+  or F32 keys of the values' type, so Q8_0 keys keep every forward on the
+  same kernel at any length and thread count (tested), and cost less memory
+  and time at long contexts.  ``cache_type_k="f16"`` gives llama.cpp's
+  default precision back; it is exact at any length only with
+  ``n_threads=1``.
 
 What llama.cpp can't express through this engine yet: arbitrary attention
 masks (tree verification needs several sequence ids per token, later work);
@@ -56,9 +59,23 @@ DEFAULT_BATCH = 512
 # The largest micro-batch whose logits are bit-identical to one-position
 # forwards (llama.cpp's CPU kernels, flash attention on; see above).
 INVARIANT_UBATCH = 7
+# Key cache types: ggml type ids (ggml.h).  Q8_0 keys keep one attention
+# kernel for every forward at any length (see above).
+CACHE_TYPES_K = {"q8_0": 8, "f16": 1}
+DEFAULT_CACHE_TYPE_K = "q8_0"
 # What forerun.load(..., engine="llama.cpp", engine_options={...}) passes on.
 ENGINE_OPTIONS = ("n_threads", "n_threads_batch", "n_batch", "n_ubatch", "flash_attn",
-                  "extra_buffers", "verbose")
+                  "cache_type_k", "extra_buffers", "verbose")
+
+
+def cache_type_k_id(name: str) -> int:
+    """The ggml type id of a key cache type name, or :class:`ConfigError`
+    naming the choices."""
+    try:
+        return CACHE_TYPES_K[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"cache_type_k must be one of {', '.join(CACHE_TYPES_K)}, "
+                          f"got {name!r}") from None
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -161,11 +178,14 @@ class LlamaCppDecoder:
     (default: the model's own limit, at most 4096).  ``n_threads``: threads
     for a forward (default ``torch.get_num_threads()``), ``n_threads_batch``
     for a forward of several positions (default ``n_threads``).
-    ``n_batch``: the most positions one ``llama_decode`` takes; longer feeds
-    are split.  ``n_ubatch``: the most positions llama.cpp computes at once
-    (default 7, which keeps logits independent of how positions are grouped
-    into feeds; see the module docstring).  ``flash_attn``: llama.cpp's flash
-    attention (on by default: needed for that invariance).
+    ``n_batch``: the most positions one ``llama_decode`` of a prefill takes;
+    longer prefills are split.  ``n_ubatch``: the most positions llama.cpp
+    computes at once in a prefill (default ``n_batch``); feeds that return
+    every position's logits always go in micro-batches of at most 7, which
+    keeps their logits independent of how positions are grouped into feeds
+    (see the module docstring).  ``flash_attn``: llama.cpp's flash attention
+    (on by default: needed for that invariance).  ``cache_type_k``: ``"q8_0"``
+    (default, exact at any length and thread count) or ``"f16"``.
     ``extra_buffers``: see :func:`default_extra_buffers`.
     """
 
@@ -175,8 +195,8 @@ class LlamaCppDecoder:
     def __init__(self, path: str | Path, *, context_length: int | None = None,
                  eos_token_ids: Sequence[int] = (), n_threads: int | None = None,
                  n_threads_batch: int | None = None, n_batch: int = DEFAULT_BATCH,
-                 n_ubatch: int = INVARIANT_UBATCH, flash_attn: bool = True,
-                 extra_buffers: bool | None = None,
+                 n_ubatch: int = DEFAULT_BATCH, flash_attn: bool = True,
+                 cache_type_k: str = DEFAULT_CACHE_TYPE_K, extra_buffers: bool | None = None,
                  verbose: bool = False, _model: _LlamaModel | None = None) -> None:
         self._ctx = None
         self._batch = None
@@ -192,6 +212,7 @@ class LlamaCppDecoder:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        type_k = cache_type_k_id(cache_type_k)
         lc = import_llama_cpp()
         self._lc = lc
         _init_backend(lc, verbose)
@@ -208,7 +229,7 @@ class LlamaCppDecoder:
             context_length = min(_model.n_ctx_train, 4096)
         self.options = dict(n_threads=n_threads, n_threads_batch=n_threads_batch,
                             n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=bool(flash_attn),
-                            verbose=verbose)
+                            cache_type_k=cache_type_k, verbose=verbose)
         self.path = path
         self._capacity = context_length
         self._eos = tuple(int(e) for e in eos_token_ids)
@@ -225,6 +246,7 @@ class LlamaCppDecoder:
         params.n_threads_batch = n_threads_batch
         params.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                   else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.type_k = type_k
         params.no_perf = True
         self._ctx = lc.llama_init_from_model(_model.ptr, params)
         if not self._ctx:
@@ -342,8 +364,11 @@ class LlamaCppDecoder:
         start = self._length
         total = int(ids.size)
         rows: list[np.ndarray] = []
-        for off in range(0, total, self._n_batch):
-            n = min(self._n_batch, total - off)
+        # Positions whose logits are returned go in calls of at most 7, whose
+        # kernels do not depend on the grouping; a prefill in large ones.
+        step = self._n_batch if last_only else min(self._n_batch, INVARIANT_UBATCH)
+        for off in range(0, total, step):
+            n = min(step, total - off)
             last_chunk = off + n == total
             self._tok[:n] = ids[off:off + n]
             self._pos[:n] = np.arange(start + off, start + off + n)
@@ -437,12 +462,13 @@ class LlamaCppDecoder:
 
 
 def reference_llama(path: str | Path, *, context_length: int, n_threads: int | None = None,
-                    n_batch: int = DEFAULT_BATCH, n_ubatch: int = INVARIANT_UBATCH,
-                    flash_attn: bool = True, extra_buffers: bool | None = None,
-                    vocab_only: bool = False) -> Any:
+                    n_batch: int = DEFAULT_BATCH, n_ubatch: int = DEFAULT_BATCH,
+                    flash_attn: bool = True, cache_type_k: str = DEFAULT_CACHE_TYPE_K,
+                    extra_buffers: bool | None = None, vocab_only: bool = False) -> Any:
     """A llama-cpp-python ``llama_cpp.Llama`` over ``path`` set up like a
     :class:`LlamaCppDecoder` with the same options (context, threads, batch
-    and micro-batch sizes, flash attention, weight buffers), so that both
+    and micro-batch sizes, flash attention, key cache type, weight buffers),
+    so that both
     compute the same logits: what tests and benchmarks compare the engine
     with.  ``Llama`` has no argument for the weight buffers, so its model
     parameters are patched while it loads."""
@@ -464,6 +490,7 @@ def reference_llama(path: str | Path, *, context_length: int, n_threads: int | N
     try:
         return lc.Llama(model_path=str(path), n_ctx=context_length, n_batch=n_batch,
                         n_ubatch=n_ubatch, n_threads=n_threads, n_threads_batch=n_threads,
-                        flash_attn=flash_attn, vocab_only=vocab_only, verbose=False)
+                        flash_attn=flash_attn, type_k=cache_type_k_id(cache_type_k),
+                        vocab_only=vocab_only, verbose=False)
     finally:
         low.llama_model_default_params = original

@@ -122,9 +122,9 @@ def test_greedy_speculative_equals_plain(arch, draft, k):
             assert drafting_rounds == stats.rounds       # room for k drafts every round
             assert stats.drafted == k * stats.rounds
             assert max(stats.accepted_histogram) <= k
-        # tokens committed = accepted drafts + one target token per round,
-        # and the last round may overshoot N_NEW
-        committed = stats.accepted + stats.rounds
+        # tokens committed = the prefill's token + accepted drafts + one
+        # target token per round, and the last round may overshoot N_NEW
+        committed = 1 + stats.accepted + stats.rounds
         assert N_NEW <= committed <= N_NEW + (k or 8)
         rates.append(stats.acceptance_rate if stats.drafted else None)
 
@@ -199,3 +199,33 @@ def test_context_limit_with_prompt_plus_max_tokens_exactly_fitting():
         method = SpeculativeDecoding(decoder("llama", "self", context),
                                      DraftModelDrafter(decoder("llama", "other", context)), k=k)
         assert generate(method, prompt, n) == expected
+
+
+class FeedLog:
+    """A Decoder that records the feeds it passes on to ``inner``."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.feeds: list[tuple[int, bool]] = []
+
+    def feed(self, tokens, *, last_only=False, return_hidden=False):
+        self.feeds.append((len(tokens), last_only))
+        return self.inner.feed(tokens, last_only=last_only, return_hidden=return_hidden)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_prefill_is_plain_decodings():
+    """The Decoder protocol lets an engine compute a ``last_only`` feed with
+    other kernels than a verification (llama.cpp does), so speculative
+    decoding must prefill exactly as plain decoding does, and verify only
+    what plain decoding feeds one token at a time."""
+    prompt = PROMPTS[2]
+    plain_target = FeedLog(decoder("qwen2", "self"))
+    generate(PlainDecoding(plain_target), prompt, 8)
+    sd_target = FeedLog(decoder("qwen2", "self"))
+    generate(SpeculativeDecoding(sd_target, DraftModelDrafter(decoder("qwen2", "other")), k=3),
+             prompt, 8)
+    assert plain_target.feeds[0] == sd_target.feeds[0] == (len(prompt), True)
+    assert all(not last_only for _, last_only in sd_target.feeds[1:])

@@ -1,0 +1,71 @@
+"""What Q8_0 keys cost in fidelity on the llama.cpp engine: the logits of a
+context with Q8_0 keys (the engine's default, which keeps speculative
+decoding exact on several threads) against one with llama.cpp's default F16
+keys, over the same text.
+
+    python benchmarks/key_cache_precision.py [--model qwen2.5-coder-1.5b]
+        [--per-category 1] [--new-tokens 128]
+
+For one prompt per category of the shipped prompt set (first turns only),
+the F16 context generates ``--new-tokens`` greedy tokens on one thread
+(exact); then both contexts read prompt plus output in one feed, and at
+every generated position the script compares the two next-token
+distributions: whether their top tokens agree, the KL divergence
+KL(F16 || Q8_0), and the largest logit difference.  Needs
+``forerun[llama]`` and the model's preset packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+
+    import forerun
+    from forerun.bench.prompts import load_prompts, select_prompts
+    from forerun.engines.llama_cpp_engine import LlamaCppDecoder
+
+    f16 = forerun.load(args.model, engine="llama.cpp", context_length=2048, progress=False,
+                       engine_options={"cache_type_k": "f16", "n_threads": 1})
+    q8 = LlamaCppDecoder(f16.decoder.path, context_length=2048)
+    agree: list[float] = []
+    kls: list[float] = []
+    worst = 0.0
+    print("| prompt | tokens | top-1 agreement | mean KL (nats) | max KL | max logit diff |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for prompt in select_prompts(load_prompts(), limit=args.per_category):
+        ids = f16.encode_prompt(messages=[{"role": "user", "content": prompt.turns[0]}])
+        out = f16.generate(prompt_ids=ids, max_new_tokens=args.new_tokens).tokens
+        rows = []
+        for decoder in (f16.decoder, q8):
+            decoder.reset()
+            decoder.feed(ids[:-1], last_only=True)
+            rows.append(decoder.feed([ids[-1]] + out[:-1]).logits)
+        ref, got = rows
+        logp_ref = torch.log_softmax(ref, -1)
+        logp_got = torch.log_softmax(got, -1)
+        kl = (logp_ref.exp() * (logp_ref - logp_got)).sum(-1)
+        same = (ref.argmax(-1) == got.argmax(-1)).float()
+        diff = float((ref - got).abs().max())
+        worst = max(worst, diff)
+        agree.append(float(same.mean()))
+        kls.extend(kl.tolist())
+        print(f"| {prompt.label} | {len(out)} | {float(same.mean()):.3f} | "
+              f"{float(kl.mean()):.5f} | {float(kl.max()):.4f} | {diff:.3f} |", flush=True)
+    print(f"\nall: top-1 agreement {statistics.mean(agree):.3f}, "
+          f"mean KL {statistics.mean(kls):.5f} nats, max logit diff {worst:.3f}")
+    q8.close()
+    f16.decoder.close()
+
+
+if __name__ == "__main__":
+    main()
