@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
+from .cache_positions import CachePositions
 from .errors import CacheStateError, ContextLengthError
 
 PAYLOAD_FORMAT = "forerun-kv-cache/1"
 
 
-class KVCache:
+class KVCache(CachePositions):
     """Keys and values for ``n_layers`` layers of one sequence.
 
     ``keys`` and ``values`` have shape ``[n_layers, n_kv_heads, capacity,
@@ -32,11 +33,10 @@ class KVCache:
             raise CacheStateError(
                 f"KV cache dimensions must be positive, got n_layers={n_layers}, "
                 f"n_kv_heads={n_kv_heads}, head_dim={head_dim}, capacity={capacity}")
+        super().__init__(capacity)
         shape = (n_layers, n_kv_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self._length = 0
-        self._committed = 0
 
     # -- shape -----------------------------------------------------------
     @property
@@ -48,34 +48,10 @@ class KVCache:
         return self.keys.shape[1]
 
     @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
-
-    @property
     def head_dim(self) -> int:
         return self.keys.shape[3]
 
-    @property
-    def length(self) -> int:
-        """Number of valid slots."""
-        return self._length
-
-    @property
-    def committed(self) -> int:
-        """Rollback floor: :meth:`rollback` can't go below it."""
-        return self._committed
-
     # -- writing ---------------------------------------------------------
-    def check_room(self, n: int) -> None:
-        """Raise :class:`ContextLengthError` unless ``n`` more slots fit."""
-        if n <= 0:
-            raise CacheStateError(f"must append at least one position, got {n}")
-        if self._length + n > self.capacity:
-            raise ContextLengthError(
-                f"{n} new positions do not fit: the cache holds {self._length} of "
-                f"{self.capacity} positions. Use a shorter input or load the model "
-                f"with a larger context_length.")
-
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k`` and ``v`` (``[n_kv_heads, T, head_dim]``) of ``layer`` in
         slots ``start .. start+T-1``.  Does not move :attr:`length`; call
@@ -88,37 +64,10 @@ class KVCache:
         """Views (no copy) of the keys and values of slots ``0 .. end-1``."""
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
-    def advance(self, n: int) -> None:
-        """Mark ``n`` more slots, already written in every layer, as valid."""
-        self.check_room(n)
-        self._length += n
-
-    # -- rollback and commit ---------------------------------------------
+    # -- rollback and commit: CachePositions ------------------------------
     def snapshot(self) -> int:
         """A marker to :meth:`rollback` to later: the current length."""
         return self._length
-
-    def rollback(self, length: int) -> None:
-        """Forget slots at and after ``length``.  O(1): only the pointer moves."""
-        if not self._committed <= length <= self._length:
-            raise CacheStateError(
-                f"cannot roll back to length {length}: it must lie between the "
-                f"committed length {self._committed} and the current length {self._length}")
-        self._length = length
-
-    def commit(self, length: int | None = None) -> None:
-        """Raise the committed floor to ``length`` (default: current length)."""
-        length = self._length if length is None else length
-        if not self._committed <= length <= self._length:
-            raise CacheStateError(
-                f"cannot commit length {length}: it must lie between the committed "
-                f"length {self._committed} and the current length {self._length}")
-        self._committed = length
-
-    def reset(self) -> None:
-        """Forget everything, the committed floor included."""
-        self._length = 0
-        self._committed = 0
 
     def move(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Copy the slots ``src_slots`` (ascending, each >= ``dst_start``) to

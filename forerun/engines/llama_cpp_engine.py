@@ -49,8 +49,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..cache_positions import CachePositions
 from ..decoder import ForwardOutput
-from ..errors import (CacheStateError, ConfigError, ContextLengthError, EngineError,
+from ..errors import (CacheStateError, ConfigError, EngineError,
                       EngineUnavailableError, InvalidTokenError, ModelFormatError,
                       ModelNotFoundError, UnsupportedOperationError)
 
@@ -231,7 +232,7 @@ class LlamaCppDecoder:
                             n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=bool(flash_attn),
                             cache_type_k=cache_type_k, verbose=verbose)
         self.path = path
-        self._capacity = context_length
+        self._positions = CachePositions(context_length)
         self._eos = tuple(int(e) for e in eos_token_ids)
         self._n_batch = min(n_batch, context_length)
         self._n_ubatch = min(n_ubatch, self._n_batch)
@@ -264,15 +265,13 @@ class LlamaCppDecoder:
         for i in range(n):   # every position belongs to sequence 0
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = 0
-        self._length = 0
-        self._committed = 0
 
     # -- lifetime ----------------------------------------------------------
     def fork(self) -> "LlamaCppDecoder":
         """A second decoder over the same loaded model with its own context
         and an empty cache (a model drafting for itself)."""
         self._check_open()
-        return LlamaCppDecoder(self.path, context_length=self._capacity,
+        return LlamaCppDecoder(self.path, context_length=self.context_length,
                                eos_token_ids=self._eos, _model=self._model, **self.options)
 
     def close(self) -> None:
@@ -317,15 +316,15 @@ class LlamaCppDecoder:
 
     @property
     def context_length(self) -> int:
-        return self._capacity
+        return self._positions.capacity
 
     @property
     def length(self) -> int:
-        return self._length
+        return self._positions.length
 
     @property
     def committed_length(self) -> int:
-        return self._committed
+        return self._positions.committed
 
     @property
     def has_hidden_states(self) -> bool:
@@ -346,11 +345,7 @@ class LlamaCppDecoder:
         if int(ids.min()) < 0 or int(ids.max()) >= self._vocab:
             raise InvalidTokenError(
                 f"token ids must lie in 0..{self._vocab - 1}, got {ids.tolist()[:8]}...")
-        if self._length + ids.size > self._capacity:
-            raise ContextLengthError(
-                f"{ids.size} tokens do not fit: the context holds "
-                f"{self._length} of {self._capacity} positions. Use a shorter input "
-                f"or load the model with a larger context_length.")
+        self._positions.check_room(int(ids.size))
         return ids
 
     def _no_hidden(self, return_hidden: bool) -> None:
@@ -361,7 +356,7 @@ class LlamaCppDecoder:
 
     def _decode(self, ids: np.ndarray, last_only: bool) -> torch.Tensor:
         lc, ctx, vocab = self._lc, self._ctx, self._vocab
-        start = self._length
+        start = self._positions.length
         total = int(ids.size)
         rows: list[np.ndarray] = []
         # Positions whose logits are returned go in calls of at most 7, whose
@@ -390,7 +385,7 @@ class LlamaCppDecoder:
             elif last_chunk:
                 ptr = lc.llama_get_logits_ith(ctx, n - 1)
                 rows.append(np.ctypeslib.as_array(ptr, shape=(1, vocab)).copy())
-        self._length = start + total
+        self._positions.advance(total)
         logits = rows[0] if len(rows) == 1 else np.concatenate(rows)
         return torch.from_numpy(logits)
 
@@ -414,7 +409,7 @@ class LlamaCppDecoder:
         if pos.numel() != t:
             raise CacheStateError(f"{t} tokens need {t} positions, got {pos.numel()}")
         mask = torch.as_tensor(attention_mask).cpu()
-        start = self._length
+        start = self._positions.length
         if mask.dtype != torch.bool or tuple(mask.shape) != (t, start + t):
             raise CacheStateError(
                 f"attention_mask must be bool of shape {(t, start + t)}, got "
@@ -432,32 +427,23 @@ class LlamaCppDecoder:
     # -- cache control -----------------------------------------------------
     def rollback(self, length: int) -> None:
         self._check_open()
-        if not self._committed <= length <= self._length:
-            raise CacheStateError(
-                f"cannot roll back to length {length}: it must lie between the "
-                f"committed length {self._committed} and the current length {self._length}")
-        if length < self._length:
+        self._positions.check_rollback(length)
+        if length < self._positions.length:
             if not self._lc.llama_memory_seq_rm(self._mem, 0, int(length), -1):
                 raise EngineError(f"llama.cpp could not remove positions {length}.. "
                                   f"from its KV memory")
-        self._length = int(length)
+        self._positions.rollback(length)
 
     def commit(self, length: int | None = None) -> None:
-        length = self._length if length is None else length
-        if not self._committed <= length <= self._length:
-            raise CacheStateError(
-                f"cannot commit length {length}: it must lie between the committed "
-                f"length {self._committed} and the current length {self._length}")
-        self._committed = int(length)
+        self._positions.commit(length)
 
     def reset(self) -> None:
         self._check_open()
         self._lc.llama_memory_clear(self._mem, False)
-        self._length = 0
-        self._committed = 0
+        self._positions.reset()
 
     def __repr__(self) -> str:
-        return (f"LlamaCppDecoder({str(self.path)!r}, context {self._capacity}, "
+        return (f"LlamaCppDecoder({str(self.path)!r}, context {self.context_length}, "
                 f"{self.options['n_threads']} threads)")
 
 
