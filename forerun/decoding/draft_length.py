@@ -104,9 +104,18 @@ def best_draft_length(max_k: int, alpha: float, draft_seconds: float,
     return best_k
 
 
+# The acceptance rate a good drafter reaches on easy text.  Exploring with
+# a draft when even this rate could not beat a plain step only costs time.
+OPTIMISTIC_ACCEPTANCE = 0.9
+
+
 class AdaptiveDraftLength:
-    """Chooses k per round; every ``explore_every`` plain rounds in a row it
-    drafts one token anyway, so the acceptance estimate can recover."""
+    """Chooses k per round.  After ``explore_every`` plain rounds in a row it
+    drafts one token anyway, so the acceptance estimate can recover, but
+    only if drafting could pay at all: if even an acceptance of
+    :data:`OPTIMISTIC_ACCEPTANCE` would not beat a plain step at the measured
+    costs (a draft model that costs half the target, on an engine where two
+    positions cost 1.5x one), it stays with plain steps."""
 
     def __init__(self, max_k: int = 8, explore_every: int = 8) -> None:
         self.max_k = max_k
@@ -121,7 +130,9 @@ class AdaptiveDraftLength:
             self._plain_streak += 1
             if self._plain_streak >= self.explore_every:
                 self._plain_streak = 0
-                return 1
+                optimistic = max(self.acceptance.rate, OPTIMISTIC_ACCEPTANCE)
+                if best_draft_length(self.max_k, optimistic, draft_seconds, self.costs):
+                    return 1
         else:
             self._plain_streak = 0
         return k

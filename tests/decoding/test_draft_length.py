@@ -223,10 +223,24 @@ def test_calibrate_stops_at_the_context_limit(monkeypatch):
 
 def test_adaptive_explores_after_a_streak_of_plain_steps():
     policy = AdaptiveDraftLength(max_k=8, explore_every=8)
-    policy.costs = costs_from({1: 1.0, 2: 5.0, 9: 20.0})
+    policy.costs = costs_from({1: 1.0, 2: 1.2, 9: 3.0})
     policy.acceptance = AcceptanceEstimate(prior=0.1)
     choices = [policy.choose(0.1) for _ in range(24)]
     assert choices == ([0] * 7 + [1]) * 3
+
+
+def test_adaptive_does_not_explore_when_drafting_can_not_pay():
+    """The draft model on llama.cpp here: it costs half the target, and
+    verifying 2 positions costs 1.6x one.  Even at 90% acceptance no k beats
+    a plain step, so exploring would only cost time."""
+    policy = AdaptiveDraftLength(max_k=8, explore_every=8)
+    policy.costs = costs_from({1: 0.08, 2: 0.13, 3: 0.15, 5: 0.22, 9: 0.36})
+    policy.acceptance = AcceptanceEstimate(prior=0.8)
+    assert [policy.choose(0.048) for _ in range(40)] == [0] * 40
+    # A free drafter (prompt lookup) on the same engine, going through a bad
+    # spell, is still explored: at 90% acceptance it would pay.
+    policy.acceptance = AcceptanceEstimate(prior=0.1)
+    assert [policy.choose(0.0) for _ in range(8)] == [0] * 7 + [1]
 
 
 def test_adaptive_exploration_lets_acceptance_recover():
@@ -246,13 +260,13 @@ def test_adaptive_exploration_lets_acceptance_recover():
 
 def test_adaptive_streak_resets_when_drafting_pays():
     policy = AdaptiveDraftLength(max_k=4, explore_every=3)
-    policy.costs = costs_from({1: 1.0, 2: 5.0, 5: 20.0})
+    policy.costs = costs_from({1: 1.0, 2: 1.2, 5: 2.0})
     policy.acceptance = AcceptanceEstimate(prior=0.1)
     assert [policy.choose(0.1) for _ in range(2)] == [0, 0]
     policy.costs = costs_from({t: 1.0 for t in range(1, 6)})
     policy.acceptance = AcceptanceEstimate(prior=0.99)
     assert policy.choose(0.0) == 4
-    policy.costs = costs_from({1: 1.0, 2: 5.0, 5: 20.0})
+    policy.costs = costs_from({1: 1.0, 2: 1.2, 5: 2.0})
     policy.acceptance = AcceptanceEstimate(prior=0.1)
     assert [policy.choose(0.1) for _ in range(3)] == [0, 0, 1]
 
