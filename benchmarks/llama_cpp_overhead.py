@@ -90,7 +90,7 @@ def main() -> None:
     llm = reference_llama(path, context_length=args.context_length, n_threads=threads,
                           n_ubatch=ubatch)
     print(f"llama-cpp-python load: {time.perf_counter() - t:.1f} s")
-    print(f"threads: {threads}, n_ubatch: {ubatch}, flash attention on, q8_0 keys")
+    print(f"threads: {threads}, n_ubatch: {ubatch}, flash attention on, f16 keys, q8_0 values")
 
     runners = {"forerun": lambda ids, n: run_forerun(ours, ids, n),
                "llama-cpp-python": lambda ids, n: run_llama(llm, ids, n)}

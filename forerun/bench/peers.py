@@ -136,7 +136,7 @@ class LlamaCppMethod(BenchMethod):
 
     def setup(self, ctx: BenchContext) -> None:
         _require("llama_cpp", "llama-cpp-python", "--peer-llama-cpp")
-        from ..engines.llama_cpp_engine import CACHE_TYPES_K, reference_llama
+        from ..engines.llama_cpp_engine import CACHE_TYPES, reference_llama
 
         path = ctx.source_file("model")
         if path.is_dir() or path.suffix.lower() != ".gguf":
@@ -147,7 +147,8 @@ class LlamaCppMethod(BenchMethod):
             options = dict(getattr(decoder, "options", None) or {}) \
                 if getattr(decoder, "engine", None) == "llama.cpp" else {}
             settings = {k: options[k] for k in ("n_threads", "n_batch", "n_ubatch", "flash_attn",
-                                                "cache_type_k") if k in options}
+                                                "cache_type_k", "cache_type_v")
+                        if k in options}
             extra = getattr(getattr(decoder, "_model", None), "extra_buffers", None)
             ctx.shared[key] = reference_llama(path, context_length=ctx.context_length,
                                               extra_buffers=extra, **settings)
@@ -155,10 +156,11 @@ class LlamaCppMethod(BenchMethod):
         llm = self._llm
         params = llm.context_params
         flash = params.flash_attn_type == _llama_flash_enabled()
-        key_type = {v: k for k, v in CACHE_TYPES_K.items()}.get(params.type_k, params.type_k)
+        names = {v: k for k, v in CACHE_TYPES.items()}
         self.note = (f"llama-cpp-python set up like forerun's llama.cpp engine: "
                      f"n_ubatch={params.n_ubatch}, flash attention {'on' if flash else 'off'}, "
-                     f"{key_type} keys, {params.n_threads} threads")
+                     f"{names.get(params.type_k, params.type_k)} keys, "
+                     f"{names.get(params.type_v, params.type_v)} values, {params.n_threads} threads")
 
     def generate(self, ctx: BenchContext, prompt_ids: Sequence[int], *, max_new_tokens: int,
                  temperature: float, seed: int) -> MethodOutput:

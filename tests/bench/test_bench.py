@@ -395,7 +395,7 @@ def test_real_model_on_the_llama_cpp_engine(tmp_path, capsys):
     assert methods["ngram"]["status"] == "ok"
     assert "torch engine" in (methods["medusa"]["message"] or "")
     assert "n_ubatch=512" in methods["llamacpp-plain"]["note"]
-    assert "q8_0 keys" in methods["llamacpp-plain"]["note"]
+    assert "f16 keys, q8_0 values" in methods["llamacpp-plain"]["note"]
     rows = {r["method"]: r for r in report["rows"] if r["status"] == "ok"}
     assert rows["ngram"]["mismatch"] is False
     assert rows["llamacpp-plain"]["plain_match"] == 1.0

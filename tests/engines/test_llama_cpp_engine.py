@@ -150,11 +150,12 @@ def test_engine_options(preset_gguf):
     try:
         assert model.decoder.options["n_threads"] == torch.get_num_threads()
         assert model.decoder.options["n_ubatch"] == 512 and model.decoder.options["flash_attn"]
-        assert model.decoder.options["cache_type_k"] == "q8_0"
+        assert model.decoder.options["cache_type_k"] == "f16"
+        assert model.decoder.options["cache_type_v"] == "q8_0"
     finally:
         model.decoder.close()
-    with pytest.raises(ConfigError, match="cache_type_k must be one of q8_0, f16"):
-        forerun.load(path, engine="llama.cpp", engine_options={"cache_type_k": "q4"})
+    with pytest.raises(ConfigError, match="cache_type_v must be one of f16, q8_0"):
+        forerun.load(path, engine="llama.cpp", engine_options={"cache_type_v": "q4"})
 
 
 # -- the Decoder protocol --------------------------------------------------------
@@ -238,13 +239,14 @@ def test_logits_do_not_depend_on_how_positions_are_grouped(llama_model, name):
 @needs_llama_cpp
 def test_grouping_invariance_beyond_256_positions(decoder, smollm):
     """Past 256 cached positions llama.cpp's flash attention has another
-    kernel for a one-query forward, which splits F16 keys across threads.
-    With the default Q8_0 keys every forward takes one kernel, so grouping
-    does not matter on several threads; with F16 keys only one thread is
-    exact (the documented fallback)."""
+    kernel for a one-query forward, which splits keys across threads when
+    keys and values are both F16.  With the default Q8_0 values every
+    forward takes one kernel, so grouping does not matter on several
+    threads; with F16 values only one thread is exact (the documented
+    fallback)."""
     from forerun.engines.llama_cpp_engine import LlamaCppDecoder
 
-    assert decoder.options["n_threads"] == 2 and decoder.options["cache_type_k"] == "q8_0"
+    assert decoder.options["n_threads"] == 2 and decoder.options["cache_type_v"] == "q8_0"
     long_prompt = [1000 + (i * 37) % 9000 for i in range(600)]
 
     def grouped_and_one_by_one(d):
@@ -256,8 +258,8 @@ def test_grouping_invariance_beyond_256_positions(decoder, smollm):
     together, one_by_one = grouped_and_one_by_one(decoder)
     assert torch.equal(together, one_by_one)
     with LlamaCppDecoder(smollm.decoder.path, context_length=CONTEXT, n_threads=1,
-                         cache_type_k="f16") as f16_keys:
-        together, one_by_one = grouped_and_one_by_one(f16_keys)
+                         cache_type_v="f16") as f16_values:
+        together, one_by_one = grouped_and_one_by_one(f16_values)
         assert torch.equal(together, one_by_one)
 
 

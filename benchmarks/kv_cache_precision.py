@@ -1,17 +1,18 @@
-"""What Q8_0 keys cost in fidelity on the llama.cpp engine: the logits of a
-context with Q8_0 keys (the engine's default, which keeps speculative
-decoding exact on several threads) against one with llama.cpp's default F16
-keys, over the same text.
+"""What a quantized KV cache costs in fidelity on the llama.cpp engine: the
+logits of a context with the engine's cache types (default F16 keys and
+Q8_0 values, which keep speculative decoding exact on several threads)
+against one with llama.cpp's default F16 keys and values, over the same text.
 
-    python benchmarks/key_cache_precision.py [--model qwen2.5-coder-1.5b]
-        [--per-category 1] [--new-tokens 128]
+    python benchmarks/kv_cache_precision.py [--model qwen2.5-coder-1.5b]
+        [--per-category 1] [--new-tokens 128] [--cache-type-k f16]
+        [--cache-type-v q8_0]
 
 For one prompt per category of the shipped prompt set (first turns only),
 the F16 context generates ``--new-tokens`` greedy tokens on one thread
 (exact); then both contexts read prompt plus output in one feed, and at
 every generated position the script compares the two next-token
 distributions: whether their top tokens agree, the KL divergence
-KL(F16 || Q8_0), and the largest logit difference.  Needs
+KL(F16 || tested), and the largest logit difference.  Needs
 ``forerun[llama]`` and the model's preset packages.
 """
 
@@ -28,6 +29,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--cache-type-k", default="f16", help="keys of the tested cache")
+    parser.add_argument("--cache-type-v", default="q8_0", help="values of the tested cache")
     args = parser.parse_args()
 
     import forerun
@@ -35,8 +38,12 @@ def main() -> None:
     from forerun.engines.llama_cpp_engine import LlamaCppDecoder
 
     f16 = forerun.load(args.model, engine="llama.cpp", context_length=2048, progress=False,
-                       engine_options={"cache_type_k": "f16", "n_threads": 1})
-    q8 = LlamaCppDecoder(f16.decoder.path, context_length=2048)
+                       engine_options={"cache_type_k": "f16", "cache_type_v": "f16",
+                                       "n_threads": 1})
+    tested = LlamaCppDecoder(f16.decoder.path, context_length=2048,
+                             cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+    print(f"{args.model}: {args.cache_type_k} keys and {args.cache_type_v} values "
+          f"against f16 keys and values")
     agree: list[float] = []
     kls: list[float] = []
     worst = 0.0
@@ -46,7 +53,7 @@ def main() -> None:
         ids = f16.encode_prompt(messages=[{"role": "user", "content": prompt.turns[0]}])
         out = f16.generate(prompt_ids=ids, max_new_tokens=args.new_tokens).tokens
         rows = []
-        for decoder in (f16.decoder, q8):
+        for decoder in (f16.decoder, tested):
             decoder.reset()
             decoder.feed(ids[:-1], last_only=True)
             rows.append(decoder.feed([ids[-1]] + out[:-1]).logits)
@@ -63,7 +70,7 @@ def main() -> None:
               f"{float(kl.mean()):.5f} | {float(kl.max()):.4f} | {diff:.3f} |", flush=True)
     print(f"\nall: top-1 agreement {statistics.mean(agree):.3f}, "
           f"mean KL {statistics.mean(kls):.5f} nats, max logit diff {worst:.3f}")
-    q8.close()
+    tested.close()
     f16.decoder.close()
 
 
