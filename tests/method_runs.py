@@ -29,3 +29,19 @@ def greedy_tokens(method, prompt: Sequence[int], n: int,
     """:func:`run_method` with greedy decoding."""
     return run_method(method, prompt, n, TokenSampler(SamplingParams(), seed=0),
                       stats if stats is not None else GenerationStats())
+
+
+class FeedLog:
+    """A Decoder that records ``(len(tokens), last_only)`` of each feed it
+    passes on to ``inner`` (anything else goes to ``inner`` unrecorded)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.feeds: list[tuple[int, bool]] = []
+
+    def feed(self, tokens, *, last_only=False, return_hidden=False):
+        self.feeds.append((len(tokens), last_only))
+        return self.inner.feed(tokens, last_only=last_only, return_hidden=return_hidden)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

@@ -155,15 +155,17 @@ class TreeSpeculativeDecoding(DraftAndVerify):
         target.reset()
         drafter.begin(prompt_ids)
         sequence = list(prompt_ids)
-        hidden = None
         start = time.perf_counter()
-        # Prefill all but the last prompt token: it is the first round's root.
-        if len(sequence) > 1:
-            out = target.feed(sequence[:-1], last_only=True, return_hidden=want_hidden)
-            hidden = out.hidden[-1] if want_hidden else None
+        # The prefill is plain decoding's, one feed of the whole prompt (see
+        # Decoder.feed); its logits give the first token, the first root.
+        out = target.feed(sequence, last_only=True, return_hidden=want_hidden)
+        hidden = out.hidden[-1] if want_hidden else None
         target.commit()
         self._calibrate(sequence[-1])
         stats.prefill_seconds = time.perf_counter() - start
+        first = sampler.pick(out.logits[-1])
+        sequence.append(first)
+        yield [first]
         vocab = target.vocab_size
         keep_slots = getattr(target, "keep_slots", None)
         device = getattr(target, "device", "cpu")
@@ -216,7 +218,6 @@ class TreeSpeculativeDecoding(DraftAndVerify):
                 self.policy.acceptance.update(shape, path)
             self.policy.costs.observe(shape.size, t2 - t1)
             yield committed
-
 
 
 def _probs_of(sampler: TokenSampler, logits: torch.Tensor):

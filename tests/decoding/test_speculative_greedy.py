@@ -15,6 +15,7 @@ from forerun.errors import ContextLengthError
 from forerun.generation.result import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 
+from method_runs import FeedLog
 from table_decoders import single_thread  # noqa: F401 (autouse fixture)
 
 pytest.importorskip("transformers")
@@ -199,21 +200,6 @@ def test_context_limit_with_prompt_plus_max_tokens_exactly_fitting():
         method = SpeculativeDecoding(decoder("llama", "self", context),
                                      DraftModelDrafter(decoder("llama", "other", context)), k=k)
         assert generate(method, prompt, n) == expected
-
-
-class FeedLog:
-    """A Decoder that records the feeds it passes on to ``inner``."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.feeds: list[tuple[int, bool]] = []
-
-    def feed(self, tokens, *, last_only=False, return_hidden=False):
-        self.feeds.append((len(tokens), last_only))
-        return self.inner.feed(tokens, last_only=last_only, return_hidden=return_hidden)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 def test_prefill_is_plain_decodings():

@@ -15,7 +15,7 @@ from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.errors import ConfigError
 from forerun.generation.result import GenerationStats
 
-from method_runs import greedy_tokens
+from method_runs import FeedLog, greedy_tokens
 from tiny_models import VOCAB, forerun_decoder, hf_model
 
 
@@ -258,3 +258,18 @@ def test_tree_decoding_near_the_end_of_the_context(arch):
     plain = greedy_tokens(PlainDecoding(forerun_decoder(hf_model(arch, seed=5), 24)), prompt,
                       24 - len(prompt))
     assert out == plain
+
+
+def test_tree_prefill_is_plain_decodings(arch):
+    """As for linear speculative decoding: the prompt goes in one
+    ``last_only`` feed, as plain decoding feeds it (an engine may compute a
+    prefill with other kernels than a verification)."""
+    prompt = [5, 17, 42, 99]
+    plain_target = FeedLog(_fresh(arch))
+    greedy_tokens(PlainDecoding(plain_target), prompt, 8)
+    tree_target = FeedLog(_fresh(arch))
+    drafter = OracleTreeDrafter(forerun_decoder(hf_model(arch, seed=5), context_length=128))
+    greedy_tokens(TreeSpeculativeDecoding(tree_target, drafter,
+                                          tree=TreeShape.from_counts([3, 2, 2])), prompt, 8)
+    assert plain_target.feeds[0] == tree_target.feeds[0] == (len(prompt), True)
+    assert all(not last_only for _, last_only in tree_target.feeds[1:])
