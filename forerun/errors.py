@@ -64,3 +64,19 @@ class UnsupportedOperationError(ForerunError, ValueError):
 
 class EngineError(ForerunError, RuntimeError):
     """An engine that failed to run (a llama.cpp call that returned an error)."""
+
+
+class ModelBusyError(ForerunError, RuntimeError):
+    """A generation started on a model (or one of its draft models) while
+    another generation of the same thread still holds it: an unfinished
+    stream that was neither exhausted nor closed."""
+
+
+class NonFiniteLogitsError(ForerunError, RuntimeError):
+    """A model that produced NaN or infinite logits: corrupt weights, or an
+    overflow in a reduced-precision dtype."""
+
+
+class CacheError(ForerunError, OSError):
+    """forerun's cache directory can't be used (it is a file, can't be
+    created or written), or a cache entry is damaged and can't be rebuilt."""

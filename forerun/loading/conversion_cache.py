@@ -2,43 +2,48 @@
 
 Dequantizing a GGUF model takes tens of seconds; loading float32 safetensors
 takes a few.  The first load of a GGUF file writes ``model.safetensors``,
-``config.json`` and the tokenizer into ``<cache>/converted/<name>-<key>/``,
-where the key depends on the file's path, size and modification time and on
-this converter's version; later loads read that folder.
+``config.json`` and the tokenizer into ``<cache>/converted/<key>/``, where the
+key is the SHA-256 of the GGUF's bytes (:mod:`~forerun.loading.content_key`),
+so a moved or reassembled file finds its entry again.  The folder is a
+:class:`~forerun.loading.cache_entry.CacheEntry`: checked at every load,
+rebuilt when damaged, built under a lock and published atomically.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
-from ..paths import cache_dir
+from .cache_entry import CacheEntry, check, ensure
 from .gguf_file import GGUFFile
 
-CONVERTER_VERSION = "1"
-COMPLETE_MARKER = "complete"
+CONVERTER_VERSION = "2"
 
 
-def converted_dir(gguf_path: Path) -> Path:
-    st = gguf_path.stat()
-    key = hashlib.sha256(
-        f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}".encode()
-    ).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
+def converted_entry(gguf_path: Path, digest: str | None = None) -> CacheEntry:
+    """The cache entry of ``gguf_path``'s conversion; ``digest``: the file's
+    SHA-256 when it is already known (a preset's)."""
+    from ..paths import cache_dir
+    from .content_key import file_digest
+
+    digest = digest or file_digest(gguf_path)
+    return CacheEntry(cache_dir() / "converted" / digest[:32],
+                      f"the converted weights of {gguf_path.name}",
+                      version=CONVERTER_VERSION)
 
 
-def is_converted(gguf_path: Path) -> bool:
-    return (converted_dir(gguf_path) / COMPLETE_MARKER).is_file()
+def is_converted(gguf_path: Path, digest: str | None = None) -> bool:
+    return check(converted_entry(gguf_path, digest)) is None
 
 
-def convert_gguf(gguf_path: Path, *, progress: bool = True) -> Path:
-    """The converted folder of ``gguf_path``, converting it first if needed."""
-    target = converted_dir(gguf_path)
-    if (target / COMPLETE_MARKER).is_file():
-        return target
+def convert_gguf(gguf_path: Path, *, progress: bool = True, digest: str | None = None) -> Path:
+    """The converted folder of ``gguf_path``, converting it first if it is
+    missing or damaged."""
+    entry = converted_entry(gguf_path, digest)
+    return ensure(entry, lambda tmp: _convert(gguf_path, tmp, progress), progress=progress)
+
+
+def _convert(gguf_path: Path, out: Path, progress: bool) -> dict:
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
@@ -47,20 +52,14 @@ def convert_gguf(gguf_path: Path, *, progress: bool = True) -> Path:
     gguf = GGUFFile(gguf_path)
     config = gguf.config()
     tokenizer = tokenizer_from_gguf_metadata(gguf.metadata)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     tensors = {}
     for name, array in tqdm(gguf.weights(config), total=gguf.tensor_count(),
                             desc=f"converting {gguf_path.name}", unit="tensor",
                             disable=not progress, leave=False):
         tensors[name] = array
-    save_file(tensors, str(tmp / "model.safetensors"),
+    save_file(tensors, str(out / "model.safetensors"),
               metadata={"source": str(gguf_path), "format": "pt"})
     del tensors
-    (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
-    tokenizer.save(tmp / "tokenizer")
-    (tmp / COMPLETE_MARKER).write_text(str(gguf_path.resolve()))
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
-    return target
+    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+    tokenizer.save(out / "tokenizer")
+    return {"source": str(gguf_path.resolve()), "name": gguf_path.name}

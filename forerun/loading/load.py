@@ -7,6 +7,7 @@ Face folder (``config.json``, safetensors weights, ``tokenizer.json``).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,7 +38,14 @@ def _read_json(path: Path) -> dict:
 
 def resolve_spec(spec: str | Path, *, progress: bool = True) -> Path:
     """The file or folder a model specification names."""
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ConfigError(f"a model is a preset name or a path, got {type(spec).__name__} "
+                          f"{spec!r}")
     text = str(spec)
+    if not text.strip():
+        raise ModelNotFoundError(
+            f"the model name is empty; give a preset ({', '.join(PRESETS)}), a .gguf file "
+            f"or a Hugging Face folder")
     if text in PRESETS:
         return resolve_preset(text, progress=progress)
     path = Path(text).expanduser()
@@ -89,7 +97,14 @@ def load_model_files(spec: str | Path, *, progress: bool = True) -> ModelFiles:
         raise ModelFormatError(
             f"{path} is neither a .gguf file nor a model folder; forerun loads GGUF files "
             f"and Hugging Face folders with safetensors weights")
-    return load_converted(convert_gguf(path, progress=progress), name, path)
+    converted = convert_gguf(path, progress=progress, digest=_known_digest(spec))
+    return load_converted(converted, name, path)
+
+
+def _known_digest(spec: str | Path) -> str | None:
+    """The SHA-256 of a preset's GGUF (checked when it was assembled)."""
+    preset = PRESETS.get(str(spec))
+    return preset.sha256 if preset is not None else None
 
 
 def load_gguf_files(spec: str | Path, *, engine: str = "llama.cpp",
@@ -100,7 +115,7 @@ def load_gguf_files(spec: str | Path, *, engine: str = "llama.cpp",
 
     Parsing a header with a large vocabulary takes seconds, so the config and
     tokenizer are kept in ``<cache>/gguf-header/`` (a few MB, keyed like the
-    conversion cache by the file's path, size and modification time)."""
+    conversion cache by the file's SHA-256)."""
     path = resolve_spec(spec, progress=progress)
     name = str(spec) if str(spec) in PRESETS else path.name
     if path.is_dir():
@@ -110,47 +125,49 @@ def load_gguf_files(spec: str | Path, *, engine: str = "llama.cpp",
     if path.suffix.lower() != ".gguf":
         raise ModelFormatError(
             f"the {engine} engine runs GGUF files, and {path} is not a .gguf file")
-    config, tokenizer = _gguf_header(path)
+    config, tokenizer = _gguf_header(path, _known_digest(spec))
     return ModelFiles(name, config, {}, tokenizer, gguf_path=path)
 
 
-GGUF_HEADER_VERSION = "1"
+GGUF_HEADER_VERSION = "2"
 
 
-def _gguf_header(path: Path) -> tuple[ModelConfig, Any]:
+def _gguf_header(path: Path, digest: str | None = None) -> tuple[ModelConfig, Any]:
     """(config, tokenizer) of a GGUF file, from the header cache when it
-    holds them."""
-    import hashlib
-    import os
-    import shutil
+    holds them.  The cache is optional: when it can't be used the header is
+    parsed, with a warning."""
+    import warnings
 
+    from ..errors import CacheError
     from ..paths import cache_dir
     from ..tokenizer import Tokenizer, tokenizer_from_gguf_metadata
+    from .cache_entry import CacheEntry, ensure
+    from .content_key import file_digest
     from .gguf_file import GGUFFile
 
-    st = path.stat()
-    key = hashlib.sha256(
-        f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{GGUF_HEADER_VERSION}".encode()
-    ).hexdigest()[:16]
-    folder = cache_dir() / "gguf-header" / f"{path.stem}-{key}"
-    if (folder / "complete").is_file():
-        try:
-            return (ModelConfig.from_dict(_read_json(folder / "config.json")),
-                    Tokenizer.load(folder / "tokenizer"))
-        except Exception:   # a damaged entry: read the file again
-            pass
-    gguf = GGUFFile(path)
-    config = gguf.config()
-    tokenizer = tokenizer_from_gguf_metadata(gguf.metadata)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    parsed: list = []
+
+    def parse(out: Path) -> dict:
+        gguf = GGUFFile(path)
+        config = gguf.config()
+        tokenizer = tokenizer_from_gguf_metadata(gguf.metadata)
+        parsed[:] = [config, tokenizer]
+        (out / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+        tokenizer.save(out / "tokenizer")
+        return {"source": str(path.resolve()), "name": path.name}
+
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
-        tokenizer.save(tmp / "tokenizer")
-        (tmp / "complete").write_text(str(path.resolve()))
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
-    except OSError:   # a read-only cache only costs the next load the parse
-        shutil.rmtree(tmp, ignore_errors=True)
-    return config, tokenizer
+        digest = digest or file_digest(path)
+        entry = CacheEntry(cache_dir() / "gguf-header" / digest[:32],
+                           f"the parsed header of {path.name}", version=GGUF_HEADER_VERSION)
+        folder = ensure(entry, parse, progress=False)
+    except CacheError as exc:
+        if not parsed:
+            gguf = GGUFFile(path)
+            parsed[:] = [gguf.config(), tokenizer_from_gguf_metadata(gguf.metadata)]
+        warnings.warn(f"forerun: the GGUF header cache is not used: {exc}", stacklevel=3)
+        return parsed[0], parsed[1]
+    if parsed:
+        return parsed[0], parsed[1]
+    return (ModelConfig.from_dict(_read_json(folder / "config.json")),
+            Tokenizer.load(folder / "tokenizer"))

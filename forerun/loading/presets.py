@@ -3,20 +3,24 @@
 A preset's weights come split into numbered ``data/partNN.bin`` files across
 several packages (or as one ``.gguf`` inside a package).  The first use
 concatenates the parts in order into forerun's cache, checking the size and
-SHA-256 of the result; later uses only check the size.
+SHA-256 of the result.  The assembled file is a
+:class:`~forerun.loading.cache_entry.CacheEntry` whose content must have the
+preset's SHA-256: later uses check its size and stamp, checksum it again when
+it was touched, and assemble it again when it is damaged.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata as md
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ModelFormatError, ModelNotFoundError, PresetNotInstalledError
+from ..errors import (CacheError, ModelFormatError, ModelNotFoundError,
+                      PresetNotInstalledError)
 from ..paths import cache_dir
+from .cache_entry import CacheEntry, check, ensure
 
 
 @dataclass(frozen=True)
@@ -95,17 +99,34 @@ def assembled_path(preset: Preset) -> Path:
     return cache_dir() / "models" / f"{preset.name}.gguf"
 
 
-def is_assembled(preset: Preset) -> bool:
+def assembled_entry(preset: Preset) -> CacheEntry:
+    """The cache entry of a preset's assembled GGUF, keyed by its SHA-256."""
     path = assembled_path(preset)
-    return path.is_file() and path.stat().st_size == preset.size
+    return CacheEntry(path, f"the assembled weights of preset {preset.name!r}",
+                      expected={path.name: preset.sha256}, is_dir=False)
+
+
+def is_assembled(preset: Preset) -> bool:
+    """Whether the preset's GGUF is in the cache, whole (False when the
+    cache can't be used)."""
+    try:
+        return check(assembled_entry(preset)) is None
+    except CacheError:
+        return False
 
 
 def resolve_preset(name: str, *, progress: bool = True) -> Path:
-    """The GGUF file of preset ``name``, assembling it first if needed."""
+    """The GGUF file of preset ``name``, assembling it first if it is
+    missing or damaged."""
     preset = get_preset(name)
-    target = assembled_path(preset)
-    if target.is_file() and target.stat().st_size == preset.size:
-        return target
+    return ensure(assembled_entry(preset), lambda tmp: _assemble(preset, tmp, progress),
+                  progress=progress)
+
+
+def _assemble(preset: Preset, out: Path, progress: bool) -> dict:
+    """Concatenate the preset's installed parts into ``out``, checking the
+    size and SHA-256 of the result."""
+    name = preset.name
     files = _part_files(preset)
     if files is None:
         raise PresetNotInstalledError(
@@ -117,25 +138,21 @@ def resolve_preset(name: str, *, progress: bool = True) -> Path:
         raise ModelFormatError(
             f"the installed files of preset {name!r} hold {total} bytes, expected "
             f"{preset.size}; reinstall them: {preset.install_command} --force-reinstall")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".tmp{os.getpid()}")
     digest = hashlib.sha256()
     from tqdm import tqdm
 
-    with open(tmp, "wb") as out, tqdm(total=total, unit="B", unit_scale=True,
-                                      desc=f"assembling {name}", disable=not progress,
-                                      leave=False) as bar:
+    with open(out, "wb") as sink, tqdm(total=total, unit="B", unit_scale=True,
+                                       desc=f"assembling {name}", disable=not progress,
+                                       leave=False) as bar:
         for f in files:
             with open(f, "rb") as src:
                 while chunk := src.read(16 << 20):
                     digest.update(chunk)
-                    out.write(chunk)
+                    sink.write(chunk)
                     bar.update(len(chunk))
     if digest.hexdigest() != preset.sha256:
-        tmp.unlink(missing_ok=True)
         raise ModelFormatError(
             f"the assembled weights of preset {name!r} have SHA-256 {digest.hexdigest()}, "
             f"expected {preset.sha256}; reinstall them: "
             f"{preset.install_command} --force-reinstall")
-    os.replace(tmp, target)
-    return target
+    return {"preset": name}
