@@ -87,8 +87,11 @@ class ModelConfig:
                 raise ConfigError(f"{source} is missing the required key {key!r}")
             return hf[key]
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
+        def count(key: str, value: Any = None) -> int:
+            return positive_int(need(key) if value is None else value, key, source)
+
+        hidden = count("hidden_size")
+        heads = count("num_attention_heads")
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope_theta = hf.get("rope_theta")
@@ -98,18 +101,21 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise ConfigError(f"{source}: rope_scaling must be an object, got {rope_scaling!r}")
         return cls(
             architecture=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=count("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=count("intermediate_size"),
+            num_layers=count("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(need("rms_norm_eps")),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            max_position_embeddings=int(need("max_position_embeddings")),
+            num_kv_heads=count("num_key_value_heads", hf.get("num_key_value_heads") or heads),
+            head_dim=count("head_dim", hf.get("head_dim") or hidden // heads),
+            rms_norm_eps=real(need("rms_norm_eps"), "rms_norm_eps", source),
+            rope_theta=real(rope_theta if rope_theta is not None else 10000.0, "rope_theta",
+                            source),
+            max_position_embeddings=count("max_position_embeddings"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=(True if model_type == "qwen2"
                             else bool(hf.get("attention_bias", False))),
@@ -117,6 +123,26 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def positive_int(value: Any, key: str, source: str) -> int:
+    """``value`` as a positive int (an integral float such as 64.0 too); a
+    string, a fraction, zero or a negative number is a
+    :class:`ConfigError` naming ``key`` and ``source``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    if value <= 0:
+        raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def real(value: Any, key: str, source: str) -> float:
+    """``value`` as a finite float, or a :class:`ConfigError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value in (float("inf"), float("-inf")):
+        raise ConfigError(f"{source}: {key} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def rope_scaling_type(rope_scaling: dict[str, Any] | None) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..config import ModelConfig, SUPPORTED_ARCHITECTURES
+from ..config import SUPPORTED_ARCHITECTURES, ModelConfig, positive_int, real
 from ..errors import ConfigError, ModelFormatError, ModelNotFoundError, UnsupportedArchitectureError
 from .dequantize import dequantize
 
@@ -78,8 +78,12 @@ class GGUFFile:
         try:
             self.reader = gguf.GGUFReader(str(self.path), "r")
         except Exception as exc:  # the reader raises many types on bad input
+            # Its messages are numpy's ("cannot reshape array of size ..."):
+            # say what it means instead.
             raise ModelFormatError(
-                f"{self.path} is a truncated or corrupt GGUF file: {exc}") from exc
+                f"{self.path} is a truncated or corrupt GGUF file: its header or tensor "
+                f"table can't be read ({size} bytes; it ends early or holds invalid "
+                f"values). Download or copy the file again") from exc
         for t in self.reader.tensors:
             if t.data_offset + t.n_bytes > size:
                 raise ModelFormatError(
@@ -121,8 +125,12 @@ class GGUFFile:
                 raise ConfigError(f"{self.path} is missing the metadata key {full!r}")
             return meta[full]
 
-        hidden = int(need("embedding_length"))
-        heads = int(need("attention.head_count"))
+        def count(key: str, value: Any = None) -> int:
+            return positive_int(need(key) if value is None else value, f"{arch}.{key}",
+                                str(self.path))
+
+        hidden = count("embedding_length")
+        heads = count("attention.head_count")
         tensors = {t.name: t for t in self.reader.tensors}
         if "token_embd.weight" not in tensors:
             raise ModelFormatError(f"{self.path} has no token_embd.weight tensor")
@@ -137,20 +145,25 @@ class GGUFFile:
             if kind != "linear":
                 raise ConfigError(f"{self.path}: RoPE scaling {kind!r} is not supported")
             rope_scaling = {"rope_type": "linear",
-                            "factor": float(need("rope.scaling.factor"))}
+                            "factor": real(need("rope.scaling.factor"),
+                                           f"{arch}.rope.scaling.factor", str(self.path))}
         eos = meta.get("tokenizer.ggml.eos_token_id")
         return ModelConfig(
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(need("feed_forward_length")),
-            num_layers=int(need("block_count")),
+            intermediate_size=count("feed_forward_length"),
+            num_layers=count("block_count"),
             num_heads=heads,
-            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            max_position_embeddings=int(need("context_length")),
+            num_kv_heads=count("attention.head_count_kv",
+                               meta.get(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=count("attention.key_length",
+                           meta.get(f"{arch}.attention.key_length", hidden // heads)),
+            rms_norm_eps=real(need("attention.layer_norm_rms_epsilon"),
+                              f"{arch}.attention.layer_norm_rms_epsilon", str(self.path)),
+            rope_theta=real(meta.get(f"{arch}.rope.freq_base", 10000.0),
+                            f"{arch}.rope.freq_base", str(self.path)),
+            max_position_embeddings=count("context_length"),
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
             rope_scaling=rope_scaling,

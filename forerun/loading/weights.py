@@ -52,8 +52,12 @@ def safetensors_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFormatError(f"{index} is not a valid safetensors index: {exc}") from exc
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise ModelFormatError(f"{index} is not a valid safetensors index: its weight_map "
+                                   f"must map tensor names to file names")
         return [folder / name for name in sorted(set(weight_map.values()))]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
