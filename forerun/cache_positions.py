@@ -16,6 +16,9 @@ class CachePositions:
         self._capacity = int(capacity)
         self._length = 0
         self._committed = 0
+        # The prefix-reuse ledger (forerun.prefix_reuse): tokens of the
+        # leading positions that whole prefill blocks computed.
+        self._prefilled: list[int] = []
 
     @property
     def capacity(self) -> int:
@@ -58,6 +61,7 @@ class CachePositions:
         """Forget positions at and after ``length``.  O(1): only the pointer moves."""
         self.check_rollback(length)
         self._length = int(length)
+        del self._prefilled[self._length:]
 
     def commit(self, length: int | None = None) -> None:
         """Raise the committed floor to ``length`` (default: current length)."""
@@ -72,3 +76,45 @@ class CachePositions:
         """Forget everything, the committed floor included."""
         self._length = 0
         self._committed = 0
+        self._prefilled.clear()
+
+    # -- prefix reuse (forerun.prefix_reuse) -------------------------------
+    @property
+    def prefilled(self) -> tuple[int, ...]:
+        """The ledger: tokens of the leading positions that whole prefill
+        blocks computed.  Never longer than :attr:`length`."""
+        return tuple(self._prefilled)
+
+    def mark_prefilled(self, tokens, block: int) -> None:
+        """Add the last ``len(tokens)`` positions to the ledger: they must be
+        one whole block of ``block`` positions starting where the ledger
+        ends, at a multiple of ``block`` (else :class:`CacheStateError`)."""
+        n = len(tokens)
+        start = self._length - n
+        if n != block or start != len(self._prefilled) or start % block:
+            raise CacheStateError(
+                f"cannot record positions {start}..{self._length - 1} as a prefill block: "
+                f"a block is {block} positions starting at the end of the recorded "
+                f"prefix ({len(self._prefilled)})")
+        self._prefilled.extend(int(t) for t in tokens)
+
+    def keep_prefix(self, length: int) -> None:
+        """Forget positions at and after ``length`` and clear the committed
+        floor (``0 <= length <= self.length`` or :class:`CacheStateError`)."""
+        if not 0 <= length <= self._length:
+            raise CacheStateError(f"cannot keep {length} positions: the cache holds "
+                                  f"{self._length}")
+        self._length = int(length)
+        self._committed = 0
+        del self._prefilled[self._length:]
+
+    def set_prefilled(self, tokens) -> None:
+        """After an engine restored a saved prefix of ``len(tokens)``
+        positions: hold exactly those, all in the ledger, with no floor."""
+        if len(tokens) > self._capacity:
+            raise ContextLengthError(
+                f"a saved prefix of {len(tokens)} positions does not fit in a context of "
+                f"{self._capacity}")
+        self._length = len(tokens)
+        self._committed = 0
+        self._prefilled = [int(t) for t in tokens]

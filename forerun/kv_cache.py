@@ -99,6 +99,7 @@ class KVCache(CachePositions):
             self.keys[:, :, dst] = self.keys[:, :, src_slots]
             self.values[:, :, dst] = self.values[:, :, src_slots]
         self._length = dst_start + n
+        del self._prefilled[self._length:]
 
     # -- persistence -----------------------------------------------------
     def export(self) -> dict:
@@ -146,6 +147,7 @@ class KVCache(CachePositions):
         self.values[:, :, :length] = values.to(self.values)
         self._length = length
         self._committed = committed
+        self._prefilled.clear()   # a restored cache is no prefill's (see set_prefilled)
 
     def save(self, path: str | Path, extra: dict[str, str] | None = None) -> None:
         """Write :meth:`export` to a safetensors file."""

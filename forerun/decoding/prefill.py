@@ -1,0 +1,52 @@
+"""The prefill every decoding method starts with: the prompt into the
+target's cache, and the logits of its last position.
+
+Every method prefills through :func:`prefill`, so all of them compute a
+prompt's cache with the same forwards (an engine may compute a prefill with
+other kernels than a verification; see :meth:`forerun.decoder.Decoder.feed`),
+and all of them reuse a cached prefix the same exact way
+(:mod:`forerun.prefix_reuse`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..decoder import Decoder, ForwardOutput
+from ..errors import CacheStateError
+from ..prefix_reuse import PrefixReuse, reusable_length
+
+
+def prefill(target: Decoder, prompt_ids: Sequence[int], *,
+            return_hidden: bool = False) -> ForwardOutput:
+    """Make ``target``'s cache hold exactly ``prompt_ids``, committed, and
+    return the output of the last prompt position (``[1, V]`` logits, and the
+    ``[1, H]`` hidden state when ``return_hidden``).
+
+    On an engine with :class:`~forerun.prefix_reuse.PrefixReuse`, the cache
+    keeps the leading whole prefill blocks it already holds for this prompt
+    (:func:`~forerun.prefix_reuse.reusable_length`) and the rest is fed in
+    ``last_only`` feeds of the blocks ``[kB, (k+1)B)``, the last one possibly
+    partial; each whole block joins the ledger.  A warm prefill thus runs the
+    very forwards a cold one runs after the kept blocks.  Other decoders get
+    one ``last_only`` feed of the whole prompt after a reset.
+    """
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise CacheStateError("the prefill needs at least one prompt token")
+    if not isinstance(target, PrefixReuse):
+        target.reset()
+        out = target.feed(prompt, last_only=True, return_hidden=return_hidden)
+        target.commit()
+        return out
+    block = target.prefill_block
+    keep = reusable_length(target.prefilled_tokens, prompt, block)
+    target.keep_prefix(keep)
+    out = None
+    for start in range(keep, len(prompt), block):
+        chunk = prompt[start:start + block]
+        out = target.feed(chunk, last_only=True, return_hidden=return_hidden)
+        if len(chunk) == block:
+            target.mark_prefilled(chunk)
+    target.commit()
+    return out

@@ -1,0 +1,236 @@
+"""The shared prefill and exact prefix reuse: a warm prefill (one that keeps
+whole prefill blocks of an earlier prompt) computes bit for bit what a cold
+one computes, on both engines and for every decoding method."""
+
+import pytest
+import torch
+
+import forerun
+from forerun.decoding.plain import PlainDecoding
+from forerun.decoding.prefill import prefill
+from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.decoding.tree import TreeShape
+from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
+from forerun.drafters.ngram import NgramDrafter
+from forerun.errors import CacheStateError
+from forerun.generation.result import GenerationStats
+from forerun.prefix_reuse import PrefixReuse, reusable_length
+from forerun.sampling import SamplingParams, TokenSampler
+from method_runs import FeedLog, run_method
+from tiny_models import forerun_decoder, hf_model
+from decoding.test_tree import OracleTreeDrafter
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def hf(request):
+    return hf_model(request.param, seed=5)
+
+
+def target_of(hf, context_length=160):
+    decoder = forerun_decoder(hf, context_length=context_length)
+    decoder.prefill_block = BLOCK
+    return decoder
+
+
+def prompt(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 300, (n,), generator=g).tolist()
+
+
+def kv(decoder):
+    n = decoder.length
+    return decoder.cache.keys[:, :, :n].clone(), decoder.cache.values[:, :, :n].clone()
+
+
+def test_engines_provide_prefix_reuse(hf):
+    assert isinstance(target_of(hf), PrefixReuse)
+
+
+def test_prefill_feeds_aligned_blocks_and_records_whole_ones(hf):
+    target = FeedLog(target_of(hf))
+    a = prompt(21)
+    out = prefill(target, a)
+    assert target.feeds == [(8, True), (8, True), (5, True)]
+    assert out.logits.shape[0] == 1
+    assert target.prefilled_tokens == tuple(a[:16])
+    assert target.length == target.committed_length == 21
+    # A prompt sharing 19 tokens keeps the 16 of whole blocks, and goes on
+    # from position 16 in aligned blocks.
+    target.feeds.clear()
+    b = a[:19] + prompt(11, seed=1)
+    prefill(target, b)
+    assert target.feeds == [(8, True), (6, True)]
+    assert target.prefilled_tokens == tuple(b[:24])
+    assert target.length == target.committed_length == 30
+
+
+def test_the_last_prompt_token_is_always_computed(hf):
+    target = FeedLog(target_of(hf))
+    a = prompt(16)
+    prefill(target, a)
+    assert target.prefilled_tokens == tuple(a)
+    target.feeds.clear()
+    prefill(target, a)              # everything cached: the last block is fed again
+    assert target.feeds == [(8, True)]
+
+
+@pytest.mark.parametrize("shared", [0, 5, 8, 9, 16, 23, 24, 30])
+def test_warm_prefill_is_bit_identical_to_cold(hf, shared):
+    first = prompt(30)
+    second = first[:shared] + prompt(40 - shared, seed=2)
+    warm = target_of(hf)
+    prefill(warm, first)
+    warm.feed(prompt(6, seed=3))                     # decoding steps after the prompt
+    warm.feed(prompt(3, seed=4), last_only=False)
+    warm_logits = prefill(warm, second).logits
+    cold = target_of(hf)
+    cold_logits = prefill(cold, second).logits
+    assert torch.equal(warm_logits, cold_logits)
+    for w, c in zip(kv(warm), kv(cold)):
+        assert torch.equal(w, c)
+    assert warm.prefilled_tokens == cold.prefilled_tokens == tuple(second[:40 - 40 % BLOCK])
+
+
+def test_decoded_positions_are_never_reused(hf):
+    """Positions a decoding step computed (and a prompt's partial last
+    block) are not in the ledger, even when the next prompt repeats them."""
+    target = target_of(hf)
+    a = prompt(10)
+    prefill(target, a)
+    decoded = prompt(14, seed=5)
+    for t in decoded:
+        target.feed([t])
+    assert target.prefilled_tokens == tuple(a[:8])
+    b = a + decoded + [7, 8, 9]
+    assert reusable_length(target.prefilled_tokens, b, BLOCK) == 8
+    log = FeedLog(target)
+    prefill(log, b)
+    assert log.feeds == [(8, True), (8, True), (3, True)]
+
+
+def test_the_ledger_follows_the_cache(hf):
+    target = target_of(hf)
+    a = prompt(20)
+    prefill(target, a)
+    assert len(target.prefilled_tokens) == 16
+    target.keep_prefix(12)                        # rollback below the ledger shortens it
+    assert target.prefilled_tokens == tuple(a[:12]) and target.committed_length == 0
+    assert reusable_length(target.prefilled_tokens, a, BLOCK) == 8
+    target.reset()
+    assert target.prefilled_tokens == ()
+    prefill(target, a)
+    with pytest.raises(CacheStateError):           # not a whole block at the ledger's end
+        target.mark_prefilled(a[16:])
+    target.feed(prompt(8, seed=9), last_only=True)
+    with pytest.raises(CacheStateError):           # starts at 20, not where the ledger ends
+        target.mark_prefilled(prompt(8, seed=9))
+
+
+def test_saved_prefix_restores_bit_identical(hf):
+    a = prompt(27)
+    b = a[:20] + prompt(9, seed=6)
+    target = target_of(hf)
+    prefill(target, a)
+    target.feed(prompt(4, seed=7))
+    payload = target.export_prefix()
+    assert payload.tokens == tuple(a[:24]) and target.length == 24
+    assert payload.nbytes == 2 * target.cache.keys[:, :, :24].numel() * 4
+    prefill(target, prompt(33, seed=8))             # another conversation overwrites it
+    target.restore_prefix(payload)
+    assert target.length == 24 and target.prefilled_tokens == tuple(a[:24])
+    warm = prefill(target, b).logits
+    cold = prefill(target_of(hf), b).logits
+    assert torch.equal(warm, cold)
+
+
+def test_a_saved_prefix_fits_only_its_own_engine(hf):
+    target = target_of(hf)
+    prefill(target, prompt(16))
+    payload = target.export_prefix()
+    other = forerun_decoder(hf_model("llama", seed=11), context_length=160)
+    other.prefill_block = BLOCK
+    with pytest.raises(CacheStateError, match="another model"):
+        other.restore_prefix(payload)
+
+
+def _methods(hf):
+    """Fresh (target, method) pairs: plain, prompt lookup and tree decoding."""
+    target = target_of(hf)
+    yield "plain", PlainDecoding(target)
+    target = target_of(hf)
+    yield "ngram", SpeculativeDecoding(target, NgramDrafter(), k=3)
+    target = target_of(hf)
+    drafter = OracleTreeDrafter(forerun_decoder(hf, context_length=256), depth=3)
+    yield "tree", TreeSpeculativeDecoding(target, drafter, tree=TreeShape.from_counts([2, 2]))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_method_gives_the_same_tokens_warm_and_cold(hf, temperature):
+    """A three-turn chat: each turn's prompt is the previous prompt, its
+    answer and a new message.  Served warm (the cache kept between turns)
+    and cold (reset before each turn), every method gives the same tokens,
+    greedy and sampled with a seed."""
+    def sampler():
+        return TokenSampler(SamplingParams(temperature=temperature), seed=11)
+
+    for (name, warm), (_, cold) in zip(_methods(hf), _methods(hf)):
+        history = prompt(13, seed=12)
+        reused = []
+        for turn in range(3):
+            reused.append(reusable_length(warm.target.prefilled_tokens, history, BLOCK))
+            out_warm = run_method(warm, history, 12, sampler(), GenerationStats())
+            cold.target.reset()
+            out_cold = run_method(cold, history, 12, sampler(), GenerationStats())
+            assert out_warm == out_cold, (name, turn)
+            history = history + out_warm + prompt(5, seed=20 + turn)
+        assert reused[1] > 0 and reused[2] > reused[1], name
+
+
+# -- llama.cpp ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm_llama(preset_gguf):
+    preset_gguf("smollm2-135m")
+    return forerun.load("smollm2-135m", engine="llama.cpp", context_length=1024,
+                        progress=False, engine_options={"n_batch": 16})
+
+
+@pytest.mark.real_model
+def test_llama_cpp_warm_prefill_is_bit_identical(smollm_llama):
+    decoder = smollm_llama.decoder
+    assert isinstance(decoder, PrefixReuse) and decoder.prefill_block == 16
+    first = smollm_llama.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)
+    second = first[:50] + smollm_llama.tokenizer.encode(" And then it slept.")
+    decoder.reset()
+    cold = prefill(decoder, second).logits
+    prefill(decoder, first)
+    decoder.feed(first[:5])
+    payload = decoder.export_prefix()
+    assert len(payload.tokens) == len(first) - len(first) % 16
+    warm = prefill(decoder, second).logits
+    assert torch.equal(warm, cold)
+    prefill(decoder, first[30:] + first)             # another prompt overwrites the cache
+    decoder.restore_prefix(payload)
+    assert decoder.prefilled_tokens == payload.tokens
+    restored = prefill(decoder, second).logits
+    assert torch.equal(restored, cold)
+
+
+@pytest.mark.real_model
+def test_llama_cpp_multi_turn_greedy_is_the_same_warm_and_cold(smollm_llama):
+    model = smollm_llama
+    messages = [{"role": "system", "content": "You are a helpful assistant. " * 8},
+                {"role": "user", "content": "Name three fruits."}]
+    for turn in range(2):
+        model.decoder.reset()
+        cold = model.generate(messages=messages, max_new_tokens=16, temperature=0)
+        model.decoder.reset()
+        model.generate(messages=messages[:-1] + [{"role": "user", "content": "Hi"}],
+                       max_new_tokens=4)
+        warm = model.generate(messages=messages, max_new_tokens=16, temperature=0,
+                              draft="ngram")
+        assert warm.tokens == cold.tokens
+        messages += [{"role": "assistant", "content": warm.text},
+                     {"role": "user", "content": "And three more?"}]
