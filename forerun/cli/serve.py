@@ -1,0 +1,141 @@
+"""``forerun serve``: the OpenAI-compatible server (:mod:`forerun.server`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from ..errors import ConfigError, ForerunError
+
+DEFAULT_PORT = 8000
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_PREFIX_CACHE_MB = 1024
+
+
+def add_parser(sub) -> None:
+    from .main import _add_model_options
+
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (needs: pip install 'forerun[server]')",
+        description="Serve a model over OpenAI's API (/v1/chat/completions, /v1/completions, "
+                    "/v1/models), with speculative decoding and an exact prefix cache.")
+    _add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                   "127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="requests that may wait for the engine; more get 503 "
+                        f"(default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
+                   help="memory for saved prompt prefixes, in MB (default "
+                        f"{DEFAULT_PREFIX_CACHE_MB}; 0 keeps only the last request's cache)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="reuse no cached prefix: every request prefills its whole prompt")
+    p.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..server import INSTALL_HINT, missing_modules
+
+    missing = missing_modules()
+    if missing:
+        raise ForerunError(f"forerun serve needs the server extra, which is not installed "
+                           f"(missing: {', '.join(missing)}); install it with: {INSTALL_HINT}")
+    _check_options(args)
+    from ..server.run import bind
+
+    try:   # before the slow part: a port in use fails early
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; "
+                          f"choose another --port (0 picks a free one) or --host") from None
+    try:
+        service, description = _build_service(args)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        url = f"http://{shown}:{port}/v1"
+
+        def on_listening() -> None:
+            print(f"forerun: serving {description} at {url}", flush=True)
+
+        from ..server.run import serve
+
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="forerun: %(levelname)s: %(message)s")
+        serve(service, sock, on_listening=on_listening, log_level=args.log_level)
+    finally:
+        sock.close()
+    print("forerun: server stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must lie in 0..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise ConfigError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if not args.prefix_cache_mb >= 0:
+        raise ConfigError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError("--api-key is empty; give a key or leave the option out")
+
+
+def default_draft(args: argparse.Namespace) -> str | None:
+    """--draft, else the preset's own draft (none for a path or a preset
+    without one); 'none' turns speculation off."""
+    from ..loading.presets import DEFAULT_MODEL, PRESETS
+
+    if args.draft is not None:
+        return None if args.draft.lower() == "none" else args.draft
+    preset = PRESETS.get(args.model or DEFAULT_MODEL)
+    return preset.default_draft if preset is not None else None
+
+
+def _build_service(args: argparse.Namespace):
+    """Load the model (and its draft model), and assemble the server's parts."""
+    import forerun
+    from ..loading.presets import DEFAULT_MODEL
+    from ..server.app import Service
+    from ..server.metrics import Metrics
+    from ..server.prefix_cache import PrefixCache
+    from ..server.translate import BUILTIN_DRAFTS, Translator
+    from ..server.worker import EngineWorker
+
+    name = args.model or DEFAULT_MODEL
+    model = forerun.load(name, engine=args.engine, context_length=args.context_length,
+                         device=args.device, progress=not args.quiet)
+    draft = default_draft(args)
+    if draft is None and args.draft_k is not None:
+        raise ConfigError("--draft-k needs a draft: add --draft PRESET|PATH|ngram")
+    drafts = {}
+    if draft is not None and draft not in BUILTIN_DRAFTS and not draft.startswith("medusa:"):
+        # A draft model runs on the target's engine, with its context.
+        loaded = forerun.load(draft, engine=args.engine,
+                              context_length=model.decoder.context_length,
+                              device=args.device, progress=not args.quiet)
+        drafts = {draft: loaded}
+        if loaded.name != draft:
+            drafts[loaded.name] = loaded
+    ids = [model.name] + ([name] if name != model.name else [])
+    translator = Translator(model, ids, drafts, draft, args.draft_k)
+    # Check the default drafter now, not on the first request.
+    model.generate(prompt_ids=[0], max_new_tokens=1, **translator.default_options())
+    prefix_cache = PrefixCache(model.decoder, limit_bytes=int(args.prefix_cache_mb * 2 ** 20),
+                               enabled=not args.no_prefix_cache)
+    worker_ref = []
+    metrics = Metrics(queue_depth=lambda: worker_ref[0].queue_depth,
+                      in_flight=lambda: worker_ref[0].in_flight, prefix_cache=prefix_cache)
+    worker = EngineWorker(model, prefix_cache, max_queue=args.max_queue,
+                          on_finish=lambda f: metrics.observe(f.result, f.ttft))
+    worker_ref.append(worker)
+    service = Service(translator, worker, metrics, api_key=args.api_key,
+                      created=int(time.time()))
+    engine = getattr(model.decoder, "engine", args.engine)
+    return service, f"{model.name} ({engine}, draft: {draft or 'none'})"

@@ -1,0 +1,124 @@
+"""The server's prefix cache: exact reuse of earlier prompts' prefixes.
+
+Two levels, both exact by construction (:mod:`forerun.prefix_reuse`):
+
+* the **live** cache: the engine keeps the last request's cache, and the
+  next prefill keeps the whole prefill blocks of it that the new prompt
+  starts with (a chat's next turn starts with the previous prompt);
+* **saved** prefixes: before a prefill would drop reusable blocks of the
+  live cache (a request from another conversation), they are saved as a
+  payload (the keys and values as stored), and a later request that shares
+  more with a saved prefix than with the live cache gets it restored first,
+  in O(payload); it is the live cache then, and leaves the saved ones.  Saved payloads are bounded by ``limit_bytes``: the least
+  recently used go first, and a payload larger than the bound is not kept.
+
+Only the worker thread calls :meth:`PrefixCache.prepare`; the counters may
+be read from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..prefix_reuse import PrefixPayload, PrefixReuse, reusable_length
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """What :meth:`PrefixCache.prepare` arranged: ``tokens`` positions of the
+    prompt come from the cache, from the ``live`` cache or a ``saved``
+    prefix (``source`` is ``None`` when nothing is reused)."""
+
+    source: str | None
+    tokens: int
+
+
+class PrefixCache:
+    """Prefix reuse for the target ``decoder`` of the served model.
+
+    ``enabled=False`` turns all reuse off (every request prefills from an
+    empty cache); ``limit_bytes=0`` keeps only the live cache.  An engine
+    without :class:`~forerun.prefix_reuse.PrefixReuse` reuses nothing.
+    """
+
+    def __init__(self, decoder, *, limit_bytes: int, enabled: bool = True) -> None:
+        self.decoder = decoder
+        self.enabled = enabled and isinstance(decoder, PrefixReuse)
+        self.limit_bytes = max(0, int(limit_bytes))
+        self._saved: OrderedDict[tuple[int, ...], PrefixPayload] = OrderedDict()
+        self._lock = threading.Lock()   # guards the counters' readers
+        self.bytes = 0
+        self.hits = {"live": 0, "saved": 0}
+        self.misses = 0
+        self.reused_tokens = 0
+
+    @property
+    def entries(self) -> int:
+        return len(self._saved)
+
+    def prepare(self, prompt_ids: list[int]) -> Reuse:
+        """Before a generation of ``prompt_ids``: put the best reusable
+        prefix into the decoder (restoring a saved one if it beats the live
+        cache, after saving the live one), and say how much the prefill will
+        keep.  The prefill itself (:func:`forerun.decoding.prefill.prefill`)
+        decides the same length from the decoder's ledger."""
+        decoder = self.decoder
+        if not self.enabled:
+            decoder.reset()
+            return self._count(Reuse(None, 0))
+        block = decoder.prefill_block
+        live_tokens = decoder.prefilled_tokens
+        live = reusable_length(live_tokens, prompt_ids, block)
+        best_key, best = None, live
+        for key in self._saved:
+            n = reusable_length(key, prompt_ids, block)
+            if n > best:
+                best_key, best = key, n
+        if best_key is not None:
+            with self._lock:
+                payload = self._saved.pop(best_key)
+                self.bytes -= payload.nbytes
+            self._save(live_tokens, covered_by=best_key)
+            # Live now: saved again (with what it grows to) when it is dropped.
+            decoder.restore_prefix(payload)
+            return self._count(Reuse("saved", best))
+        if live < len(live_tokens):
+            self._save(live_tokens)                    # the prefill would drop some
+        return self._count(Reuse("live" if live else None, live))
+
+    def _save(self, live_tokens: tuple[int, ...], covered_by: tuple[int, ...] = ()) -> None:
+        """Save the live cache's reusable prefix, unless it is empty, or
+        already covered by a saved prefix (or ``covered_by``) that starts
+        with it."""
+        if not live_tokens or self.limit_bytes == 0:
+            return
+        n = len(live_tokens)
+        if covered_by[:n] == live_tokens or any(k[:n] == live_tokens for k in self._saved):
+            return
+        self._insert(live_tokens, self.decoder.export_prefix())
+
+    def _insert(self, key: tuple[int, ...], payload: PrefixPayload) -> None:
+        """Keep ``payload`` as the most recently used, drop the saved prefixes
+        it extends, and evict the least recently used beyond the bound (a
+        payload larger than the bound is not kept at all)."""
+        if payload.nbytes > self.limit_bytes:
+            return
+        with self._lock:
+            for k in [k for k in self._saved if key[:len(k)] == k]:
+                self.bytes -= self._saved.pop(k).nbytes
+            self._saved[key] = payload
+            self.bytes += payload.nbytes
+            while self.bytes > self.limit_bytes:
+                _, old = self._saved.popitem(last=False)
+                self.bytes -= old.nbytes
+
+    def _count(self, reuse: Reuse) -> Reuse:
+        with self._lock:
+            if reuse.source is None:
+                self.misses += 1
+            else:
+                self.hits[reuse.source] += 1
+                self.reused_tokens += reuse.tokens
+        return reuse

@@ -1,0 +1,172 @@
+"""One engine, many clients: a single thread owns the model and serves
+requests one at a time from a bounded FIFO queue.
+
+A :class:`Job` goes from the event loop to the worker through the queue, and
+its events come back to the event loop through an ``asyncio.Queue``:
+``("delta", text)`` for each piece of text (never half a UTF-8 character),
+then ``("done", Finished)`` or ``("error", exception)``.  Setting a job's
+``cancel`` event (its client went away, or the server is shutting down) ends
+its generation within one decoding round (``Model.stream``'s ``cancel``), or
+skips it if it has not started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import ForerunError
+from ..generation.result import GenerationResult
+from .prefix_cache import PrefixCache, Reuse
+from .translate import GenerationSpec
+
+log = logging.getLogger("forerun.server")
+
+
+class QueueFullError(Exception):
+    """The queue holds ``max_queue`` waiting requests already."""
+
+
+class ShuttingDownError(Exception):
+    """The server is shutting down and takes no more requests."""
+
+
+@dataclass
+class Finished:
+    """A generation's end: the result, what the prefix cache supplied, how
+    long the request waited in the queue, and its time to first token
+    (``None`` without tokens)."""
+
+    result: GenerationResult
+    reuse: Reuse
+    queue_seconds: float
+    ttft: float | None
+
+
+@dataclass
+class Job:
+    """One request for the engine.  Create it on the event loop that will
+    read its ``events``."""
+
+    spec: GenerationSpec
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def post(self, kind: str, payload: Any = None) -> None:
+        """Hand an event to the event loop (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:        # the loop is closed: nobody is listening
+            self.cancel.set()
+
+
+class EngineWorker:
+    """The thread that runs ``model``'s generations, one at a time.
+
+    ``max_queue``: how many requests may wait (the one running excluded);
+    :meth:`submit` raises :class:`QueueFullError` beyond it.
+    ``on_finish(Finished)`` is called on the worker thread after each
+    generation (metrics).
+    """
+
+    def __init__(self, model, prefix_cache: PrefixCache, *, max_queue: int,
+                 on_finish: Callable[[Finished], None] | None = None) -> None:
+        if max_queue < 1:
+            raise ValueError("max_queue must be at least 1")
+        self.model = model
+        self.prefix_cache = prefix_cache
+        self.on_finish = on_finish
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self._closing = threading.Event()
+        self._current: Job | None = None
+        self._thread = threading.Thread(target=self._run, name="forerun-engine", daemon=True)
+
+    # -- the event loop's side ------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (FIFO), or raise :class:`QueueFullError` /
+        :class:`ShuttingDownError`."""
+        if self._closing.is_set():
+            raise ShuttingDownError()
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFullError() from None
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def in_flight(self) -> int:
+        return 0 if self._current is None else 1
+
+    def shutdown(self) -> None:
+        """Take no more requests, cancel the one in flight (it ends within
+        one decoding round, its client gets what was generated) and the
+        waiting ones.  Safe to call from a signal handler, and repeatedly."""
+        self._closing.set()
+        current = self._current
+        if current is not None:
+            current.cancel.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.shutdown()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the worker thread ----------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                job = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self._closing.is_set():
+                    return
+                continue
+            if self._closing.is_set():
+                job.post("error", ShuttingDownError())
+            elif job.cancel.is_set():
+                job.post("error", asyncio.CancelledError())
+            else:
+                self._serve(job)
+
+    def _serve(self, job: Job) -> None:
+        self._current = job
+        if self._closing.is_set():      # shutdown() may have missed this job
+            job.cancel.set()
+        started = time.perf_counter()
+        ttft = None
+        spec = job.spec
+        try:
+            reuse = self.prefix_cache.prepare(spec.prompt_ids)
+            stream = self.model.stream(prompt_ids=spec.prompt_ids, cancel=job.cancel,
+                                       **spec.options)
+            for delta in stream:
+                if ttft is None:
+                    ttft = time.perf_counter() - job.submitted
+                job.post("delta", delta)
+            finished = Finished(stream.result, reuse, started - job.submitted, ttft)
+            job.post("done", finished)
+            if self.on_finish is not None:
+                self.on_finish(finished)
+        except ForerunError as exc:
+            job.post("error", exc)
+        except Exception as exc:  # a bug: log it, keep serving from a clean cache
+            log.exception("generation failed")
+            try:
+                self.model.decoder.reset()
+            except Exception:
+                log.exception("could not reset the engine")
+            job.post("error", exc)
+        finally:
+            self._current = None

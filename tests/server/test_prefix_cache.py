@@ -1,0 +1,154 @@
+"""The server's prefix cache: which prefix a request reuses, the memory
+bound of saved prefixes, and, on a live server, multi-turn chats that give
+the same tokens with and without the cache."""
+
+import pytest
+import torch
+
+from forerun.decoding.prefill import prefill
+from forerun.server.prefix_cache import PrefixCache, Reuse
+from tiny_models import forerun_decoder, hf_model
+
+from conftest import PREFIX_CACHE_MB, greedy, text_of
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model("llama", seed=5)
+
+
+def decoder_of(hf):
+    d = forerun_decoder(hf, context_length=128)
+    d.prefill_block = BLOCK
+    return d
+
+
+def conversation(seed, n=20):
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def serve(cache, decoder, prompt):
+    """What the worker does: prepare, prefill, decode a few tokens."""
+    reuse = cache.prepare(prompt)
+    logits = prefill(decoder, prompt).logits
+    decoder.feed([5, 6, 7])
+    return reuse, logits
+
+
+def block_bytes(decoder):
+    c = decoder.cache
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * BLOCK * c.keys.element_size()
+
+
+def test_the_next_turn_reuses_the_live_cache(hf):
+    decoder = decoder_of(hf)
+    cache = PrefixCache(decoder, limit_bytes=10 ** 9)
+    a = conversation(1)
+    assert serve(cache, decoder, a)[0] == Reuse(None, 0)
+    assert serve(cache, decoder, a + [9] * 6)[0] == Reuse("live", 16)
+    assert (cache.hits, cache.misses, cache.reused_tokens) == ({"live": 1, "saved": 0}, 1, 16)
+    assert cache.entries == 0             # nothing was dropped, nothing saved
+
+
+def test_a_dropped_prefix_is_saved_and_restored_exactly(hf):
+    decoder = decoder_of(hf)
+    cache = PrefixCache(decoder, limit_bytes=10 ** 9)
+    a, b = conversation(1), conversation(2)
+    serve(cache, decoder, a)
+    serve(cache, decoder, b)              # drops a's blocks from the live cache: saved
+    assert cache.entries == 1 and cache.bytes == 2 * block_bytes(decoder)
+    a2 = a + [11, 12, 13, 14, 15]
+    reuse, warm = serve(cache, decoder, a2)
+    assert reuse == Reuse("saved", 16)
+    assert cache.entries == 1             # b's prefix saved; a's is the live cache now
+    assert list(cache._saved) == [tuple(b[:16])]
+    cold = prefill(decoder_of(hf), a2).logits
+    assert torch.equal(warm, cold)
+
+
+def test_saved_prefixes_stay_within_the_bound(hf):
+    decoder = decoder_of(hf)
+    one = 2 * block_bytes(decoder)                 # each conversation: two whole blocks
+    cache = PrefixCache(decoder, limit_bytes=int(2.5 * one))
+    for seed in range(1, 7):
+        serve(cache, decoder, conversation(seed))
+        assert cache.bytes <= cache.limit_bytes
+        assert cache.entries <= 2
+    # The least recently used went first: the two before the live one remain.
+    kept = [key for key in cache._saved]
+    assert kept == [tuple(conversation(s)[:16]) for s in (4, 5)]
+    # A payload larger than the bound is not kept at all.
+    small = PrefixCache(decoder, limit_bytes=one - 1)
+    serve(small, decoder, conversation(8))
+    serve(small, decoder, conversation(9))
+    assert small.entries == 0 and small.bytes == 0
+
+
+def test_no_reuse_when_disabled(hf):
+    decoder = decoder_of(hf)
+    cache = PrefixCache(decoder, limit_bytes=10 ** 9, enabled=False)
+    a = conversation(1)
+    serve(cache, decoder, a)
+    assert serve(cache, decoder, a + [1, 2])[0] == Reuse(None, 0)
+    assert cache.hits == {"live": 0, "saved": 0} and cache.misses == 2
+
+
+# -- a live server --------------------------------------------------------------------
+
+SYSTEM = "You are a patient assistant who answers briefly and clearly. " * 25
+
+
+def _chat(srv, system, questions):
+    """A multi-turn greedy chat; the texts and the reused prompt tokens."""
+    client = srv.client()
+    messages = [{"role": "system", "content": system}]
+    texts, reused = [], []
+    for q in questions:
+        messages.append({"role": "user", "content": q})
+        r = greedy(client, messages, max_tokens=12)
+        texts.append(text_of(r))
+        reused.append(r.model_extra["forerun"]["prefix_cache_tokens"])
+        messages.append({"role": "assistant", "content": texts[-1]})
+    return texts, reused
+
+
+def _hits(srv, source):
+    return srv.metrics().get(f'forerun_prefix_cache_hits_total{{source="{source}"}}', 0)
+
+
+@pytest.mark.real_model
+def test_multi_turn_chat_is_the_same_with_and_without_the_cache(server, cold_server):
+    questions = ["What is a prime number?", "Give an example.", "And another one?"]
+    live_hits = _hits(server, "live")
+    warm, reused = _chat(server, SYSTEM, questions)
+    cold, cold_reused = _chat(cold_server, SYSTEM, questions)
+    assert warm == cold
+    assert reused[1] >= 256 and reused[2] >= reused[1]
+    assert cold_reused == [0, 0, 0]
+    assert _hits(server, "live") >= live_hits + 2
+    assert _hits(cold_server, "live") == _hits(cold_server, "saved") == 0
+
+
+@pytest.mark.real_model
+def test_saved_prefixes_serve_interleaved_conversations(server, cold_server):
+    """Two conversations in turns: each one's prefix is saved while the
+    other runs, and restored (a saved hit) with the same answers as cold;
+    the saved prefixes never exceed --prefix-cache-mb."""
+    limit = PREFIX_CACHE_MB * 2 ** 20
+    saved = _hits(server, "saved")
+    turns = {name: [{"role": "system", "content": f"Conversation {name}. " + SYSTEM}]
+             for name in ("north", "south")}
+    for question in ("What is rain?", "Why is the sky blue?"):
+        for name, messages in turns.items():
+            messages.append({"role": "user", "content": question})
+            warm = greedy(server.client(), messages, max_tokens=8)
+            cold = greedy(cold_server.client(), messages, max_tokens=8)
+            assert text_of(warm) == text_of(cold)
+            messages.append({"role": "assistant", "content": text_of(warm)})
+            metrics = server.metrics()
+            assert metrics["forerun_prefix_cache_bytes"] <= limit
+            assert metrics["forerun_prefix_cache_limit_bytes"] == limit
+    assert _hits(server, "saved") >= saved + 2
+    assert server.metrics()["forerun_prefix_cache_entries"] >= 1
