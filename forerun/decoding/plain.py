@@ -9,6 +9,7 @@ from typing import Iterator
 from ..decoder import Decoder
 from ..generation.result import GenerationStats
 from ..sampling import TokenSampler
+from .finite import finite
 
 
 class PlainDecoding:
@@ -22,13 +23,13 @@ class PlainDecoding:
         target = self.target
         target.reset()
         start = time.perf_counter()
-        logits = target.feed(prompt_ids, last_only=True).logits[-1]
+        logits = finite(target.feed(prompt_ids, last_only=True).logits[-1])
         target.commit()
         stats.prefill_seconds = time.perf_counter() - start
         while True:
             token = sampler.pick(logits)
             yield [token]
-            logits = target.feed([token]).logits[-1]
+            logits = finite(target.feed([token]).logits[-1])
 
     def settle(self, length: int) -> None:
         if self.target.length > length:

@@ -23,6 +23,7 @@ from ..sampling import TokenSampler
 from .acceptance import accept_greedy, accept_sampled
 from .base import DraftAndVerify
 from .draft_length import AdaptiveDraftLength
+from .finite import finite
 
 MAX_DRAFT_LENGTH = 16
 
@@ -70,7 +71,7 @@ class SpeculativeDecoding(DraftAndVerify):
         # The prefill is plain decoding's, the same one feed of the whole
         # prompt (an engine may compute a prefill with other kernels than a
         # verification), and its logits give the first token.
-        logits = target.feed(sequence, last_only=True).logits[-1]
+        logits = finite(target.feed(sequence, last_only=True).logits[-1])
         target.commit()
         self._calibrate(sequence[-1])
         stats.prefill_seconds = time.perf_counter() - start
@@ -98,7 +99,7 @@ class SpeculativeDecoding(DraftAndVerify):
             fed = tokens if cut is None else tokens[:cut]
             t1 = time.perf_counter()
             base = target.length
-            logits = target.feed([sequence[-1]] + fed).logits
+            logits = finite(target.feed([sequence[-1]] + fed).logits)
             t2 = time.perf_counter()
             if sampler.greedy:
                 n, extra = accept_greedy(fed, logits)

@@ -40,6 +40,7 @@ from ..errors import ConfigError
 from ..generation.result import GenerationStats
 from ..sampling import TokenSampler
 from .base import DraftAndVerify
+from .finite import finite
 from .tree import TreePolicy, TreeShape, tree_shape
 from .tree_acceptance import accept_tree_greedy, accept_tree_sampled, accept_tree_typical
 
@@ -163,7 +164,7 @@ class TreeSpeculativeDecoding(DraftAndVerify):
         target.commit()
         self._calibrate(sequence[-1])
         stats.prefill_seconds = time.perf_counter() - start
-        first = sampler.pick(out.logits[-1])
+        first = sampler.pick(finite(out.logits[-1]))
         sequence.append(first)
         yield [first]
         vocab = target.vocab_size
@@ -188,7 +189,7 @@ class TreeSpeculativeDecoding(DraftAndVerify):
                                      shape.attention_mask(base, device),
                                      return_hidden=want_hidden)
             t2 = time.perf_counter()
-            logits = out.logits
+            logits = finite(out.logits)
             if sampler.greedy:
                 path, extra = accept_tree_greedy(shape, tokens, logits)
             elif self.lossy_typical:
