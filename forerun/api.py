@@ -8,10 +8,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .errors import ConfigError, GenerationConfigError
+from .errors import ConfigError, GenerationConfigError, NonFiniteLogitsError
+from .generation.exclusive import GenerationLock, Holds
 from .generation.params import GenerationParams
 from .generation.result import GenerationResult
-from .generation.runner import run_generation
+from .generation.runner import check_request, run_generation, token_ids
+from .load_arguments import check_load_arguments, memory_error, parse_device, resolve_device
 from .sampling import SamplingParams
 
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -27,11 +29,26 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_tex
 class Model:
     """A loaded model: tokenizer, configuration and a decoder engine.
 
-    Build one with :func:`load`.  Not thread-safe: one generation at a time.
+    Build one with :func:`load`.
+
+    One generation at a time: a generation holds the model (its cache, its
+    decoding methods, and the draft models it uses) from its first token
+    until it ends; a stream holds it from its first ``next()`` until it is
+    exhausted, closed (``stream.close()``, or leaving a ``with`` block) or
+    garbage-collected.  A generation started meanwhile in **another
+    thread** waits until the model is free, so threads may share a model
+    and get exactly their serial outputs.  One started in the **same
+    thread** (a second stream while the first is still open) raises
+    :class:`~forerun.errors.ModelBusyError` instead of waiting for itself.
+    A closed or collected stream never touches the model again.
     """
 
-    def __init__(self, name: str, decoder, tokenizer, config) -> None:
+    def __init__(self, name: str, decoder, tokenizer, config, *,
+                 source: str | None = None) -> None:
         self.name = name
+        #: the model file or folder, named in errors about its output
+        self.source = source or name
+        self._lock = GenerationLock(name)
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.config = config
@@ -60,13 +77,19 @@ class Model:
             raise GenerationConfigError(
                 "give exactly one of prompt (raw text), messages (chat) or prompt_ids")
         if prompt_ids is not None:
-            return [int(t) for t in prompt_ids]
+            return token_ids(prompt_ids, self.decoder.vocab_size)
         if messages is not None:
+            if isinstance(messages, (str, bytes, dict)) or not isinstance(messages,
+                                                                          Sequence):
+                raise GenerationConfigError(
+                    f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
+                    f"{type(messages).__name__}")
             text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.encode(_valid_text(text, "messages"),
+                                         add_special_tokens=False)
         if not isinstance(prompt, str):
             raise GenerationConfigError(f"prompt must be a string, got {type(prompt).__name__}")
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return self.tokenizer.encode(_valid_text(prompt, "prompt"), add_special_tokens=True)
 
     # -- generation --------------------------------------------------------
     def stream(self, prompt: str | None = None, *, messages=None, prompt_ids=None,
@@ -77,7 +100,12 @@ class Model:
                draft_k: int | None = None) -> "GenerationStream":
         """Like :meth:`generate`, but returns an iterator of text deltas; its
         ``result`` attribute holds the :class:`GenerationResult` once the
-        iteration has ended."""
+        iteration has ended.
+
+        Every argument is checked here, before anything runs.  The stream
+        holds the model from its first ``next()`` until it ends or is
+        closed (see :class:`Model`); close a stream you don't finish, or use
+        it in a ``with`` block."""
         ids = self.encode_prompt(prompt, messages=messages, prompt_ids=prompt_ids)
         if isinstance(stop, str):
             stop = (stop,)
@@ -85,12 +113,29 @@ class Model:
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                     min_p=min_p),
-            seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
+            seed=seed, stop=_tuple_of(stop, "stop"),
+            stop_token_ids=tuple(token_ids(
+                sorted(stop_token_ids) if isinstance(stop_token_ids, (set, frozenset))
+                else stop_token_ids, self.decoder.vocab_size, "stop_token_ids")),
             ignore_eos=ignore_eos)
-        method = self._method(draft, draft_k)
-        return GenerationStream(run_generation(
-            method, self.tokenizer, ids, params, eos_token_ids=self.eos_token_ids,
-            cancel=cancel))
+        ids = check_request(self.decoder, ids, params, cancel)
+        if draft_k is not None and (not isinstance(draft_k, int) or isinstance(draft_k, bool)
+                                    or draft_k < 1):
+            raise GenerationConfigError(f"draft_k must be a positive integer (or None to "
+                                        f"choose it every round), got {draft_k!r}")
+        method, drafts = self._method(draft, draft_k)
+        return GenerationStream(self._run(method, drafts, ids, params, cancel))
+
+    def _run(self, method, drafts: list["Model"], ids: list[int], params: GenerationParams,
+             cancel):
+        """The generation, holding this model and its draft models."""
+        with Holds([self._lock] + [d._lock for d in drafts]):
+            try:
+                return (yield from run_generation(
+                    method, self.tokenizer, ids, params, eos_token_ids=self.eos_token_ids,
+                    cancel=cancel))
+            except NonFiniteLogitsError as exc:
+                raise NonFiniteLogitsError(f"{self.source}: {exc}") from None
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
         """Generate a completion.
@@ -120,18 +165,25 @@ class Model:
         return stream.result
 
     def _method(self, draft=None, draft_k: int | None = None):
+        """The decoding method for ``draft``, and the draft models it uses.
+        A new method is built holding this model (building may load a draft
+        model and measure this one)."""
         from .decoding.plain import PlainDecoding
 
         if draft is None:
             if draft_k is not None:
                 raise GenerationConfigError("draft_k needs a draft (draft=...)")
-            return PlainDecoding(self.decoder)
+            return PlainDecoding(self.decoder), []
         key = (draft if isinstance(draft, str) else id(draft), draft_k)
-        method = self._methods.get(key)
-        if method is None:
-            method = self._build_speculative(draft, draft_k)
-            self._methods[key] = method
-        return method
+        built = self._methods.get(key)
+        if built is None:
+            with Holds([self._lock]):
+                built = self._methods.get(key)
+                if built is None:
+                    known = len(self.drafts)
+                    method = self._build_speculative(draft, draft_k)
+                    built = self._methods[key] = (method, self.drafts[known:])
+        return built
 
     def _build_speculative(self, draft, draft_k: int | None):
         from .decoding.speculative import SpeculativeDecoding
@@ -207,7 +259,11 @@ class CostStore:
 
 
 class GenerationStream:
-    """Iterator of text deltas; ``result`` is set when it is exhausted."""
+    """Iterator of text deltas; ``result`` is set when it is exhausted.
+
+    The stream holds its model from the first ``next()`` until it is
+    exhausted or closed; :meth:`close` (or leaving a ``with`` block) ends it
+    early and frees the model."""
 
     def __init__(self, gen) -> None:
         self._gen = gen
@@ -215,6 +271,17 @@ class GenerationStream:
 
     def __iter__(self) -> Iterator[str]:
         return self
+
+    def __enter__(self) -> "GenerationStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the generation now (its model is free again); further
+        ``next()`` calls raise StopIteration.  ``result`` stays None."""
+        self._gen.close()
 
     def __next__(self) -> str:
         try:
@@ -242,15 +309,17 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
     :class:`~forerun.engines.llama_cpp_engine.LlamaCppDecoder`: ``n_threads``,
     ``n_threads_batch``, ``n_batch``, ``flash_attn``, ``extra_buffers``.
     """
+    check_load_arguments(model, context_length=context_length, dtype=dtype,
+                         progress=progress, engine_options=engine_options)
     engine = _ENGINE_ALIASES.get(engine, engine) if isinstance(engine, str) else engine
-    if engine not in ENGINES:
+    if not isinstance(engine, str) or engine not in ENGINES:
         raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if engine == "llama.cpp":
         from .engines.llama_cpp_engine import import_llama_cpp
         from .loading.load import load_gguf_files
 
         import_llama_cpp()   # EngineUnavailableError before any file is read
-        if device is not None and torch.device(device).type != "cpu":
+        if device is not None and parse_device(device).type != "cpu":
             raise ConfigError(
                 f"the llama.cpp engine runs on the CPU; device {str(device)!r} is not "
                 f"supported (drop --device, or use engine='torch')")
@@ -261,12 +330,11 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
                               f"{engine!r}; got {', '.join(engine_options)}")
         from .loading.load import load_model_files
 
+        device = resolve_device(device)   # before the seconds a conversion takes
         files = load_model_files(model, progress=progress)
     config = files.config
     if context_length is None:
         context_length = min(config.max_position_embeddings, DEFAULT_CONTEXT_LENGTH)
-    if not isinstance(context_length, int) or context_length < 1:
-        raise ConfigError(f"context_length must be a positive integer, got {context_length!r}")
     if context_length > config.max_position_embeddings:
         raise ConfigError(
             f"context_length {context_length} exceeds the model's limit of "
@@ -281,19 +349,50 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
                               f"the options are {', '.join(ENGINE_OPTIONS)}")
         decoder = LlamaCppDecoder(files.gguf_path, context_length=context_length,
                                   eos_token_ids=config.eos_token_ids, **options)
-        return Model(files.name, decoder, files.tokenizer, config)
+        return Model(files.name, decoder, files.tokenizer, config, source=_source(files, model))
     from .engines.torch_engine import TorchDecoder
     from .engines.transformer import Transformer
 
-    device = torch.device(device) if device is not None else default_device()
-    network = Transformer(config, files.weights, dtype=dtype, device=device)
-    decoder = TorchDecoder(network, context_length, config.eos_token_ids)
-    return Model(files.name, decoder, files.tokenizer, config)
+    try:
+        network = Transformer(config, files.weights, dtype=dtype, device=device)
+        decoder = TorchDecoder(network, context_length, config.eos_token_ids)
+    except (RuntimeError, MemoryError) as exc:
+        if not memory_error(exc):
+            raise
+        raise ConfigError(f"not enough memory on {device} for {files.name} with a context of "
+                          f"{context_length} positions: load it with a smaller "
+                          f"context_length (--context-length)") from exc
+    return Model(files.name, decoder, files.tokenizer, config, source=_source(files, model))
 
 
 def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    """CUDA, then MPS, then the CPU."""
+    return resolve_device(None)
+
+
+def _source(files, spec) -> str:
+    """The file or folder a model was read from, for error messages."""
+    return str(files.gguf_path) if files.gguf_path is not None else str(spec)
+
+
+def _valid_text(text: str, what: str) -> str:
+    """``text``, refused when it holds lone surrogates (bytes that were not
+    valid UTF-8, smuggled in by ``surrogateescape``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start:exc.end]
+        raise GenerationConfigError(
+            f"the {what} is not valid UTF-8 text: it holds {bad!r} (bytes that were not "
+            f"UTF-8) at "
+            f"character {exc.start}; decode it as UTF-8 first (or fix its encoding)") from None
+    return text
+
+
+def _tuple_of(values, what: str) -> tuple:
+    """A tuple of ``values`` (a list or tuple); anything else is refused
+    with a message naming ``what``."""
+    if isinstance(values, (list, tuple)):
+        return tuple(values)
+    raise GenerationConfigError(f"{what} must be a list, got {type(values).__name__} "
+                                f"{values!r}")

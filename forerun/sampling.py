@@ -25,6 +25,11 @@ __all__ = ["SamplingParams", "probabilities", "greedy_token", "sample_token",
            "make_generator"]
 
 
+#: the smallest positive temperature: dividing logits by less overflows
+#: float32 (and a distribution that sharp is greedy decoding anyway)
+MIN_TEMPERATURE = 1e-4
+
+
 def _is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
@@ -34,7 +39,8 @@ class SamplingParams:
     """How the next token is chosen from the model's logits.
 
     * ``temperature``: logits are divided by it; ``0`` means greedy decoding
-      (always the most likely token).  Must be finite and ``>= 0``.
+      (always the most likely token).  Must be ``0`` or finite and at least
+      :data:`MIN_TEMPERATURE`.
     * ``top_k``: keep only the ``top_k`` most likely tokens (and every token
       tied with the ``top_k``-th); ``0`` turns it off.  An integer ``>= 0``.
     * ``top_p``: nucleus sampling, keep the smallest set of most likely tokens
@@ -59,6 +65,10 @@ class SamplingParams:
         if not _is_real(t) or not math.isfinite(t) or t < 0:
             raise GenerationConfigError(
                 f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise GenerationConfigError(
+                f"temperature {t!r} is too small: logits divided by it overflow. Use 0 for "
+                f"greedy decoding, or a temperature of at least {MIN_TEMPERATURE}")
         k = self.top_k
         if not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 0:
             raise GenerationConfigError(

@@ -4,6 +4,7 @@ the same token."""
 
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Callable, Generator, Sequence
 
@@ -28,14 +29,14 @@ def _cancel_check(cancel) -> CancelCheck | None:
     raise GenerationConfigError("cancel must be a callable or a threading.Event")
 
 
-def run_generation(method: DecodingMethod, tokenizer, prompt_ids: Sequence[int],
-                   params: GenerationParams, *, eos_token_ids: Sequence[int] = (),
-                   cancel=None) -> Generator[str, None, GenerationResult]:
-    """Yield text deltas as tokens commit; return the :class:`GenerationResult`
-    (as the generator's return value)."""
-    target = method.target
+def check_request(target, prompt_ids: Sequence[int], params: GenerationParams,
+                  cancel=None) -> list[int]:
+    """Validate a request against the ``target`` decoder before anything
+    runs, and return the prompt as a list of ints: every setting valid, the
+    prompt non-empty token ids of the model, and prompt plus
+    ``max_new_tokens`` within the context."""
     params.validate(target.vocab_size)
-    prompt = [int(t) for t in prompt_ids]
+    prompt = token_ids(prompt_ids, target.vocab_size)
     if not prompt:
         raise GenerationConfigError("the prompt is empty: give at least one token of input")
     needed = len(prompt) + params.max_new_tokens
@@ -45,6 +46,41 @@ def run_generation(method: DecodingMethod, tokenizer, prompt_ids: Sequence[int],
             f"{params.max_new_tokens}: {needed} positions, but the context holds "
             f"{target.context_length}. Shorten the prompt, lower max_new_tokens, or load "
             f"the model with a larger context_length.")
+    _cancel_check(cancel)
+    return prompt
+
+
+def token_ids(values, vocab_size: int, what: str = "prompt_ids") -> list[int]:
+    """``values`` (a sequence, array or 1-D tensor of integers) as a list of
+    ints in ``0..vocab_size-1``; anything else (floats, bools, strings, ids
+    out of range) is a :class:`GenerationConfigError`."""
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        if getattr(values, "ndim", 1) != 1:
+            raise GenerationConfigError(f"{what} must be one-dimensional, got shape "
+                                        f"{tuple(getattr(values, 'shape', ()))}")
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple, range)):
+        raise GenerationConfigError(
+            f"{what} must be a list of token ids, got {type(values).__name__}")
+    ids = []
+    for t in values:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise GenerationConfigError(f"{what} must hold integers, got {t!r}")
+        if not 0 <= t < vocab_size:
+            raise GenerationConfigError(
+                f"{what} holds {t}, which is not a token of this model (ids are "
+                f"0..{vocab_size - 1})")
+        ids.append(int(t))
+    return ids
+
+
+def run_generation(method: DecodingMethod, tokenizer, prompt_ids: Sequence[int],
+                   params: GenerationParams, *, eos_token_ids: Sequence[int] = (),
+                   cancel=None) -> Generator[str, None, GenerationResult]:
+    """Yield text deltas as tokens commit; return the :class:`GenerationResult`
+    (as the generator's return value)."""
+    target = method.target
+    prompt = check_request(target, prompt_ids, params, cancel)
     is_cancelled = _cancel_check(cancel)
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos:
