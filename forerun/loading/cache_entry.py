@@ -363,7 +363,7 @@ def ensure(entry: CacheEntry, build: Build, *, progress: bool = False) -> Path:
                       file=sys.stderr, flush=True)
             with temporary(entry) as tmp:
                 meta = build(tmp)
-                publish(entry, tmp, meta)
+                publish(entry, tmp, meta if isinstance(meta, Mapping) else None)
     except OSError as exc:
         if isinstance(exc, ForerunError):   # the build's own errors (a bad source file)
             raise

@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from .cache_entry import sha256_of, write_json_atomically
+from .cache_entry import sha256_of, sweep_temporaries, write_json_atomically
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -45,6 +45,7 @@ def file_digest(path: Path) -> str:
     digest = sha256_of(path)
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
+        sweep_temporaries(memo.parent)
         write_json_atomically(memo, {"path": str(path), "size": st.st_size,
                                      "mtime_ns": st.st_mtime_ns, "sha256": digest})
     except OSError:

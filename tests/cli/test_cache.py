@@ -1,0 +1,93 @@
+"""``forerun cache``: list, size, verify and prune forerun's cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from forerun.cli.main import main
+from forerun.loading import cache_entry
+from forerun.loading.conversion_cache import convert_gguf, converted_entry
+from tiny_gguf import write_tiny_gguf
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("FORERUN_CACHE", str(root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    return [write_tiny_gguf(folder / f"m{seed}.gguf", seed=seed) for seed in (0, 1)]
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def stale_temporary(folder):
+    tmp = folder / f".x{cache_entry.TMP_MARK}{cache_entry._HOST}-{dead_pid()}-ab12"
+    tmp.mkdir(parents=True)
+    (tmp / "model.safetensors").write_bytes(b"0" * 5000)
+    return tmp
+
+
+def test_list_size_and_path(cache, ggufs, capsys):
+    convert_gguf(ggufs[0], progress=False)
+    assert main(["cache", "path"]) == 0
+    assert capsys.readouterr().out.strip() == str(cache)
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "converted" in out and ggufs[0].name in out and " ok" in out
+    assert main(["cache", "size"]) == 0
+    out = capsys.readouterr().out
+    assert "converted" in out and "total" in out
+
+
+def test_prune_removes_what_is_stale_or_damaged_and_keeps_the_rest(cache, ggufs, capsys):
+    good = convert_gguf(ggufs[0], progress=False)
+    damaged = convert_gguf(ggufs[1], progress=False)
+    (damaged / "config.json").write_text("{}")
+    tmp = stale_temporary(cache / "converted")
+    legacy = cache / "converted" / "tiny-0123456789abcdef"       # an older forerun's layout
+    legacy.mkdir()
+    (legacy / "complete").write_text("x")
+
+    assert main(["cache", "verify"]) == 1
+    assert str(damaged) in capsys.readouterr().out
+    assert main(["cache", "prune", "--dry-run"]) == 0
+    assert tmp.exists() and damaged.exists() and legacy.exists()
+    assert main(["cache", "prune"]) == 0
+    out = capsys.readouterr().out
+    assert "freed" in out
+    assert not tmp.exists() and not damaged.exists() and not legacy.exists()
+    assert good.exists() and cache_entry.check(converted_entry(ggufs[0])) is None
+    assert main(["cache", "verify"]) == 0
+
+
+def test_prune_unused_days_and_all(cache, ggufs, capsys):
+    old = convert_gguf(ggufs[0], progress=False)
+    recent = convert_gguf(ggufs[1], progress=False)
+    os.utime(old / "manifest.json", (0, 0))          # last used in 1970
+    assert main(["cache", "prune", "--unused-days", "30"]) == 0
+    assert not old.exists() and recent.exists()
+    assert main(["cache", "prune", "--all"]) == 0
+    assert not recent.exists()
+    assert main(["cache", "prune", "--unused-days", "-1"]) == 1
+    assert "--unused-days" in capsys.readouterr().err
+
+
+def test_cache_that_is_a_file_is_a_clean_error(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("FORERUN_CACHE", str(blocker))
+    assert main(["cache", "list"]) == 1
+    assert "is not a directory" in capsys.readouterr().err

@@ -1,0 +1,68 @@
+"""Assembled presets are cache entries keyed by the preset's SHA-256: an
+assembled GGUF of the right size but the wrong content is assembled again,
+never loaded.  The preset here is a tiny GGUF split into two part files, as
+the real presets' packages ship theirs."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+import forerun
+from forerun.loading import presets
+from forerun.loading.cache_entry import TMP_MARK
+from forerun.loading.presets import PRESETS, Preset, assembled_path, is_assembled
+from tiny_gguf import write_tiny_gguf
+
+
+@pytest.fixture()
+def tiny_preset(tmp_path, monkeypatch):
+    gguf = write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
+    data = gguf.read_bytes()
+    parts = [tmp_path / "src" / "part01.bin", tmp_path / "src" / "part02.bin"]
+    parts[0].write_bytes(data[: len(data) // 3])
+    parts[1].write_bytes(data[len(data) // 3:])
+    preset = Preset("tiny-preset", "a tiny test model", ("tiny-part1", "tiny-part2"),
+                    len(data), hashlib.sha256(data).hexdigest())
+    monkeypatch.setitem(PRESETS, preset.name, preset)
+    # Where the installed packages' part files are: here, on disk.
+    monkeypatch.setattr(presets, "_part_files", lambda p: parts if p is preset else None)
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
+    return preset
+
+
+def tokens(name: str) -> list[int]:
+    model = forerun.load(name, context_length=64, device="cpu", progress=False)
+    return model.generate(prompt="hello world", max_new_tokens=10, ignore_eos=True).tokens
+
+
+@pytest.mark.parametrize("damage", ["same-size", "truncated", "manifest"])
+def test_a_damaged_assembled_preset_is_assembled_again(tiny_preset, damage, tmp_path):
+    expected = tokens("tiny-preset")
+    path = assembled_path(tiny_preset)
+    assert is_assembled(tiny_preset)
+    data = bytearray(path.read_bytes())
+    if damage == "same-size":
+        for i in range(len(data) // 2, len(data) // 2 + 512):
+            data[i] ^= 0x55
+        path.write_bytes(bytes(data))
+    elif damage == "truncated":
+        path.write_bytes(bytes(data[:1000]))
+    else:
+        path.with_name(path.name + ".manifest.json").write_text("[]")
+        # ...and the file itself too, so only a real check tells.
+        path.write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 1]))
+    assert not is_assembled(tiny_preset)
+    assert tokens("tiny-preset") == expected
+    assert path.read_bytes() == b"".join(p.read_bytes() for p in presets._part_files(tiny_preset))
+    assert not [p for p in path.parent.iterdir() if TMP_MARK in p.name]
+
+
+def test_broken_parts_are_an_error_and_leave_nothing(tiny_preset, monkeypatch):
+    parts = presets._part_files(tiny_preset)
+    parts[1].write_bytes(b"\0" + parts[1].read_bytes()[1:])
+    with pytest.raises(forerun.ForerunError, match="SHA-256"):
+        forerun.load("tiny-preset", progress=False)
+    folder = assembled_path(tiny_preset).parent
+    assert not [p for p in folder.iterdir() if not p.name.endswith(".lock")]
