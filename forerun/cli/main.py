@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
 
     sub.add_parser("models", help="list the built-in presets and whether they are installed")
+    from .cache import add_parser as _add_cache_parser
+    _add_cache_parser(sub)
     _add_bench_parser(sub)
     from .medusa import add_parser as _add_medusa_parser
     _add_medusa_parser(sub)
@@ -91,9 +93,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     # Check the settings before spending seconds on loading a model.
     GenerationParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+                     seed=args.seed,
                      sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
                                              top_p=args.top_p, min_p=args.min_p)).validate()
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
+    if args.model is not None and not args.model.strip():
+        raise ForerunError("--model is empty; give a preset, a .gguf file or a Hugging Face "
+                           "folder, or leave --model out for the default")
     model = load(args.model or DEFAULT_MODEL, engine=args.engine,
                  context_length=args.context_length, device=args.device,
                  progress=not args.quiet)
@@ -123,6 +129,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         print_stats(result, sys.stderr)
     return 0
+
+
+def read_prompt(arg: str) -> str:
+    """The prompt: the argument, or standard input for '-'; either must be
+    valid UTF-8 (a bad byte is an error, not a traceback or a guess)."""
+    if arg == "-":
+        data = sys.stdin.buffer.read() if sys.stdin is not None else b""
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ForerunError(f"standard input is not valid UTF-8 (byte "
+                               f"{data[exc.start]:#04x} at offset {exc.start}); convert it "
+                               f"to UTF-8, e.g. with iconv") from None
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ForerunError(f"the prompt is not valid UTF-8 (character {exc.start} is a byte "
+                           f"that is not UTF-8); pass UTF-8 text") from None
+    return arg
 
 
 def resolve_draft_option(args: argparse.Namespace) -> str | None:
@@ -181,23 +206,27 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command; every way it can end is an exit status
+    (:mod:`forerun.cli.exits`), never a traceback for a user's input."""
+    from .exits import run_command
+
+    return run_command(lambda: dispatch(argv))
+
+
+def dispatch(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        if args.command == "generate":
-            return cmd_generate(args)
-        if args.command == "bench":
-            return cmd_bench(args)
-        if args.command == "medusa":
-            from .medusa import run as cmd_medusa
-            return cmd_medusa(args)
-        return cmd_models(args)
-    except ForerunError as exc:
-        print(f"forerun: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nforerun: interrupted", file=sys.stderr)
-        return 130
+    if args.command == "generate":
+        return cmd_generate(args)
+    if args.command == "bench":
+        return cmd_bench(args)
+    if args.command == "medusa":
+        from .medusa import run as cmd_medusa
+        return cmd_medusa(args)
+    if args.command == "cache":
+        from .cache import run as cmd_cache
+        return cmd_cache(args)
+    return cmd_models(args)
 
 
 if __name__ == "__main__":
