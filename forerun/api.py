@@ -26,6 +26,21 @@ _ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "llama-cpp
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
 
 
+# The grouping probe's long context: past the KV lengths (256, 512, 1024)
+# where llama.cpp's attention kernels change their tiling.
+PROBE_LONG_CONTEXT = 1200
+# Real text for the grouping probe: prose and code, as prompts hold.
+PROBE_TEXT = (
+    "Speculative decoding lets a small model propose several tokens that the large "
+    "model checks in one forward pass. def binary_search(items, target):\n"
+    "    lo, hi = 0, len(items) - 1\n    while lo <= hi:\n        mid = (lo + hi) // 2\n"
+    "        if items[mid] == target:\n            return mid\n"
+    "        if items[mid] < target:\n            lo = mid + 1\n        else:\n"
+    "            hi = mid - 1\n    return -1\n"
+    "The committee met on Tuesday to review the budget, and agreed to fund the new "
+    "library, the repairs to the bridge, and three scholarships for local students. ")
+
+
 class Model:
     """A loaded model: tokenizer, configuration and a decoder engine.
 
@@ -60,6 +75,7 @@ class Model:
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
         self._methods: dict = {}
         self.drafts: list[Model] = []
+        self._grouping = None
 
     def __repr__(self) -> str:
         return (f"Model({self.name!r}, {self.config.architecture}, "
@@ -193,13 +209,59 @@ class Model:
             # Medusa heads draft a tree; draft_k fixes its node count.
             from .decoding.tree_speculative import TreeSpeculativeDecoding
 
+            self.verification_grouping()
             method = TreeSpeculativeDecoding(self.decoder, medusa_drafter(self, draft),
                                              nodes=draft_k)
-            method.cost_store = CostStore(self.name + "+tree", self.decoder)
+            method.cost_store = cost_store(self, "+tree")
             return method
-        method = SpeculativeDecoding(self.decoder, self._drafter(draft), k=draft_k)
-        method.cost_store = CostStore(self.name, self.decoder)
+        drafter = self._drafter(draft)
+        self.verification_grouping()
+        method = SpeculativeDecoding(self.decoder, drafter, k=draft_k)
+        method.cost_store = cost_store(self)
         return method
+
+    @property
+    def identity(self) -> str:
+        """The model as calibration records know it: its name and shape."""
+        c = self.config
+        return (f"{self.name}|{c.architecture}|{c.num_layers}x{c.hidden_size}|"
+                f"{c.vocab_size}")
+
+    def verification_grouping(self) -> "GroupingResult":
+        """The largest group of positions this model's engine verifies
+        exactly on this machine (measured once per machine and engine
+        settings, then kept in forerun's cache), applied to the decoder:
+        speculative decoding cuts its verifications into groups of at most
+        that size, so it stays token-identical to plain decoding."""
+        from .calibration import CalibrationStore
+        from .engines.grouping_probe import GroupingResult, exact_group_size
+
+        if self._grouping is None:
+            decoder = self.decoder
+            key = {"model": self.identity, **decoder.settings,
+                   "contexts": list(self._probe_contexts())}
+            store = CalibrationStore("grouping", key, label=f"{self.name}-{decoder.engine}")
+            result = store.load(GroupingResult.from_dict)
+            if result is None:
+                contexts = self._probe_contexts()
+                result = exact_group_size(decoder, self._probe_tokens(max(contexts) + 16),
+                                          contexts=contexts)
+                store.save(result.to_dict())
+            decoder.verify_group = result.exact_group
+            self._grouping = result
+        return self._grouping
+
+    def _probe_contexts(self) -> tuple[int, ...]:
+        """Cached lengths the grouping probe runs at: a short prompt, and a
+        long one (past the lengths where attention kernels switch)."""
+        room = self.decoder.context_length - 16
+        return tuple(sorted({min(32, room), min(PROBE_LONG_CONTEXT, room)}))
+
+    def _probe_tokens(self, n: int) -> list[int]:
+        ids: list[int] = []
+        while len(ids) < n:
+            ids += self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+        return ids[:n]
 
     def _drafter(self, draft):
         """A Drafter for ``draft``: 'ngram' (prompt lookup), a Drafter object,
@@ -234,28 +296,17 @@ class Model:
         return DraftModelDrafter(decoder)
 
 
-class CostStore:
-    """Keeps the measured verification costs of a target on this machine in
-    forerun's cache, so the adaptive draft length calibrates only once per
-    model, engine, device, thread count and context size."""
+def cost_store(model: "Model", tag: str = "") -> "CalibrationStore":
+    """Where the measured verification costs of ``model`` on this machine
+    are kept, so the adaptive draft length calibrates once per model,
+    engine settings (weight format, threads, options), CPU and context."""
+    from .calibration import CalibrationStore
 
-    def __init__(self, target_name: str, decoder) -> None:
-        from .paths import cache_dir
-
-        safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in target_name)
-        engine = type(decoder).__name__
-        self.path = (cache_dir() / "costs" / f"{safe}-{engine}-{decoder.device}-"
-                     f"{torch.get_num_threads()}t-{decoder.context_length}.json")
-
-    def load(self) -> list | None:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-
-    def save(self, seconds: list) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(seconds))
+    decoder = model.decoder
+    key = {"model": model.identity, **decoder.settings,
+           "context_length": decoder.context_length,
+           "verify_group": decoder.verify_group, "method": tag or "chain"}
+    return CalibrationStore("costs", key, label=f"{model.name}-{decoder.engine}{tag}")
 
 
 class GenerationStream:

@@ -76,6 +76,22 @@ class Decoder(Protocol):
         """Whether ``return_hidden=True`` is supported."""
         ...
 
+    #: The most positions one forward of :meth:`feed` or :meth:`forward`
+    #: computes when every position's logits are returned; longer feeds are
+    #: cut into forwards of at most this many, in order (``None``: no
+    #: limit).  Set it to the largest group the engine computes exactly on
+    #: the machine in hand (:mod:`forerun.engines.grouping_probe`), and a
+    #: verification's logits do not depend on how positions are grouped.
+    verify_group: int | None
+
+    @property
+    def settings(self) -> dict:
+        """Everything that decides which kernels the engine runs (engine,
+        device, weight format, threads, options), as JSON-serialisable
+        values: the key of measurements kept per machine."""
+        ...
+
+
     def feed(self, tokens: Sequence[int], *, last_only: bool = False,
              return_hidden: bool = False) -> ForwardOutput:
         """Append ``tokens`` at positions ``length .. length+T-1`` with causal

@@ -81,6 +81,13 @@ class TableDecoder:
     def has_hidden_states(self) -> bool:
         return False
 
+    # Table lookups do not depend on grouping.
+    verify_group = None
+
+    @property
+    def settings(self) -> dict:
+        return {"engine": "table"}
+
     # -- forward -----------------------------------------------------------
     def _check(self, tokens: Sequence[int], return_hidden: bool) -> list[int]:
         if return_hidden:

@@ -185,6 +185,13 @@ def print_stats(result, out) -> None:
                   f"accepted-length histogram: {hist}",
                   f"time: drafting {s.draft_seconds:.3f} s, verifying {s.verify_seconds:.3f} s, "
                   f"other {s.other_seconds:.3f} s"]
+        if s.verify_group == 1:
+            lines.append("verification: one position per forward (no grouping of positions "
+                         "is exact on this machine's kernels; speculative decoding stays "
+                         "exact but gains little)")
+        elif s.verify_group is not None:
+            lines.append(f"verification: up to {s.verify_group} positions per forward "
+                         f"(the largest exact group measured on this machine)")
     out.write("\n".join(lines) + "\n")
 
 

@@ -37,15 +37,20 @@ class DecodingMethod(Protocol):
 class DraftAndVerify:
     """What speculative methods share: a ``target``, a ``drafter`` with a
     ``settle(length)``, and a ``policy`` whose measured verification
-    ``costs`` persist in ``cost_store`` once calibrated (``_calibrated``)."""
+    ``costs`` persist in ``cost_store`` (a
+    :class:`~forerun.calibration.CalibrationStore`) once calibrated
+    (``_calibrated``)."""
 
     def _use_stored_or_measure(self, measure: Callable[[], None]) -> None:
         """Fill ``policy.costs`` from ``cost_store`` when it holds costs of
         the same sizes, else ``measure()`` them (and store them)."""
+        from ..calibration import valid_costs
+
         costs = self.policy.costs
-        stored = self.cost_store.load() if self.cost_store else None
-        if stored and len(stored) == len(costs.seconds):
-            costs.seconds = list(stored)
+        stored = (self.cost_store.load(valid_costs(len(costs.seconds)))
+                  if self.cost_store else None)
+        if stored is not None:
+            costs.seconds = stored
         else:
             measure()
             if self.cost_store:

@@ -75,6 +75,7 @@ class SpeculativeDecoding(DraftAndVerify):
         target.commit()
         self._calibrate(sequence[-1])
         stats.prefill_seconds = time.perf_counter() - start
+        stats.verify_group = target.verify_group
         first = sampler.pick(logits)
         sequence.append(first)
         yield [first]

@@ -164,6 +164,7 @@ class TreeSpeculativeDecoding(DraftAndVerify):
         target.commit()
         self._calibrate(sequence[-1])
         stats.prefill_seconds = time.perf_counter() - start
+        stats.verify_group = target.verify_group
         first = sampler.pick(finite(out.logits[-1]))
         sequence.append(first)
         yield [first]

@@ -240,6 +240,11 @@ class LlamaCppDecoder:
                             cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                             verbose=verbose)
         self.path = path
+        # The most positions one llama_decode computes when every position's
+        # logits are returned; measured per machine by
+        # forerun.engines.grouping_probe (7 held on the CPUs seen so far
+        # without the extra buffers).
+        self.verify_group: int | None = INVARIANT_UBATCH
         self._positions = CachePositions(context_length)
         self._eos = tuple(int(e) for e in eos_token_ids)
         self._n_batch = min(n_batch, context_length)
@@ -280,8 +285,10 @@ class LlamaCppDecoder:
         """A second decoder over the same loaded model with its own context
         and an empty cache (a model drafting for itself)."""
         self._check_open()
-        return LlamaCppDecoder(self.path, context_length=self.context_length,
+        fork = LlamaCppDecoder(self.path, context_length=self.context_length,
                                eos_token_ids=self._eos, _model=self._model, **self.options)
+        fork.verify_group = self.verify_group
+        return fork
 
     def close(self) -> None:
         """Free the context (and the model, once its last context is closed).
@@ -339,6 +346,17 @@ class LlamaCppDecoder:
     def has_hidden_states(self) -> bool:
         return False
 
+    @property
+    def settings(self) -> dict:
+        """Everything that decides which kernels run (and so the numerics
+        and the costs): the engine options, the weight buffers, llama.cpp's
+        version."""
+        self._check_open()
+        options = {k: v for k, v in self.options.items() if k != "verbose"}
+        return {"engine": self.engine, "device": self.device,
+                "extra_buffers": self._model.extra_buffers,
+                "llama_cpp": getattr(self._lc, "__version__", "?"), **options}
+
     # -- forward -----------------------------------------------------------
     def _tokens(self, tokens: Sequence[int] | torch.Tensor) -> np.ndarray:
         self._check_open()
@@ -368,9 +386,11 @@ class LlamaCppDecoder:
         start = self._positions.length
         total = int(ids.size)
         rows: list[np.ndarray] = []
-        # Positions whose logits are returned go in calls of at most 7, whose
-        # kernels do not depend on the grouping; a prefill in large ones.
-        step = self._n_batch if last_only else min(self._n_batch, INVARIANT_UBATCH)
+        # Positions whose logits are returned go in calls of at most
+        # verify_group, whose kernels do not depend on the grouping; a
+        # prefill in large ones.
+        step = (self._n_batch if last_only or self.verify_group is None
+                else min(self._n_batch, self.verify_group))
         for off in range(0, total, step):
             n = min(step, total - off)
             last_chunk = off + n == total

@@ -19,16 +19,24 @@ class TorchDecoder:
     """Implements the Decoder protocol; see :mod:`forerun.decoder` for the
     contract of each method."""
 
+    engine = "torch"
+
     def __init__(self, model: Transformer, context_length: int,
                  eos_token_ids: Sequence[int] = ()) -> None:
         self.model = model
         self.cache: KVCache = model.new_cache(context_length)
         self._eos = tuple(int(e) for e in eos_token_ids)
+        # The most positions one forward computes when every position's
+        # logits are returned (None: no limit).  Set from a measurement of
+        # this machine's kernels (forerun.engines.grouping_probe).
+        self.verify_group: int | None = None
 
     def fork(self) -> "TorchDecoder":
         """A second decoder over the same weights with its own, empty cache
         (a model drafting for itself, or a second conversation)."""
-        return TorchDecoder(self.model, self.context_length, self._eos)
+        fork = TorchDecoder(self.model, self.context_length, self._eos)
+        fork.verify_group = self.verify_group
+        return fork
 
     # -- facts -------------------------------------------------------------
     @property
@@ -59,6 +67,14 @@ class TorchDecoder:
     def device(self) -> torch.device:
         return self.model.device
 
+    @property
+    def settings(self) -> dict:
+        """Everything that decides which kernels run (and so the numerics
+        and the costs): the engine, device, weight dtype and thread count."""
+        return {"engine": self.engine, "device": str(self.device),
+                "dtype": str(self.model.dtype).removeprefix("torch."),
+                "threads": torch.get_num_threads(), "torch": torch.__version__}
+
     # -- forward -----------------------------------------------------------
     def _tokens(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
@@ -80,9 +96,31 @@ class TorchDecoder:
         ids = self._tokens(tokens)
         start = self.length
         positions = torch.arange(start, start + ids.numel(), device=self.device)
-        rows = slice(-1, None) if last_only else None
-        logits, hidden = self.model.forward(ids, positions, self.cache, None, logits_rows=rows)
-        return ForwardOutput(logits, hidden if return_hidden else None)
+        if last_only:
+            logits, hidden = self.model.forward(ids, positions, self.cache, None,
+                                                logits_rows=slice(-1, None))
+            return ForwardOutput(logits, hidden if return_hidden else None)
+        return self._in_groups(ids, positions, None, return_hidden)
+
+    def _in_groups(self, ids: torch.Tensor, positions: torch.Tensor,
+                   mask: torch.Tensor | None, return_hidden: bool) -> ForwardOutput:
+        """Forwards of at most :attr:`verify_group` positions: logits that do
+        not depend on how a caller groups its positions into feeds."""
+        t = ids.numel()
+        group = self.verify_group or t
+        if t <= group:
+            logits, hidden = self.model.forward(ids, positions, self.cache, mask)
+            return ForwardOutput(logits, hidden if return_hidden else None)
+        base = self.length
+        logits_parts, hidden_parts = [], []
+        for a in range(0, t, group):
+            b = min(t, a + group)
+            part_mask = None if mask is None else mask[a:b, :base + b]
+            logits, hidden = self.model.forward(ids[a:b], positions[a:b], self.cache, part_mask)
+            logits_parts.append(logits)
+            hidden_parts.append(hidden)
+        return ForwardOutput(torch.cat(logits_parts),
+                             torch.cat(hidden_parts) if return_hidden else None)
 
     def forward(self, tokens: Sequence[int] | torch.Tensor,
                 positions: Sequence[int] | torch.Tensor, attention_mask: torch.Tensor,
@@ -99,8 +137,7 @@ class TorchDecoder:
                 f"{mask.dtype} {tuple(mask.shape)}")
         if not bool(mask.any(dim=1).all()):
             raise CacheStateError("every row of attention_mask must allow at least one slot")
-        logits, hidden = self.model.forward(ids, pos, self.cache, mask)
-        return ForwardOutput(logits, hidden if return_hidden else None)
+        return self._in_groups(ids, pos, mask, return_hidden)
 
     # -- cache control -----------------------------------------------------
     def rollback(self, length: int) -> None:

@@ -31,6 +31,9 @@ class GenerationStats:
     accepted_histogram: dict[int, int] = field(default_factory=dict)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    # The most positions the target verified per forward (its engine's
+    # measured exact group; None: not limited).
+    verify_group: int | None = None
 
     def record_round(self, *, drafted: int, accepted: int, draft_seconds: float,
                      verify_seconds: float) -> None:
@@ -78,7 +81,7 @@ class GenerationStats:
                                        sorted(self.accepted_histogram.items())}
         else:
             for key in ("rounds", "drafted", "accepted", "accepted_histogram",
-                        "draft_seconds", "verify_seconds"):
+                        "draft_seconds", "verify_seconds", "verify_group"):
                 d.pop(key)
         return d
 

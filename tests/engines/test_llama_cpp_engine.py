@@ -223,8 +223,12 @@ def test_rollback_restores_logits(decoder):
 def test_logits_do_not_depend_on_how_positions_are_grouped(llama_model, name):
     """What makes speculative decoding lossless on this engine: after the
     same prefill, verifying k+1 positions in one feed gives the logits of
-    k+1 one-position feeds, for any k (9 positions go as 7 + 2)."""
-    decoder = llama_model(name).decoder
+    k+1 one-position feeds, for any k, once the engine cuts verifications
+    into the groups the probe measured exact on this machine."""
+    model = llama_model(name)
+    result = model.verification_grouping()
+    decoder = model.decoder
+    assert decoder.verify_group == result.exact_group >= 1
     decoder.reset()
     decoder.feed(PROMPT, last_only=True)
     one_by_one = torch.cat([decoder.feed([t]).logits for t in MORE])
@@ -233,34 +237,87 @@ def test_logits_do_not_depend_on_how_positions_are_grouped(llama_model, name):
         grouped = torch.cat([decoder.feed(MORE[i:i + size]).logits
                              for i in range(0, len(MORE), size)])
         assert torch.equal(grouped, one_by_one), f"groups of {size}"
+    if result.first_inexact is not None and result.first_inexact <= len(MORE):
+        # The probe's finding is real: one group past it differs here too.
+        decoder.verify_group = result.first_inexact
+        try:
+            decoder.rollback(len(PROMPT))
+            grouped = decoder.feed(MORE[:result.first_inexact]).logits
+            assert not torch.equal(grouped, one_by_one[:result.first_inexact])
+        finally:
+            decoder.verify_group = result.exact_group
 
 
 @pytest.mark.real_model
 @needs_llama_cpp
-def test_grouping_invariance_beyond_256_positions(decoder, smollm):
-    """Past 256 cached positions llama.cpp's flash attention has another
-    kernel for a one-query forward, which splits keys across threads when
-    keys and values are both F16.  With the default Q8_0 values every
-    forward takes one kernel, so grouping does not matter on several
-    threads; with F16 values only one thread is exact (the documented
-    fallback)."""
+def test_grouping_probe_is_stored_per_machine_and_settings(llama_model, tmp_path, monkeypatch):
+    """The probe runs once per machine and engine settings: a second model
+    with the same settings reads it back, other thread counts measure anew,
+    and a damaged record is measured again."""
+    from forerun.engines import grouping_probe
+
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    calls = []
+    real = grouping_probe.exact_group_size
+    monkeypatch.setattr(grouping_probe, "exact_group_size",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    path = llama_model("smollm2-135m").decoder.path
+
+    def fresh(threads):
+        m = forerun.load(str(path), engine="llama.cpp", context_length=CONTEXT, progress=False,
+                         engine_options={"n_threads": threads})
+        try:
+            return m.verification_grouping()
+        finally:
+            m.decoder.close()
+
+    first = fresh(THREADS)
+    assert calls == [1]
+    assert fresh(THREADS) == first and calls == [1]
+    fresh(1)
+    assert calls == [1, 1]
+    records = list((tmp_path / "calibration" / "grouping").glob("*.json"))
+    assert len(records) == 2
+    for record in records:
+        record.write_text('{"key": 3, "value": "garbage"}')
+    assert fresh(THREADS) == first and len(calls) == 3
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_grouping_invariance_up_to_the_default_context(preset_gguf):
+    """Past 256, 512 and 1024 cached positions llama.cpp's flash attention
+    changes how it tiles the keys (and, with F16 keys and values on several
+    threads, splits them across threads).  With the engine's defaults and
+    the probed group size, a verification still gives the logits of
+    one-position feeds near the end of the default context (4096)."""
     from forerun.engines.llama_cpp_engine import LlamaCppDecoder
 
-    assert decoder.options["n_threads"] == 2 and decoder.options["cache_type_v"] == "q8_0"
-    long_prompt = [1000 + (i * 37) % 9000 for i in range(600)]
-
-    def grouped_and_one_by_one(d):
-        d.feed(long_prompt, last_only=True)
-        together = d.feed(MORE[:4]).logits
-        d.rollback(len(long_prompt))
-        return together, torch.cat([d.feed([t]).logits for t in MORE[:4]])
-
-    together, one_by_one = grouped_and_one_by_one(decoder)
-    assert torch.equal(together, one_by_one)
-    with LlamaCppDecoder(smollm.decoder.path, context_length=CONTEXT, n_threads=1,
-                         cache_type_v="f16") as f16_values:
-        together, one_by_one = grouped_and_one_by_one(f16_values)
-        assert torch.equal(together, one_by_one)
+    model = forerun.load("smollm2-135m", engine="llama.cpp", progress=False,
+                         engine_options={"n_threads": THREADS})
+    try:
+        decoder = model.decoder
+        assert decoder.context_length == 4096 and decoder.options["cache_type_v"] == "q8_0"
+        group = model.verification_grouping().exact_group
+        long_prompt = model._probe_tokens(4096 - 2 * len(MORE))
+        for length in (600, 1154, 2100, len(long_prompt)):
+            decoder.reset()
+            decoder.feed(long_prompt[:length], last_only=True)
+            together = decoder.feed(MORE).logits
+            decoder.rollback(length)
+            one_by_one = torch.cat([decoder.feed([t]).logits for t in MORE])
+            assert torch.equal(together, one_by_one), f"at {length} cached positions"
+        # F16 values are exact only on one thread (the documented fallback).
+        with LlamaCppDecoder(decoder.path, context_length=CONTEXT, n_threads=1,
+                             cache_type_v="f16") as f16_values:
+            f16_values.verify_group = group
+            f16_values.feed(long_prompt[:600], last_only=True)
+            together = f16_values.feed(MORE[:group]).logits
+            f16_values.rollback(600)
+            one_by_one = torch.cat([f16_values.feed([t]).logits for t in MORE[:group]])
+            assert torch.equal(together, one_by_one)
+    finally:
+        model.decoder.close()
 
 
 @pytest.mark.real_model
