@@ -288,34 +288,58 @@ def test_cli_generate_with_medusa(tmp_path, capsys, monkeypatch):
 
 # -- training -------------------------------------------------------------------------------
 
-def test_training_on_a_tiny_model(tmp_path, monkeypatch):
-    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
+def _sharp_tiny_model():
+    """A tiny random model with a 10x LM head: its predictions are peaked,
+    so its greedy tokens follow from its input rather than from noise."""
+    model = hf_model("qwen2", seed=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    return model
+
+
+def _train_tiny(tmp_path, *, lr, log=None, out=None, heads=2):
+    """Heads for a tiny model trained on a corpus that repeats ten distinct
+    bytes: the model's greedy token two positions ahead is then a function
+    of the current byte, which a head can learn far past what the untrained
+    head (the model's own next-token head) gets right."""
     corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    gen = torch.Generator().manual_seed(0)
-    words = ["alpha", "beta", "gamma", "delta", "def", "return", "(", ")", ":", "\n"]
+    corpus.mkdir(exist_ok=True)
     for i in range(6):
-        idx = torch.randint(0, len(words), (400,), generator=gen).tolist()
-        (corpus / f"f{i}.txt").write_text(" ".join(words[j] for j in idx))
+        (corpus / f"f{i}.txt").write_text("abcdefghij" * 200)
     (corpus / "binary.bin").write_bytes(b"\0\1\2")
-    dec = forerun_decoder(hf_model("qwen2", seed=2), context_length=128)
+    dec = forerun_decoder(_sharp_tiny_model(), context_length=128)
 
     def encode(text):
         return [b % VOCAB for b in text.encode()]
 
+    result = train_medusa(dec, encode, "tiny", [corpus], out,
+                          settings=TrainSettings(heads=heads, epochs=3, batch_size=64, lr=lr),
+                          seq_len=128, max_tokens=2400, held_out_tokens=400, progress=False,
+                          log=log)
+    return dec, encode, result
+
+
+def test_training_with_a_zero_learning_rate_learns_nothing(tmp_path, monkeypatch):
+    """The broken twin of the training test: without updates, head 0 stays
+    where it started, so the margin asserted there is training's doing."""
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
+    _, _, result = _train_tiny(tmp_path, lr=0.0, heads=1)
+    assert result.accuracy.top1[0] == result.initial_accuracy.top1[0]
+
+
+def test_training_on_a_tiny_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
     logs: list[str] = []
     out = tmp_path / "heads.safetensors"
-    result = train_medusa(dec, encode, "tiny", [corpus], out,
-                          settings=TrainSettings(heads=2, epochs=2, batch_size=64),
-                          seq_len=128, max_tokens=2400, held_out_tokens=400, progress=False,
-                          log=logs.append)
+    dec, encode, result = _train_tiny(tmp_path, lr=1e-2, log=logs.append, out=out)
     acc = result.accuracy
     assert len(acc.top1) == 2 and all(0 <= a <= t <= 1 for a, t in zip(acc.top1, acc.top5))
     assert all(len(row) == 10 for row in acc.rank_hits)
     assert result.train_tokens > 1000 and result.held_out_tokens >= 400
-    # Self-distillation helps: head 0 agrees with the model more than it did
-    # untrained (when it was the model's own next-token head).
-    assert acc.top1[0] > result.initial_accuracy.top1[0]
+    # Self-distillation learns what the model predicts two positions ahead,
+    # by a margin no CPU's rounding decides.
+    assert acc.top1[0] >= result.initial_accuracy.top1[0] + 0.4, (
+        acc.top1[0], result.initial_accuracy.top1[0])
     assert any("top-1" in line for line in logs)
     heads = MedusaHeads.load(out)
     assert heads.num_heads == 2 and heads.vocab is not None
@@ -324,16 +348,16 @@ def test_training_on_a_tiny_model(tmp_path, monkeypatch):
     calls = []
     original = dec.feed
     monkeypatch.setattr(dec, "feed", lambda *a, **k: calls.append(1) or original(*a, **k))
-    train_medusa(dec, encode, "tiny", [corpus], None,
+    train_medusa(dec, encode, "tiny", [tmp_path / "corpus"], None,
                  settings=TrainSettings(heads=1, epochs=1), seq_len=128, max_tokens=2400,
                  held_out_tokens=400, progress=False, log=None)
     assert calls == []
     # The heads draft for the model they were trained on.
     method = TreeSpeculativeDecoding(dec, MedusaDrafter.for_decoder(heads, dec, "tiny"),
                                      tree=TreeShape.from_counts([2, 1]))
-    plain = greedy_tokens(PlainDecoding(forerun_decoder(hf_model("qwen2", seed=2), 128)),
-                      encode("alpha beta"), 20)
-    assert greedy_tokens(method, encode("alpha beta"), 20) == plain
+    plain = greedy_tokens(PlainDecoding(forerun_decoder(_sharp_tiny_model(), 128)),
+                          encode("abcde"), 20)
+    assert greedy_tokens(method, encode("abcde"), 20) == plain
 
 
 def test_cli_train_and_info(tmp_path, monkeypatch, capsys):
