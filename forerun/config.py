@@ -14,6 +14,10 @@ from .errors import ConfigError, UnsupportedArchitectureError
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3")
+# The numbers each kind of rope_scaling needs.
+ROPE_SCALING_KEYS = {"linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                "original_max_position_embeddings")}
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,18 @@ class ModelConfig:
             raise ConfigError(
                 f"rope_scaling type {kind!r} is not supported; forerun supports "
                 f"'linear' and 'llama3'")
+        for key in ROPE_SCALING_KEYS.get(kind, ()):
+            value = self.rope_scaling.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"rope_scaling of type {kind!r} needs a positive number "
+                                  f"{key!r}, got {value!r}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
+        ids = (self.bos_token_id, *self.eos_token_ids)
+        if any(t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0)
+               for t in ids):
+            raise ConfigError(f"the BOS and EOS token ids must be token ids (integers >= 0), "
+                              f"got bos={self.bos_token_id!r}, eos={list(self.eos_token_ids)!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
