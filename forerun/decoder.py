@@ -91,7 +91,6 @@ class Decoder(Protocol):
         values: the key of measurements kept per machine."""
         ...
 
-
     def feed(self, tokens: Sequence[int], *, last_only: bool = False,
              return_hidden: bool = False) -> ForwardOutput:
         """Append ``tokens`` at positions ``length .. length+T-1`` with causal
@@ -109,8 +108,9 @@ class Decoder(Protocol):
         decoding is token-identical to plain decoding only through this.  A
         ``last_only`` feed (a prefill) may use faster kernels with slightly
         different numerics, so a method that must match plain decoding
-        prefills a prompt as plain decoding does: one ``last_only`` feed of
-        the whole prompt.
+        prefills a prompt as plain decoding does, with
+        :func:`forerun.decoding.prefill.prefill` (``last_only`` feeds of
+        aligned blocks; :mod:`forerun.prefix_reuse`).
         """
         ...
 

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     from .medusa import add_parser as _add_medusa_parser
     _add_medusa_parser(sub)
+    from .serve import add_parser as _add_serve_parser
+    _add_serve_parser(sub)
     return parser
 
 
@@ -233,6 +235,9 @@ def dispatch(argv: Sequence[str] | None = None) -> int:
     if args.command == "cache":
         from .cache import run as cmd_cache
         return cmd_cache(args)
+    if args.command == "serve":
+        from .serve import run as cmd_serve
+        return cmd_serve(args)
     return cmd_models(args)
 
 

@@ -10,6 +10,7 @@ from ..decoder import Decoder
 from ..generation.result import GenerationStats
 from ..sampling import TokenSampler
 from .finite import finite
+from .prefill import prefill
 
 
 class PlainDecoding:
@@ -21,10 +22,8 @@ class PlainDecoding:
     def run(self, prompt_ids: list[int], sampler: TokenSampler,
             stats: GenerationStats) -> Iterator[list[int]]:
         target = self.target
-        target.reset()
         start = time.perf_counter()
-        logits = finite(target.feed(prompt_ids, last_only=True).logits[-1])
-        target.commit()
+        logits = finite(prefill(target, prompt_ids).logits[-1])
         stats.prefill_seconds = time.perf_counter() - start
         while True:
             token = sampler.pick(logits)

@@ -24,6 +24,7 @@ from .acceptance import accept_greedy, accept_sampled
 from .base import DraftAndVerify
 from .draft_length import AdaptiveDraftLength
 from .finite import finite
+from .prefill import prefill
 
 MAX_DRAFT_LENGTH = 16
 
@@ -64,15 +65,13 @@ class SpeculativeDecoding(DraftAndVerify):
     def run(self, prompt_ids: list[int], sampler: TokenSampler,
             stats: GenerationStats) -> Iterator[list[int]]:
         target, drafter = self.target, self.drafter
-        target.reset()
         drafter.begin(prompt_ids)
         sequence = list(prompt_ids)
         start = time.perf_counter()
-        # The prefill is plain decoding's, the same one feed of the whole
-        # prompt (an engine may compute a prefill with other kernels than a
-        # verification), and its logits give the first token.
-        logits = finite(target.feed(sequence, last_only=True).logits[-1])
-        target.commit()
+        # The prefill is plain decoding's (an engine may compute a prefill
+        # with other kernels than a verification), and its logits give the
+        # first token.
+        logits = finite(prefill(target, sequence).logits[-1])
         self._calibrate(sequence[-1])
         stats.prefill_seconds = time.perf_counter() - start
         stats.verify_group = target.verify_group

@@ -41,6 +41,7 @@ from ..generation.result import GenerationStats
 from ..sampling import TokenSampler
 from .base import DraftAndVerify
 from .finite import finite
+from .prefill import prefill
 from .tree import TreePolicy, TreeShape, tree_shape
 from .tree_acceptance import accept_tree_greedy, accept_tree_sampled, accept_tree_typical
 
@@ -153,15 +154,13 @@ class TreeSpeculativeDecoding(DraftAndVerify):
             stats: GenerationStats) -> Iterator[list[int]]:
         target, drafter = self.target, self.drafter
         want_hidden = bool(drafter.needs_hidden)
-        target.reset()
         drafter.begin(prompt_ids)
         sequence = list(prompt_ids)
         start = time.perf_counter()
-        # The prefill is plain decoding's, one feed of the whole prompt (see
-        # Decoder.feed); its logits give the first token, the first root.
-        out = target.feed(sequence, last_only=True, return_hidden=want_hidden)
+        # The prefill is plain decoding's (see Decoder.feed); its logits
+        # give the first token, the first root.
+        out = prefill(target, sequence, return_hidden=want_hidden)
         hidden = out.hidden[-1] if want_hidden else None
-        target.commit()
         self._calibrate(sequence[-1])
         stats.prefill_seconds = time.perf_counter() - start
         stats.verify_group = target.verify_group

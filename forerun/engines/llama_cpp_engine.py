@@ -471,6 +471,67 @@ class LlamaCppDecoder:
         self._lc.llama_memory_clear(self._mem, False)
         self._positions.reset()
 
+    # -- exact prefix reuse: forerun.prefix_reuse.PrefixReuse ----------------
+    @property
+    def prefill_block(self) -> int:
+        """A prompt is prefilled in blocks of ``n_batch`` positions, aligned
+        to its multiples: the batches llama.cpp itself splits a prompt into."""
+        return self._n_batch
+
+    @property
+    def prefilled_tokens(self) -> tuple[int, ...]:
+        return self._positions.prefilled
+
+    def mark_prefilled(self, tokens: Sequence[int]) -> None:
+        self._positions.mark_prefilled(tokens, self._n_batch)
+
+    def keep_prefix(self, length: int) -> None:
+        self._check_open()
+        old = self._positions.length
+        self._positions.keep_prefix(length)
+        if length < old and not self._lc.llama_memory_seq_rm(self._mem, 0, int(length), -1):
+            self.reset()
+            raise EngineError(f"llama.cpp could not remove positions {length}.. "
+                              f"from its KV memory")
+
+    def _prefix_owner(self) -> tuple:
+        # Whatever decides the numerics of the saved keys and values.
+        return (self._model, self.context_length, tuple(sorted(self.options.items())))
+
+    def export_prefix(self):
+        """The ledger's positions as llama.cpp's sequence state
+        (``llama_state_seq_get_data``: the cells' positions and their keys
+        and values as stored, F16 or Q8_0 bytes)."""
+        import ctypes
+
+        from ..prefix_reuse import PrefixPayload
+
+        tokens = self._positions.prefilled
+        self.keep_prefix(len(tokens))
+        lc, ctx = self._lc, self._ctx
+        size = int(lc.llama_state_seq_get_size(ctx, 0))
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        written = int(lc.llama_state_seq_get_data(ctx, buf, size, 0))
+        if tokens and written == 0:
+            raise EngineError("llama.cpp could not save the sequence state")
+        return PrefixPayload(tokens, buf, written, self._prefix_owner())
+
+    def restore_prefix(self, payload) -> None:
+        """Clear the KV memory and load a saved sequence state into it
+        (``llama_state_seq_set_data``), in the same cells a prefill uses."""
+        self._check_open()
+        if payload.owner != self._prefix_owner():
+            raise CacheStateError("this saved prefix belongs to another model or engine "
+                                  "setting; it can't be restored here")
+        self.reset()
+        if payload.tokens:
+            read = int(self._lc.llama_state_seq_set_data(self._ctx, payload.data,
+                                                         payload.nbytes, 0))
+            if read == 0:
+                self.reset()
+                raise EngineError("llama.cpp could not restore a saved sequence state")
+        self._positions.set_prefilled(payload.tokens)
+
     def __repr__(self) -> str:
         return (f"LlamaCppDecoder({str(self.path)!r}, context {self.context_length}, "
                 f"{self.options['n_threads']} threads)")
