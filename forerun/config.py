@@ -8,7 +8,7 @@ paths end in the same :class:`ModelConfig`, and a missing key is a
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .errors import ConfigError, UnsupportedArchitectureError
 
@@ -119,7 +119,7 @@ class ModelConfig:
                 rope_scaling = rope_params
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
             raise ConfigError(f"{source}: rope_scaling must be an object, got {rope_scaling!r}")
-        return cls(
+        return naming(source, lambda: cls(
             architecture=model_type,
             vocab_size=count("vocab_size"),
             hidden_size=hidden,
@@ -138,7 +138,17 @@ class ModelConfig:
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
-        )
+        ))
+
+
+def naming(source: str, build: Callable[[], ModelConfig]) -> ModelConfig:
+    """``build()``; a :class:`ConfigError` it raises names ``source``."""
+    try:
+        return build()
+    except ConfigError as exc:
+        if source in str(exc):
+            raise
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def positive_int(value: Any, key: str, source: str) -> int:

@@ -41,7 +41,8 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, hidden_size: int = 64,
                     overrides: dict | None = None) -> Path:
     """Write a random tiny Qwen2 GGUF (float32 tensors) with its tokenizer
     to ``path``.  ``overrides`` replace header values (``{"qwen2.attention.
-    head_count": 0}``) to make hostile files."""
+    head_count": 0}``, or ``("string", "x")`` for another type) to make
+    hostile files."""
     import gguf
 
     path = Path(path)
@@ -73,7 +74,9 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, hidden_size: int = 64,
         "tokenizer.ggml.eos_token_id": ("uint32", 2),
     }
     for key, value in (overrides or {}).items():
-        values[key] = (values[key][0] if key in values else "uint32", value)
+        # A value, or (kind, value) to store another type ("string", "float32"...).
+        values[key] = value if isinstance(value, tuple) else (
+            values[key][0] if key in values else "uint32", value)
     writer = gguf.GGUFWriter(str(path), "qwen2")
     for key, (kind, value) in values.items():
         getattr(writer, f"add_{kind}")(key, value)

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..config import SUPPORTED_ARCHITECTURES, ModelConfig, positive_int, real
+from ..config import SUPPORTED_ARCHITECTURES, ModelConfig, naming, positive_int, real
 from ..errors import ConfigError, ModelFormatError, ModelNotFoundError, UnsupportedArchitectureError
 from .dequantize import dequantize
 
@@ -148,7 +148,7 @@ class GGUFFile:
                             "factor": real(need("rope.scaling.factor"),
                                            f"{arch}.rope.scaling.factor", str(self.path))}
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        return ModelConfig(
+        return naming(str(self.path), lambda: ModelConfig(
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
@@ -168,8 +168,8 @@ class GGUFFile:
             attention_bias="blk.0.attn_q.bias" in tensors,
             rope_scaling=rope_scaling,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=(int(eos),) if eos is not None else (),
-        )
+            eos_token_ids=(eos,) if eos is not None else (),   # checked by ModelConfig
+        ))
 
     def tensor_count(self) -> int:
         return len(self.reader.tensors)

@@ -34,7 +34,8 @@ def files(tmp_path_factory):
     write_tiny_gguf(d / "ok.gguf")
     for name, key, value in [("zero_heads", "qwen2.attention.head_count", 0),
                              ("zero_layers", "qwen2.block_count", 0),
-                             ("huge_ctx", "qwen2.context_length", 2**31)]:
+                             ("huge_ctx", "qwen2.context_length", 2**31),
+                             ("eos_text", "tokenizer.ggml.eos_token_id", ("string", "x"))]:
         write_tiny_gguf(d / f"{name}.gguf", overrides={key: value})
     raw = (d / "ok.gguf").read_bytes()
     (d / "truncated.gguf").write_bytes(raw[: len(raw) // 2])
@@ -90,6 +91,8 @@ CASES = [
      "head_count must be a positive integer"),
     ("gguf-zero-layers", G + ["-m", "{d}/zero_layers.gguf", "hi"], {}, None, 1,
      "block_count must be a positive integer"),
+    ("gguf-eos-text", G + ["-m", "{d}/eos_text.gguf", "hi"], {}, None, 1,
+     "eos_text.gguf: the BOS and EOS token ids must be token ids"),
     ("gguf-truncated", G + ["-m", "{d}/truncated.gguf", "hi"], {}, None, 1,
      "Download or copy the file again"),
     ("gguf-huge-context", G + ["-m", "{d}/huge_ctx.gguf", "--context-length", str(2**30),
@@ -100,10 +103,10 @@ CASES = [
      "num_attention_heads must be a positive integer"),
     ("hf-bad-index", G + ["-m", "{d}/hf_bad_index", "hi"], {}, None, 1,
      "not a valid safetensors index"),
-    ("cache-is-a-file", G + ["-m", "{d}/ok.gguf", "hi"], {"FORERUN_CACHE": "{d}/afile"}, None,
-     1, "is not a directory"),
-    ("cache-under-a-file", G + ["-m", "{d}/ok.gguf", "hi"],
-     {"FORERUN_CACHE": "{d}/afile/sub"}, None, 1, "can't be created"),
+    ("cache-is-a-file", ["cache", "list"], {"FORERUN_CACHE": "{d}/afile"}, None, 1,
+     "is not a directory"),
+    ("cache-under-a-file", ["cache", "prune"], {"FORERUN_CACHE": "{d}/afile/sub"}, None, 1,
+     "can't be created"),
     # A cache that can't be used does not stop what does not need it.
     ("cache-file-hf-folder", G + ["-m", "{d}/hf", "hi"], {"FORERUN_CACHE": "{d}/afile"},
      None, 0, ""),

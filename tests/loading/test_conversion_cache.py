@@ -5,6 +5,7 @@ result, and entries are keyed by the GGUF's content, not its path."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import shutil
@@ -23,6 +24,10 @@ from tiny_gguf import write_tiny_gguf
 
 TESTS = Path(__file__).resolve().parent.parent
 
+# These tests exercise the float32 conversion cache: ask for that weight
+# format where load() offers others (q4 and q8 read the GGUF directly).
+FLOAT32 = ({"weights": "float32"} if "weights" in inspect.signature(forerun.load).parameters
+           else {})
 
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory):
@@ -47,7 +52,7 @@ def pristine(gguf_path, tmp_path_factory):
 
 
 def generate(path) -> list[int]:
-    model = forerun.load(path, context_length=64, device="cpu", progress=False)
+    model = forerun.load(path, context_length=64, device="cpu", progress=False, **FLOAT32)
     return model.generate(prompt="hello world", max_new_tokens=12, ignore_eos=True).tokens
 
 

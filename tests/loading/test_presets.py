@@ -6,6 +6,7 @@ the real presets' packages ship theirs."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 
 import pytest
 
@@ -15,6 +16,10 @@ from forerun.loading.cache_entry import TMP_MARK
 from forerun.loading.presets import PRESETS, Preset, assembled_path, is_assembled
 from tiny_gguf import write_tiny_gguf
 
+# These tests exercise the float32 conversion cache: ask for that weight
+# format where load() offers others (q4 and q8 read the GGUF directly).
+FLOAT32 = ({"weights": "float32"} if "weights" in inspect.signature(forerun.load).parameters
+           else {})
 
 @pytest.fixture()
 def tiny_preset(tmp_path, monkeypatch):
@@ -33,7 +38,7 @@ def tiny_preset(tmp_path, monkeypatch):
 
 
 def tokens(name: str) -> list[int]:
-    model = forerun.load(name, context_length=64, device="cpu", progress=False)
+    model = forerun.load(name, context_length=64, device="cpu", progress=False, **FLOAT32)
     return model.generate(prompt="hello world", max_new_tokens=10, ignore_eos=True).tokens
 
 
