@@ -18,7 +18,8 @@ forerun makes reuse exact by construction:
   prefill blocks computed (never positions a decoding step or a partial
   block computed);
 * a new prompt keeps the leading whole blocks of the ledger that it starts
-  with, and prefills the rest in the same aligned blocks.
+  with (when the engine's ``reuse_prefixes`` is on), and prefills the rest
+  in the same aligned blocks.
 
 So a warm prefill runs exactly the forwards that a cold prefill of the same
 prompt runs after those blocks, on a bit-identical cache: the same logits,
@@ -57,6 +58,12 @@ class PrefixReuse(Protocol):
     def prefill_block(self) -> int:
         """Positions per prefill block (a property of the engine)."""
         ...
+
+    #: Whether a prefill may keep blocks of the cache (off by default: a
+    #: benchmark or a one-shot generation always prefills its whole prompt;
+    #: ``forerun serve`` turns it on).  The blocks and their numerics are
+    #: the same either way, so the output is too.
+    reuse_prefixes: bool
 
     @property
     def prefilled_tokens(self) -> tuple[int, ...]:

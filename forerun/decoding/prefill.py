@@ -25,7 +25,8 @@ def prefill(target: Decoder, prompt_ids: Sequence[int], *,
 
     On an engine with :class:`~forerun.prefix_reuse.PrefixReuse`, the cache
     keeps the leading whole prefill blocks it already holds for this prompt
-    (:func:`~forerun.prefix_reuse.reusable_length`) and the rest is fed in
+    (:func:`~forerun.prefix_reuse.reusable_length`; only when the engine's
+    ``reuse_prefixes`` is on) and the rest is fed in
     ``last_only`` feeds of the blocks ``[kB, (k+1)B)``, the last one possibly
     partial; each whole block joins the ledger.  A warm prefill thus runs the
     very forwards a cold one runs after the kept blocks.  Other decoders get
@@ -40,7 +41,8 @@ def prefill(target: Decoder, prompt_ids: Sequence[int], *,
         target.commit()
         return out
     block = target.prefill_block
-    keep = reusable_length(target.prefilled_tokens, prompt, block)
+    keep = (reusable_length(target.prefilled_tokens, prompt, block)
+            if target.reuse_prefixes else 0)
     target.keep_prefix(keep)
     out = None
     for start in range(keep, len(prompt), block):

@@ -472,6 +472,10 @@ class LlamaCppDecoder:
         self._positions.reset()
 
     # -- exact prefix reuse: forerun.prefix_reuse.PrefixReuse ----------------
+    #: Whether a prefill keeps the cached blocks it can (off: every prompt is
+    #: prefilled whole, in the same blocks).
+    reuse_prefixes = False
+
     @property
     def prefill_block(self) -> int:
         """A prompt is prefilled in blocks of ``n_batch`` positions, aligned

@@ -2,8 +2,8 @@
 
 The parts, one idea per module:
 
-* :mod:`.schemas`: the request bodies (pydantic models) and what they mean
-  for a generation;
+* :mod:`.schemas`: the request bodies (pydantic models);
+* :mod:`.translate`: what a request means for a generation;
 * :mod:`.responses`: OpenAI's response and chunk objects;
 * :mod:`.errors`: OpenAI-style error bodies and their HTTP statuses;
 * :mod:`.worker`: the single engine thread and its bounded FIFO queue;

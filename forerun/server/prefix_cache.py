@@ -46,6 +46,8 @@ class PrefixCache:
     def __init__(self, decoder, *, limit_bytes: int, enabled: bool = True) -> None:
         self.decoder = decoder
         self.enabled = enabled and isinstance(decoder, PrefixReuse)
+        if self.enabled:
+            decoder.reuse_prefixes = True
         self.limit_bytes = max(0, int(limit_bytes))
         self._saved: OrderedDict[tuple[int, ...], PrefixPayload] = OrderedDict()
         self._lock = threading.Lock()   # guards the counters' readers

@@ -156,9 +156,9 @@ class EngineWorker:
                     ttft = time.perf_counter() - job.submitted
                 job.post("delta", delta)
             finished = Finished(stream.result, reuse, started - job.submitted, ttft)
-            job.post("done", finished)
-            if self.on_finish is not None:
+            if self.on_finish is not None:      # counted before the client hears of it
                 self.on_finish(finished)
+            job.post("done", finished)
         except ForerunError as exc:
             job.post("error", exc)
         except Exception as exc:  # a bug: log it, keep serving from a clean cache

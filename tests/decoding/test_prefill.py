@@ -28,9 +28,10 @@ def hf(request):
     return hf_model(request.param, seed=5)
 
 
-def target_of(hf, context_length=160):
+def target_of(hf, context_length=160, reuse=True):
     decoder = forerun_decoder(hf, context_length=context_length)
     decoder.prefill_block = BLOCK
+    decoder.reuse_prefixes = reuse
     return decoder
 
 
@@ -64,6 +65,18 @@ def test_prefill_feeds_aligned_blocks_and_records_whole_ones(hf):
     assert target.feeds == [(8, True), (6, True)]
     assert target.prefilled_tokens == tuple(b[:24])
     assert target.length == target.committed_length == 30
+
+
+def test_reuse_is_off_unless_asked(hf):
+    """By default every prompt is prefilled whole (benchmarks time whole
+    prefills), in the same blocks, with the same logits."""
+    target = FeedLog(target_of(hf, reuse=False))
+    a = prompt(21)
+    first = prefill(target, a).logits
+    target.feeds.clear()
+    again = prefill(target, a).logits
+    assert target.feeds == [(8, True), (8, True), (5, True)]
+    assert torch.equal(first, again)
 
 
 def test_the_last_prompt_token_is_always_computed(hf):
@@ -193,8 +206,10 @@ def test_every_method_gives_the_same_tokens_warm_and_cold(hf, temperature):
 @pytest.fixture(scope="module")
 def smollm_llama(preset_gguf):
     preset_gguf("smollm2-135m")
-    return forerun.load("smollm2-135m", engine="llama.cpp", context_length=1024,
-                        progress=False, engine_options={"n_batch": 16})
+    model = forerun.load("smollm2-135m", engine="llama.cpp", context_length=1024,
+                         progress=False, engine_options={"n_batch": 16})
+    model.decoder.reuse_prefixes = True
+    return model
 
 
 @pytest.mark.real_model

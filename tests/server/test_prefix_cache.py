@@ -44,7 +44,9 @@ def block_bytes(decoder):
 
 def test_the_next_turn_reuses_the_live_cache(hf):
     decoder = decoder_of(hf)
+    assert not decoder.reuse_prefixes
     cache = PrefixCache(decoder, limit_bytes=10 ** 9)
+    assert decoder.reuse_prefixes         # the server turns reuse on
     a = conversation(1)
     assert serve(cache, decoder, a)[0] == Reuse(None, 0)
     assert serve(cache, decoder, a + [9] * 6)[0] == Reuse("live", 16)
