@@ -6,6 +6,7 @@ inside, and never silently accepts a value of the wrong type
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 
@@ -40,7 +41,7 @@ def models(folders, tmp_path_factory):
 
     os.environ["FORERUN_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     try:
-        yield [forerun.load(f, context_length=48, device="cpu") for f in folders]
+        yield [forerun.load(f, context_length=48, device="cpu", **FLOAT32) for f in folders]
     finally:
         del os.environ["FORERUN_CACHE"]
 
@@ -94,7 +95,7 @@ GENERATE_ARGS = {
 SOURCES = ("prompt", "messages", "prompt_ids")
 # Given unless hostile: the default max_new_tokens (256) overflows the
 # small test context, which would make most calls a ContextLengthError.
-REQUIRED = ("max_new_tokens",)
+REQUIRED = ("max_new_tokens", "weights")
 
 
 def drawn(data, table) -> dict:
@@ -157,6 +158,13 @@ LOAD_ARGS = {
     "progress": (st.booleans(), st.integers(0, 1)),
     "engine_options": (st.just({}), st.sampled_from([{"n_threads": 1}, {"bogus": 1}])),
 }
+# The weight format, where load() takes one: given unless hostile ("auto"
+# measures every format once per cache, seconds per call here).
+FLOAT32 = ({"weights": "float32"} if "weights" in inspect.signature(forerun.load).parameters
+           else {})
+if FLOAT32:
+    LOAD_ARGS["weights"] = (st.sampled_from(["float32", "bfloat16"]),
+                            st.sampled_from(["q3", "FLOAT32", 5, None]))
 
 
 @settings(max_examples=60, deadline=None, derandomize=True,
@@ -208,7 +216,7 @@ def test_wrong_types_are_refused_not_truncated(models, kwargs, message):
 def test_load_refuses_wrong_types(folders, kwargs, message, tmp_path, monkeypatch):
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
     with pytest.raises(ConfigError, match=message):
-        forerun.load(folders[0], **kwargs)
+        forerun.load(folders[0], **{**FLOAT32, **kwargs})
 
 
 def test_empty_model_name_says_so():

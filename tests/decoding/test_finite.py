@@ -6,6 +6,7 @@ into token 0 and reports a clean, empty answer."""
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ from forerun.sampling import SamplingParams, TokenSampler
 from tiny_models import forerun_decoder, hf_model, tiny_tokenizer_json
 
 PROMPT = [5, 17, 42, 99, 5, 17]
+# A fixed weight format where load() offers a choice ("auto" measures them).
+FLOAT32 = ({"weights": "float32"} if "weights" in inspect.signature(forerun.load).parameters
+           else {})
 
 
 class Poisoned:
@@ -135,7 +139,7 @@ def nan_model_folder(tmp_path):
 def test_a_model_with_nan_weights_names_its_file(nan_model_folder, kwargs, tmp_path,
                                                  monkeypatch):
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
-    model = forerun.load(nan_model_folder, context_length=64, device="cpu")
+    model = forerun.load(nan_model_folder, context_length=64, device="cpu", **FLOAT32)
     with pytest.raises(NonFiniteLogitsError) as info:
         model.generate(prompt="hello world", max_new_tokens=4, **kwargs)
     assert str(nan_model_folder) in str(info.value)

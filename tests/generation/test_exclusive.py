@@ -9,6 +9,7 @@ KV cache and produce other tokens, or fail with "cannot roll back"."""
 from __future__ import annotations
 
 import gc
+import inspect
 import threading
 
 import pytest
@@ -22,15 +23,22 @@ PROMPTS = ["hello world", "the quick brown fox", "jumps over the lazy dog", "hel
 METHODS = [None, "ngram", "draft"]
 
 
+# A fixed weight format where load() offers a choice ("auto" measures them).
+FLOAT32 = ({"weights": "float32"} if "weights" in inspect.signature(forerun.load).parameters
+           else {})
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny target and a tiny draft model sharing its tokenizer."""
     loaded = []
-    for seed in (3, 4):
-        folder = tmp_path_factory.mktemp(f"m{seed}")
-        hf_model("qwen2", seed=seed).save_pretrained(folder, safe_serialization=True)
-        tiny_tokenizer_json(folder)
-        loaded.append(forerun.load(folder, context_length=128, device="cpu"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FORERUN_CACHE", str(tmp_path_factory.mktemp("cache")))
+        for seed in (3, 4):
+            folder = tmp_path_factory.mktemp(f"m{seed}")
+            hf_model("qwen2", seed=seed).save_pretrained(folder, safe_serialization=True)
+            tiny_tokenizer_json(folder)
+            loaded.append(forerun.load(folder, context_length=128, device="cpu", **FLOAT32))
     return loaded
 
 
