@@ -191,10 +191,9 @@ class _Routes:
             return StreamingResponse(self._stream(job, spec, completion, first),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        event, pieces = first, []
+        event = first
         try:
             while event[0] == "delta":
-                pieces.append(event[1])
                 event = await _next_event(job, request)
         finally:
             job.cancel.set()                   # a no-op once the job is done
@@ -204,7 +203,7 @@ class _Routes:
         if finished.result.finish_reason == "cancelled":
             raise _shutting_down()
         return JSONResponse(completion.response(
-            spec.echo + "".join(pieces), responses.finish_reason(finished.result),
+            spec.echo + finished.result.text, responses.finish_reason(finished.result),
             responses.usage(len(spec.prompt_ids), finished.result), _stats(finished)))
 
     async def _stream(self, job: Job, spec: GenerationSpec, completion: responses.Completion,
