@@ -276,11 +276,13 @@ class Model:
             return draft
         if not isinstance(draft, Model):
             # The draft runs on the target's engine (and, for torch, its dtype).
-            engine = getattr(self.decoder, "engine", "torch")
-            dtype = getattr(getattr(self.decoder, "model", None), "dtype", None)
-            draft = load(draft, engine=engine, context_length=self.decoder.context_length,
-                         device=self.decoder.device,
-                         **({"dtype": dtype} if dtype is not None else {}))
+            # The draft runs on the target's engine, in its weight format.
+            settings = self.decoder.settings
+            options = ({"weights": settings["weights"]} if settings["engine"] == "torch"
+                       else {})
+            draft = load(draft, engine=settings["engine"],
+                         context_length=self.decoder.context_length,
+                         device=self.decoder.device, **options)
         if draft.tokenizer.fingerprint() != self.tokenizer.fingerprint():
             raise TokenizerError(
                 f"draft model {draft.name} uses a different tokenizer from {self.name}; "
@@ -345,7 +347,7 @@ class GenerationStream:
 def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
          context_length: int | None = None, device: str | torch.device | None = None,
          dtype: torch.dtype = torch.float32, progress: bool = True,
-         engine_options: dict[str, Any] | None = None) -> Model:
+         engine_options: dict[str, Any] | None = None, weights: str = "auto") -> Model:
     """Load a model by preset name, ``.gguf`` path or Hugging Face folder.
 
     ``context_length`` sets the KV cache size (default: the model's own limit,
@@ -359,7 +361,20 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
     (``pip install 'forerun[llama]'``).  ``engine_options`` go to
     :class:`~forerun.engines.llama_cpp_engine.LlamaCppDecoder`: ``n_threads``,
     ``n_threads_batch``, ``n_batch``, ``flash_attn``, ``extra_buffers``.
+
+    ``weights`` is the PyTorch engine's weight format: ``"float32"``,
+    ``"bfloat16"``, ``"q8"`` (int8, a scale per row), ``"q4"`` (4-bit groups
+    of 32; a GGUF's Q4_K/Q4_0/Q4_1 tensors keep their own values, its
+    5-to-8-bit ones become int8), or ``"auto"``: for a GGUF file, the
+    fastest of these on this machine, measured once per machine and model
+    shape; for a Hugging Face folder, float32 (quantizing a float model is
+    left to an explicit ``bfloat16``/``q8``/``q4``).  The
+    q8 and q4 formats read the GGUF directly, with no float32 conversion
+    cache.  See :mod:`forerun.engines.linear`.
     """
+    from .engines.linear import check_format
+
+    weights = check_format(weights)
     check_load_arguments(model, context_length=context_length, dtype=dtype,
                          progress=progress, engine_options=engine_options)
     engine = _ENGINE_ALIASES.get(engine, engine) if isinstance(engine, str) else engine
@@ -370,6 +385,9 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
         from .loading.load import load_gguf_files
 
         import_llama_cpp()   # EngineUnavailableError before any file is read
+        if weights != "auto":
+            raise ConfigError(f"weights={weights!r} applies to the torch engine; the "
+                              f"llama.cpp engine runs the GGUF file's own quantization")
         if device is not None and parse_device(device).type != "cpu":
             raise ConfigError(
                 f"the llama.cpp engine runs on the CPU; device {str(device)!r} is not "
@@ -379,10 +397,8 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
         if engine_options:
             raise ConfigError(f"engine_options apply to the llama.cpp engine, not to "
                               f"{engine!r}; got {', '.join(engine_options)}")
-        from .loading.load import load_model_files
-
         device = resolve_device(device)   # before the seconds a conversion takes
-        files = load_model_files(model, progress=progress)
+        files, weights = _torch_model_files(model, weights, dtype, device, progress)
     config = files.config
     if context_length is None:
         context_length = min(config.max_position_embeddings, DEFAULT_CONTEXT_LENGTH)
@@ -405,7 +421,8 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
     from .engines.transformer import Transformer
 
     try:
-        network = Transformer(config, files.weights, dtype=dtype, device=device)
+        network = Transformer(config, files.weights, dtype=dtype, device=device,
+                              weights_format=weights)
         decoder = TorchDecoder(network, context_length, config.eos_token_ids)
     except (RuntimeError, MemoryError) as exc:
         if not memory_error(exc):
@@ -414,6 +431,55 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
                           f"{context_length} positions: load it with a smaller "
                           f"context_length (--context-length)") from exc
     return Model(files.name, decoder, files.tokenizer, config, source=_source(files, model))
+
+
+def _torch_model_files(model, weights: str, dtype: torch.dtype, device: torch.device,
+                       progress: bool):
+    """The files of ``model`` for the torch engine in weight format
+    ``weights`` (``"auto"`` resolved here), and that format.  A GGUF in q4
+    or q8 is read directly; otherwise through the float32 conversion cache."""
+    from .loading.load import load_gguf_files, load_model_files, resolve_spec
+
+    path = resolve_spec(model, progress=progress)
+    is_gguf = not path.is_dir() and path.suffix.lower() == ".gguf"
+    if weights == "auto":
+        if dtype != torch.float32:   # an explicit activation dtype: dense weights
+            weights = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        elif not is_gguf:   # a float model keeps its precision unless asked
+            weights = "float32"
+        else:
+            header = load_gguf_files(model, engine="torch", progress=progress)
+            weights = choose_weights(header.name, header.config, device).format
+    if is_gguf and weights in ("q4", "q8"):
+        from .loading.gguf_quantized import GGUFQuantizedWeights
+
+        files = load_gguf_files(model, engine="torch", progress=progress)
+        files.weights = GGUFQuantizedWeights(files.gguf_path, files.config)
+        return files, weights
+    return load_model_files(model, progress=progress), weights
+
+
+def choose_weights(name: str, config, device: torch.device):
+    """The weight format ``weights="auto"`` picks for a model of ``config``'s
+    shape on ``device``: stored per machine, else measured
+    (:mod:`forerun.engines.format_choice`)."""
+    from .calibration import CalibrationStore
+    from .engines.format_choice import FormatChoice, choose_format, time_formats
+
+    if device.type == "cpu":
+        candidates = ("q4", "q8", "bfloat16", "float32")
+    else:   # forerun's int4/int8 layers run dequantized off the CPU
+        candidates = ("bfloat16", "float32")
+    key = {"hidden": config.hidden_size, "intermediate": config.intermediate_size,
+           "candidates": list(candidates), "device": str(device),
+           "threads": torch.get_num_threads(), "torch": torch.__version__}
+    store = CalibrationStore("weights", key, label=f"{name}-{device.type}")
+    choice = store.load(lambda d: FormatChoice.from_dict(d, candidates))
+    if choice is None:
+        ms = time_formats(config, candidates, device)
+        choice = FormatChoice(choose_format(ms), ms)
+        store.save(choice.to_dict())
+    return choice
 
 
 def default_device() -> torch.device:

@@ -28,7 +28,10 @@ def preset_model():
         key = (name, context_length)
         if key not in _MODELS:
             require_preset(name)
-            _MODELS[key] = forerun.load(name, context_length=context_length, progress=False)
+            # float32: the reference format, which transformers' parity
+            # tests compare with (the quantized formats have tests of their own).
+            _MODELS[key] = forerun.load(name, context_length=context_length, progress=False,
+                                        weights="float32")
         return _MODELS[key]
 
     return get

@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
                    help="the engine of forerun's rows, model and draft: torch (default) or "
                         "llama.cpp (GGUF models, quantized weights; needs forerun[llama])")
+    p.add_argument("--weights", default="auto",
+                   choices=("auto", "float32", "bfloat16", "q8", "q4"),
+                   help="the torch engine's weight format for the model and the draft "
+                        "(default auto: for a GGUF, the fastest on this machine)")
     p.add_argument("--draft", "-d", default=None,
                    help="the draft model of the draft methods: a preset, .gguf file or folder "
                         "sharing the model's tokenizer (default: the preset's own draft, "
@@ -88,7 +92,7 @@ def settings_from_args(args: argparse.Namespace):
     if not methods:
         raise BenchError("--methods is empty")
     return BenchSettings(
-        model=args.model or DEFAULT_MODEL, engine=args.engine, draft=_default_draft(args), prompts=args.prompts,
+        model=args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights, draft=_default_draft(args), prompts=args.prompts,
         methods=tuple(methods), categories=tuple(_split([args.categories])) or None,
         limit=args.limit, max_new_tokens=args.max_new_tokens,
         temperatures=tuple(dict.fromkeys(temps)), seed=args.seed, warmup=args.warmup,

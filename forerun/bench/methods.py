@@ -102,9 +102,9 @@ class BenchContext:
             engine = getattr(decoder, "engine", None)
             if engine is not None:
                 options["engine"] = engine   # the draft runs on the target's engine
-            dtype = getattr(getattr(decoder, "model", None), "dtype", None)
-            if dtype is not None:
-                options["dtype"] = dtype
+            weights = decoder.settings.get("weights")
+            if weights is not None:   # the draft in the target's weight format
+                options["weights"] = weights
             self._draft_model = load(self.draft_source, context_length=decoder.context_length,
                                      device=decoder.device, progress=self.progress, **options)
         return self._draft_model

@@ -34,6 +34,7 @@ class BenchSettings:
 
     model: str = "qwen2.5-coder-1.5b"
     engine: str = "torch"               # the engine of the model and the draft
+    weights: str = "auto"               # the torch engine's weight format
     draft: str | None = None
     prompts: str | None = None          # a Spec-Bench file; None: forerun-bench.jsonl
     methods: Sequence[str] = ("plain", "draft", "ngram")
@@ -227,7 +228,7 @@ def run_bench(settings: BenchSettings, *, model=None, draft=None,
     if model is None:
         from ..api import load
 
-        model = load(settings.model, engine=settings.engine,
+        model = load(settings.model, engine=settings.engine, weights=settings.weights,
                      context_length=settings.context_length, device=settings.device,
                      progress=settings.progress)
     if model.tokenizer.chat_template is None:

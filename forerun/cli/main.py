@@ -21,6 +21,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="torch: forerun's PyTorch engine (default); llama.cpp: run the GGUF "
                         "with llama.cpp (needs: pip install 'forerun[llama]'); a draft "
                         "model given by name runs on the same engine")
+    p.add_argument("--weights", default="auto",
+                   choices=("auto", "float32", "bfloat16", "q8", "q4"),
+                   help="the torch engine's weight format: q4 (4-bit groups; a GGUF's Q4 "
+                        "tensors as they are), q8 (int8), bfloat16, float32, or auto "
+                        "(default: for a GGUF, the fastest on this machine, measured once)")
     p.add_argument("--draft", "-d", default=None,
                    help="speculative decoding with this draft: a preset, .gguf file or "
                         "folder sharing the model's tokenizer, 'ngram' (prompt lookup), "
@@ -102,7 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.model is not None and not args.model.strip():
         raise ForerunError("--model is empty; give a preset, a .gguf file or a Hugging Face "
                            "folder, or leave --model out for the default")
-    model = load(args.model or DEFAULT_MODEL, engine=args.engine,
+    model = load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
                  context_length=args.context_length, device=args.device,
                  progress=not args.quiet)
     draft = resolve_draft_option(args)

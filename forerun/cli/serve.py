@@ -109,7 +109,8 @@ def _build_service(args: argparse.Namespace):
     from ..server.worker import EngineWorker
 
     name = args.model or DEFAULT_MODEL
-    model = forerun.load(name, engine=args.engine, context_length=args.context_length,
+    model = forerun.load(name, engine=args.engine, weights=args.weights,
+                         context_length=args.context_length,
                          device=args.device, progress=not args.quiet)
     draft = default_draft(args)
     if draft is None and args.draft_k is not None:
@@ -117,7 +118,7 @@ def _build_service(args: argparse.Namespace):
     drafts = {}
     if draft is not None and draft not in BUILTIN_DRAFTS and not draft.startswith("medusa:"):
         # A draft model runs on the target's engine, with its context.
-        loaded = forerun.load(draft, engine=args.engine,
+        loaded = forerun.load(draft, engine=args.engine, weights=args.weights,
                               context_length=model.decoder.context_length,
                               device=args.device, progress=not args.quiet)
         drafts = {draft: loaded}

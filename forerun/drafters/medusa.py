@@ -377,12 +377,11 @@ class MedusaDrafter:
     needs_hidden = True
 
     def __init__(self, heads: MedusaHeads, base_lm_head: torch.Tensor | None,
-                 *, max_width: int = 8) -> None:
+                 *, max_width: int = 8, rows_selected: bool = False) -> None:
         self.heads = heads
-        self.base_lm_head = base_lm_head
         if heads.lm_heads is None and base_lm_head is None:
             raise ConfigError("these Medusa heads share the base model's LM head: pass it")
-        if heads.vocab is not None and heads.lm_heads is None:
+        if heads.vocab is not None and heads.lm_heads is None and not rows_selected:
             # Keep only the rows of the candidate vocabulary (a copy of V' rows).
             self._lm_rows = base_lm_head.index_select(0, heads.vocab.to(base_lm_head.device))
         else:
@@ -404,7 +403,11 @@ class MedusaDrafter:
                           f"its shape but may draft poorly (the output is unaffected)",
                           stacklevel=2)
         heads = heads.to(network.device, network.dtype)
-        return cls(heads, network.lm_head, **kwargs)
+        if heads.lm_heads is not None:
+            return cls(heads, None, **kwargs)
+        # Only the candidate vocabulary's rows of the LM head, as float.
+        rows = network.lm_head.weight_rows(heads.vocab).to(network.dtype)
+        return cls(heads, rows, rows_selected=heads.vocab is not None, **kwargs)
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         pass

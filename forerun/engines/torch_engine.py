@@ -70,9 +70,11 @@ class TorchDecoder:
     @property
     def settings(self) -> dict:
         """Everything that decides which kernels run (and so the numerics
-        and the costs): the engine, device, weight dtype and thread count."""
+        and the costs): the engine, device, activation dtype, weight format
+        and thread count."""
         return {"engine": self.engine, "device": str(self.device),
                 "dtype": str(self.model.dtype).removeprefix("torch."),
+                "weights": self.model.weights_format,
                 "threads": torch.get_num_threads(), "torch": torch.__version__}
 
     # -- forward -----------------------------------------------------------
@@ -109,14 +111,15 @@ class TorchDecoder:
         t = ids.numel()
         group = self.verify_group or t
         if t <= group:
-            logits, hidden = self.model.forward(ids, positions, self.cache, mask)
+            logits, hidden = self.model.forward(ids, positions, self.cache, mask, rowwise=True)
             return ForwardOutput(logits, hidden if return_hidden else None)
         base = self.length
         logits_parts, hidden_parts = [], []
         for a in range(0, t, group):
             b = min(t, a + group)
             part_mask = None if mask is None else mask[a:b, :base + b]
-            logits, hidden = self.model.forward(ids[a:b], positions[a:b], self.cache, part_mask)
+            logits, hidden = self.model.forward(ids[a:b], positions[a:b], self.cache, part_mask,
+                                                rowwise=True)
             logits_parts.append(logits)
             hidden_parts.append(hidden)
         return ForwardOutput(torch.cat(logits_parts),

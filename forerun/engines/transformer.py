@@ -19,18 +19,19 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..errors import ConfigError, ModelFormatError
 from ..kv_cache import KVCache
+from .linear import (DenseLinear, Int8Linear, Int8Rows, Linear, check_kernels, concat_rows,
+                     make_linear, quantize_int8)
 from .rope import RotaryEmbedding, apply_rotary
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear
+    o: Linear
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,61 +41,129 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+class Embedding:
+    """Token embeddings: a float table, or int8 rows with a scale each
+    (which a tied LM head shares)."""
+
+    def __init__(self, table: "torch.Tensor | Int8Rows", device: torch.device) -> None:
+        if isinstance(table, Int8Rows):
+            self.q = table.q.to(device).contiguous()
+            self.scale = table.scale.to(device=device, dtype=torch.bfloat16)
+            self.table = None
+        else:
+            self.table = table.to(device)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return F.embedding(tokens, self.table).float()
+        return self.q[tokens].float() * self.scale[tokens].float()[:, None]
+
+
 class Transformer:
-    """The network: embedding, ``num_layers`` decoder blocks, norm, LM head."""
+    """The network: embedding, ``num_layers`` decoder blocks, norm, LM head.
+
+    ``weights`` maps Hugging Face tensor names to float tensors or to values
+    already quantized (:mod:`forerun.engines.linear`).  ``weights_format``
+    is the format of every matrix (one of
+    :data:`~forerun.engines.linear.WEIGHT_FORMATS`); activations, norms,
+    attention and the KV cache stay in ``dtype`` (float32).
+    """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor],
                  *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", weights_format: str | None = None) -> None:
         self.config = config
-        self.dtype = dtype
         self.device = torch.device(device)
+        if weights_format is None:
+            weights_format = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        fmt = self.weights_format = weights_format
+        # Activations: float32, except the dense bfloat16 format of old
+        # (dtype=torch.bfloat16), which runs everything in bfloat16.
+        self.dtype = dtype if fmt in ("float32", "bfloat16") and dtype != torch.float32 else torch.float32
+        if fmt in ("q4", "q8"):
+            check_kernels(self.device)
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
 
-        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        def raw(name: str, shape: tuple[int, ...]):
             if name not in weights:
                 raise ModelFormatError(f"the weights lack tensor {name!r}")
             t = weights[name]
             if tuple(t.shape) != shape:
                 raise ModelFormatError(
                     f"tensor {name!r} has shape {tuple(t.shape)}, the config implies {shape}")
-            return t.to(device=self.device, dtype=dtype)
+            return t
+
+        def vector(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return raw(name, shape).to(device=self.device, dtype=self.dtype)
+
+        def linear(names: list[tuple[str, tuple[int, int]]], bias: torch.Tensor | None = None
+                   ) -> Linear:
+            parts = [raw(n, s) for n, s in names]
+            return make_linear(concat_rows(parts), bias, fmt, self.device)
 
         h, i = c.hidden_size, c.intermediate_size
-        self.embed = take("model.embed_tokens.weight", (c.vocab_size, h))
-        self.norm = take("model.norm.weight", (h,))
-        if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            if not c.tie_word_embeddings:
-                raise ModelFormatError("the weights lack 'lm_head.weight' and the config "
-                                       "does not tie word embeddings")
-            self.lm_head = self.embed
+        embed = raw("model.embed_tokens.weight", (c.vocab_size, h))
+        tied = c.tie_word_embeddings or "lm_head.weight" not in weights
+        if tied and not c.tie_word_embeddings:
+            raise ModelFormatError("the weights lack 'lm_head.weight' and the config "
+                                   "does not tie word embeddings")
+        if fmt in ("q4", "q8"):
+            # The embedding table as int8 rows; a tied LM head reads the same rows.
+            if not isinstance(embed, Int8Rows):
+                embed = quantize_int8(embed if isinstance(embed, torch.Tensor)
+                                      else embed.dequantize())
+            self.embed = Embedding(embed, self.device)
+            self.lm_head = (Int8Linear(embed, None, self.device) if tied else
+                            linear([("lm_head.weight", (c.vocab_size, h))]))
+            if tied and hasattr(self.lm_head, "q"):
+                self.lm_head.q = self.embed.q          # one copy of the rows
         else:
-            self.lm_head = take("lm_head.weight", (c.vocab_size, h))
+            dense = embed if isinstance(embed, torch.Tensor) else embed.dequantize()
+            self.embed = Embedding(dense.to(self.dtype), self.device)
+            self.lm_head = (DenseLinear(self.embed.table, None, self.embed.table.dtype,
+                                        self.device) if tied
+                            else linear([("lm_head.weight", (c.vocab_size, h))]))
+        self.norm = vector("model.norm.weight", (h,))
 
         self.layers: list[LayerWeights] = []
         for n in range(c.num_layers):
             p = f"model.layers.{n}."
-            qkv = torch.cat([take(p + "self_attn.q_proj.weight", (self.q_size, h)),
-                             take(p + "self_attn.k_proj.weight", (self.kv_size, h)),
-                             take(p + "self_attn.v_proj.weight", (self.kv_size, h))])
             bias = None
             if c.attention_bias:
-                bias = torch.cat([take(p + "self_attn.q_proj.bias", (self.q_size,)),
-                                  take(p + "self_attn.k_proj.bias", (self.kv_size,)),
-                                  take(p + "self_attn.v_proj.bias", (self.kv_size,))])
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight", (i, h)),
-                                 take(p + "mlp.up_proj.weight", (i, h))])
+                bias = torch.cat([vector(p + "self_attn.q_proj.bias", (self.q_size,)),
+                                  vector(p + "self_attn.k_proj.bias", (self.kv_size,)),
+                                  vector(p + "self_attn.v_proj.bias", (self.kv_size,))])
             self.layers.append(LayerWeights(
-                attn_norm=take(p + "input_layernorm.weight", (h,)),
-                qkv=qkv, qkv_bias=bias,
-                o=take(p + "self_attn.o_proj.weight", (h, self.q_size)),
-                mlp_norm=take(p + "post_attention_layernorm.weight", (h,)),
-                gate_up=gate_up,
-                down=take(p + "mlp.down_proj.weight", (h, i)),
+                attn_norm=vector(p + "input_layernorm.weight", (h,)),
+                qkv=linear([(p + "self_attn.q_proj.weight", (self.q_size, h)),
+                            (p + "self_attn.k_proj.weight", (self.kv_size, h)),
+                            (p + "self_attn.v_proj.weight", (self.kv_size, h))], bias),
+                o=linear([(p + "self_attn.o_proj.weight", (h, self.q_size))]),
+                mlp_norm=vector(p + "post_attention_layernorm.weight", (h,)),
+                gate_up=linear([(p + "mlp.gate_proj.weight", (i, h)),
+                                (p + "mlp.up_proj.weight", (i, h))]),
+                down=linear([(p + "mlp.down_proj.weight", (h, i))]),
             ))
         self.rope = RotaryEmbedding(c, self.device)
+
+    def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    seen: "torch.Tensor | int") -> torch.Tensor:
+        """Attention of one query over the slots it sees (a causal prefix's
+        end, or the slots a tree mask allows, gathered in order), computed
+        exactly as a one-position forward computes it."""
+        gqa = self.config.num_heads != self.config.num_kv_heads
+        if isinstance(seen, int):
+            return _attend(q, keys[:, :seen], values[:, :seen], gqa)
+        return _attend(q, keys.index_select(1, seen), values.index_select(1, seen), gqa)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of matrix weights read per forward (layers and LM head)."""
+        layers = sum(l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes
+                     for l in self.layers)
+        return layers + self.lm_head.nbytes
 
     def new_cache(self, capacity: int) -> KVCache:
         """A cache of ``capacity`` positions matching this model."""
@@ -107,13 +176,19 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None, *, logits_rows: slice | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``tokens`` (int64 ``[T]``) at ``positions`` (``[T]``), writing
         their keys and values to cache slots ``cache.length ..`` and advancing
         the cache.  ``mask``: bool ``[T, cache.length + T]`` or ``None`` for
         plain causal attention over the whole cache.  Returns ``(logits,
         hidden)`` for the rows selected by ``logits_rows`` (all by default):
         float32 logits ``[R, vocab]`` and final-norm hidden states ``[R, H]``.
+
+        ``rowwise``: attend for each position on its own, over exactly the
+        slots it sees, as a one-position forward does (torch's attention
+        kernels round differently for one query and for several, by ~1e-7,
+        which the layers above can amplify past a near-tie).  What a
+        verification uses; a prefill attends for all positions at once.
         """
         c = self.config
         t = tokens.shape[0]
@@ -121,13 +196,18 @@ class Transformer:
         cache.check_room(t)
         end = start + t
         cos, sin = self.rope.cos_sin(positions, self.dtype)
-        if mask is None and t > 1:
+        visible: list[torch.Tensor | int] | None = None
+        if rowwise and t > 1:
+            # Per row: the end of a causal prefix, or the slots a mask allows.
+            visible = ([start + i + 1 for i in range(t)] if mask is None else
+                       [torch.nonzero(mask[i]).reshape(-1) for i in range(t)])
+        elif mask is None and t > 1:
             mask = causal_mask(start, t, self.device)
         attn_mask = None if mask is None else mask[None, None]
-        x = F.embedding(tokens, self.embed)
+        x = self.embed(tokens).to(self.dtype)
         for n, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h).to(self.dtype)
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q = q.view(t, c.num_heads, c.head_dim).transpose(0, 1)
             k = k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
@@ -136,20 +216,29 @@ class Transformer:
             k = apply_rotary(k, cos, sin)
             cache.write(n, start, k, v)
             keys, values = cache.layer(n, end)
-            attn = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=attn_mask,
-                enable_gqa=c.num_heads != c.num_kv_heads)
+            if visible is None:
+                attn = F.scaled_dot_product_attention(
+                    q[None], keys[None], values[None], attn_mask=attn_mask,
+                    enable_gqa=c.num_heads != c.num_kv_heads)
+            else:
+                attn = torch.cat([self._attend_one(q[:, i:i + 1], keys, values, seen)
+                                  for i, seen in enumerate(visible)], dim=2)
             attn = attn[0].transpose(0, 1).reshape(t, self.q_size)
-            x = x + F.linear(attn, layer.o)
+            x = x + layer.o(attn).to(self.dtype)
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).to(self.dtype).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up).to(self.dtype)
         cache.advance(t)
         if logits_rows is not None:
             x = x[logits_rows]
         hidden = rms_norm(x, self.norm, c.rms_norm_eps)
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = self.lm_head(hidden).float()
         return logits, hidden
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gqa: bool
+            ) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q[None], keys[None], values[None], enable_gqa=gqa)
 
 
 def causal_mask(start: int, t: int, device: torch.device) -> torch.Tensor:

@@ -221,8 +221,9 @@ def model_key(decoder, name: str) -> str:
     digest = hashlib.sha256(name.encode())
     config = network.config.to_dict() if hasattr(network.config, "to_dict") else {}
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    digest.update(str([float(x) for x in network.lm_head[:4, :4].float().reshape(-1)]).encode())
-    digest.update(str(network.dtype).encode())
+    corner = network.lm_head.weight_rows(torch.arange(4))[:, :4]
+    digest.update(str([float(x) for x in corner.reshape(-1)]).encode())
+    digest.update(f"{network.dtype}|{network.weights_format}".encode())
     safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in name)[:60]
     return f"{safe}-{digest.hexdigest()[:16]}"
 
@@ -546,7 +547,7 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
                             progress=progress, desc="base model (training)")
     teacher_seconds = time.perf_counter() - t0
     log(f"base model hidden states and predictions: {teacher_seconds:.1f} s")
-    result = train_heads(train, held, decoder.model.lm_head, settings, progress=progress,
+    result = train_heads(train, held, decoder.model.lm_head.weight_rows(), settings, progress=progress,
                          log=log)
     result.seconds["teacher"] = teacher_seconds
     result.heads.info = {

@@ -1,0 +1,328 @@
+"""The weight formats of the PyTorch engine: one small linear-layer type per
+format, so the transformer never learns which format it runs.
+
+Every layer takes float32 activations ``[T, in_features]`` and returns
+float32 ``[T, out_features]``; what happens in between is the format's
+business:
+
+* ``float32``: ``F.linear`` in float32 (what the engine always did).
+* ``bfloat16``: bfloat16 weights, activations cast to bfloat16 for the
+  product (twice fewer bytes per token; fast where the CPU has AVX512-BF16).
+* ``q8``: int8 weights with one float scale per output row
+  (``torch._weight_int8pack_mm``), bfloat16 activations.
+* ``q4``: 4-bit weights in groups of 32 along the input, each group with a
+  scale and a zero point, ``w = (q - 8) * scale + zero``
+  (``torch._weight_int4pack_mm_for_cpu``), bfloat16 activations.  A GGUF
+  Q4_K, Q4_0 or Q4_1 tensor maps onto this exactly, up to rounding the scale
+  and zero to bfloat16.
+
+The weight-only kernels are private torch ops; :func:`check_kernels` calls
+each once on a tiny matrix, so a changed signature in a new torch fails
+loudly at load time (and in the tests) instead of giving wrong numbers.  On
+a device without a kernel for a format (int4 and int8 run on the CPU), the
+layer keeps the same quantized values and runs them dequantized to
+bfloat16, with the same results up to rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+
+WEIGHT_FORMATS = ("float32", "bfloat16", "q8", "q4")
+INT4_GROUP = 32
+# The int4 kernel packs output rows in blocks of this many.
+INT4_ROWS = 16
+# The int8 kernel runs on inputs whose length is a multiple of this.
+INT8_COLUMNS = 32
+
+
+def check_format(name: object) -> str:
+    """``name`` if it is a weight format or ``"auto"``, else ConfigError."""
+    if not isinstance(name, str) or name not in WEIGHT_FORMATS + ("auto",):
+        raise ConfigError(f"weights must be one of auto, {', '.join(WEIGHT_FORMATS)}; "
+                          f"got {name!r}")
+    return name
+
+
+# -- quantized values, before they are packed for a kernel -----------------------
+
+@dataclass
+class Int4Groups:
+    """4-bit values of a ``[N, K]`` matrix: ``q`` uint8 ``[N, K]`` in
+    ``0..15``, float32 ``scale`` and ``zero`` ``[N, K // group]``;
+    ``w[n, k] = (q[n, k] - 8) * scale[n, k // group] + zero[n, k // group]``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group: int = INT4_GROUP
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        s = self.scale.repeat_interleave(self.group, dim=1)
+        z = self.zero.repeat_interleave(self.group, dim=1)
+        return (self.q.float() - 8) * s + z
+
+
+@dataclass
+class Int8Rows:
+    """8-bit values of a ``[N, K]`` matrix: ``q`` int8 ``[N, K]`` and a float32
+    ``scale`` ``[N]`` per row; ``w[n, k] = q[n, k] * scale[n]``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+
+Quantized = Int4Groups | Int8Rows
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Rows:
+    """Symmetric round-to-nearest int8, one scale per row."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-30) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Rows(q, scale)
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> Int4Groups:
+    """Asymmetric round-to-nearest 4-bit in groups of ``group`` along each row
+    (minimum to maximum mapped onto 0..15)."""
+    w = w.float()
+    n, k = w.shape
+    if k % group:
+        raise ConfigError(f"q4 needs rows that are a multiple of {group} long, got {k}")
+    g = w.reshape(n, k // group, group)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-30)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15)
+    zero = lo + 8 * scale            # w = (q - 8) * scale + zero
+    return Int4Groups(q.reshape(n, k).to(torch.uint8), scale, zero, group)
+
+
+def concat_rows(parts: list) -> "Quantized | torch.Tensor":
+    """Stack matrices of one kind along their output rows (fusing q/k/v or
+    gate/up into one layer)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if not all(type(p) is type(first) for p in parts):
+        # Mixed kinds: fall back to the finer one, int8, for all of them.
+        return concat_rows([p if isinstance(p, Int8Rows) else
+                            quantize_int8(p.dequantize() if not isinstance(p, torch.Tensor) else p)
+                            for p in parts])
+    if isinstance(first, Int8Rows):
+        return Int8Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    if any(p.group != first.group for p in parts):
+        raise ConfigError("cannot fuse int4 matrices with different group sizes")
+    return Int4Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                      torch.cat([p.zero for p in parts]), first.group)
+
+
+# -- layers ---------------------------------------------------------------------------
+
+class Linear:
+    """``y = x @ W.T + b`` for float32 ``x``; subclasses hold ``W`` in one format."""
+
+    format = "?"
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None = None
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight data read per forward."""
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``index`` (all by default) of the weight as float32 (what
+        heads on the model's LM head, and their training, read)."""
+        raise NotImplementedError
+
+
+class DenseLinear(Linear):
+    """float32 or bfloat16 weights, ``F.linear``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.weight = weight.to(device=device, dtype=dtype).contiguous()
+        self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
+        self.out_features, self.in_features = self.weight.shape
+        self.format = "float32" if dtype == torch.float32 else "bfloat16"
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.weight if index is None else self.weight[index.to(self.weight.device)]
+        return w.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == torch.float32:
+            return F.linear(x, w, self.bias)
+        return self._add_bias(F.linear(x.to(w.dtype), w).float())
+
+
+class Int8Linear(Linear):
+    """int8 weights with a scale per output row, bfloat16 activations."""
+
+    format = "q8"
+
+    def __init__(self, values: Int8Rows, bias: torch.Tensor | None,
+                 device: torch.device) -> None:
+        self.out_features, self.in_features = values.shape
+        self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
+        # The kernel needs whole vector blocks along the input (it crashes,
+        # rather than failing, on rows of 100 values).
+        self._kernel = device.type in ("cpu", "mps") and self.in_features % INT8_COLUMNS == 0
+        if self._kernel:
+            self.q = values.q.to(device).contiguous()
+            self.scale = values.scale.to(device=device, dtype=torch.bfloat16)
+        else:
+            self.weight = values.dequantize().to(device=device, dtype=torch.bfloat16)
+
+    @property
+    def nbytes(self) -> int:
+        if self._kernel:
+            return self.q.numel() + self.scale.numel() * 2
+        return self.weight.numel() * 2
+
+    def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._kernel:
+            return (self.weight if index is None else self.weight[index]).float()
+        q, s = self.q, self.scale
+        if index is not None:
+            index = index.to(q.device)
+            q, s = q[index], s[index]
+        return q.float() * s.float()[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel:
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale)
+        else:
+            y = F.linear(x.to(torch.bfloat16), self.weight)
+        return self._add_bias(y.float())
+
+
+class Int4Linear(Linear):
+    """4-bit weights in groups along the input, bfloat16 activations."""
+
+    format = "q4"
+
+    def __init__(self, values: Int4Groups, bias: torch.Tensor | None,
+                 device: torch.device) -> None:
+        self.out_features, self.in_features = values.shape
+        self.group = values.group
+        self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
+        self._kernel = device.type == "cpu"
+        if self._kernel:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(
+                values.q.to(torch.int32).contiguous(), 1)
+            # [K // group, N, 2]: the scale and zero of each group of each row.
+            self.scales_and_zeros = torch.stack(
+                [values.scale.t(), values.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        else:
+            self.weight = values.dequantize().to(device=device, dtype=torch.bfloat16)
+
+    @property
+    def nbytes(self) -> int:
+        if self._kernel:
+            return self.packed.numel() + self.scales_and_zeros.numel() * 2
+        return self.weight.numel() * 2
+
+    def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        if self._kernel:
+            # The kernel applied to the identity gives W.T, column by column.
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+            w = torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group,
+                                                  self.scales_and_zeros).t().float()
+        else:
+            w = self.weight.float()
+        return w if index is None else w[index.to(w.device)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel:
+            y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
+                                                 self.group, self.scales_and_zeros)
+        else:
+            y = F.linear(x.to(torch.bfloat16), self.weight)
+        return self._add_bias(y.float())
+
+
+def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, fmt: str,
+                device: torch.device) -> Linear:
+    """The layer of format ``fmt`` for ``weight`` (a float matrix, or values
+    already quantized, e.g. a GGUF's own 4-bit blocks).  A float matrix is
+    quantized here; quantized values asked for as ``float32``/``bfloat16``
+    are dequantized.  Under ``q4``, values that are not 4-bit (an 8-bit or
+    6-bit GGUF tensor) stay int8: 4 bits would lose what they hold."""
+    if fmt in ("float32", "bfloat16"):
+        dense = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+        dtype = torch.float32 if fmt == "float32" else torch.bfloat16
+        return DenseLinear(dense, bias, dtype, device)
+    if fmt == "q8":
+        if not isinstance(weight, Int8Rows):
+            dense = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+            weight = quantize_int8(dense)
+        return Int8Linear(weight, bias, device)
+    if fmt == "q4":
+        if isinstance(weight, torch.Tensor):
+            if weight.shape[1] % INT4_GROUP:
+                return Int8Linear(quantize_int8(weight), bias, device)
+            weight = quantize_int4(weight)
+        n, k = weight.shape
+        if isinstance(weight, Int8Rows) or n % INT4_ROWS or k % weight.group:
+            # 8-bit values, or a shape the int4 kernel can't pack: int8.
+            if not isinstance(weight, Int8Rows):
+                weight = quantize_int8(weight.dequantize())
+            return Int8Linear(weight, bias, device)
+        return Int4Linear(weight, bias, device)
+    raise ConfigError(f"unknown weight format {fmt!r}")
+
+
+def check_kernels(device: torch.device) -> None:
+    """Run every quantized kernel once on a small matrix and compare it with
+    the dequantized product: a torch whose private ops changed fails here,
+    clearly, rather than computing garbage."""
+    from ..errors import EngineError
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=gen)
+    x = torch.randn(3, 64, generator=gen)
+    for values in (quantize_int4(w), quantize_int8(w)):
+        layer = make_linear(values, None, "q4" if isinstance(values, Int4Groups) else "q8",
+                            device)
+        try:
+            got = layer(x.to(device)).cpu()
+        except (RuntimeError, TypeError) as exc:
+            raise EngineError(
+                f"this torch ({torch.__version__}) has no working {layer.format} kernel "
+                f"on {device} ({exc}); use weights='float32' or 'bfloat16'") from exc
+        want = x.bfloat16().float() @ values.dequantize().t()
+        if not torch.allclose(got, want, rtol=0.05, atol=0.05):
+            raise EngineError(
+                f"this torch ({torch.__version__}) computes the {layer.format} kernel "
+                f"differently from forerun's layout on {device}; use weights='float32' "
+                f"or 'bfloat16'")

@@ -1,0 +1,223 @@
+"""The PyTorch engine's weight formats: each layer type against the
+dequantized product, GGUF 4-bit blocks kept exactly, logit parity of whole
+models with the float32 reference, exact verification groups per format
+(measured by the grouping probe), and clear errors for bad options."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GGMLType
+
+import forerun
+from forerun.engines.grouping_probe import exact_group_size
+from forerun.engines.linear import (WEIGHT_FORMATS, Int4Groups, check_kernels,
+                                    make_linear, quantize_int4, quantize_int8)
+from forerun.engines.torch_engine import TorchDecoder
+from forerun.engines.transformer import Transformer
+from forerun.errors import ConfigError, EngineError
+from forerun.loading.dequantize import dequantize
+from forerun.loading.gguf_quantized import int4_groups
+
+from tiny_models import VOCAB, hf_model
+
+CPU = torch.device("cpu")
+
+
+def _random_blocks(qtype: GGMLType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Valid random blocks of a 4-bit GGUF type: random bytes, with finite
+    fp16 scales in the header fields."""
+    block_size, block_bytes = {GGMLType.Q4_K: (256, 144), GGMLType.Q4_0: (32, 18),
+                               GGMLType.Q4_1: (32, 20)}[qtype]
+    rng = np.random.default_rng(seed)
+    n = rows * cols // block_size
+    blocks = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
+    heads = 2 if qtype == GGMLType.Q4_0 else 4
+    halves = rng.uniform(0.001, 0.05, size=(n, heads // 2)).astype("<f2")
+    blocks[:, :heads] = halves.view(np.uint8).reshape(n, heads)
+    return blocks.reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q4_0, GGMLType.Q4_1])
+def test_gguf_4bit_blocks_keep_their_values(qtype):
+    """A Q4_K/Q4_0/Q4_1 matrix becomes int4 groups of 32 whose values are
+    ggml's own: the same weights up to float32 rounding of the
+    scale-and-zero form, and the packed layer computes with them up to
+    rounding scale and zero to bfloat16."""
+    rows, cols = 32, 512
+    raw = _random_blocks(qtype, rows, cols)
+    want = torch.from_numpy(dequantize(raw, qtype, (rows, cols)))
+    values = int4_groups(raw, qtype, (rows, cols))
+    assert values.q.dtype == torch.uint8 and int(values.q.max()) <= 15
+    assert values.scale.shape == (rows, cols // 32)
+    torch.testing.assert_close(values.dequantize(), want, rtol=1e-5, atol=1e-6)
+    layer = make_linear(values, None, "q4", CPU)
+    assert layer.format == "q4"
+    bf16 = Int4Groups(values.q, values.scale.bfloat16().float(),
+                      values.zero.bfloat16().float())
+    x = torch.randn(3, cols)
+    torch.testing.assert_close(layer(x), x.bfloat16().float() @ bf16.dequantize().t(),
+                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer.weight_rows(), bf16.dequantize(), rtol=1e-2, atol=1e-3)
+
+
+def test_a_broken_nibble_order_is_caught():
+    """The reconstruction test can fail: swapping the two sub-blocks a byte
+    holds gives other weights."""
+    raw = _random_blocks(GGMLType.Q4_K, 16, 256, seed=1)
+    values = int4_groups(raw, GGMLType.Q4_K, (16, 256))
+    q = values.q.reshape(16, 4, 2, 32).flip(2).reshape(16, 256)
+    swapped = Int4Groups(q, values.scale, values.zero)
+    want = torch.from_numpy(dequantize(raw, GGMLType.Q4_K, (16, 256)))
+    assert not torch.allclose(swapped.dequantize(), want, atol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
+def test_each_format_computes_the_product(fmt):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=gen) * 0.1
+    b = torch.randn(48, generator=gen)
+    x = torch.randn(5, 64, generator=gen)
+    layer = make_linear(w, b, fmt, CPU)
+    assert layer.format == fmt and (layer.out_features, layer.in_features) == (48, 64)
+    tolerance = {"float32": 1e-5, "bfloat16": 3e-2, "q8": 5e-2, "q4": 0.25}[fmt]
+    torch.testing.assert_close(layer(x), x @ w.t() + b, rtol=0, atol=tolerance)
+    torch.testing.assert_close(layer.weight_rows(torch.tensor([3, 7])),
+                               w[[3, 7]], rtol=0, atol=tolerance / 4)
+
+
+def test_quantizers_round_trip():
+    w = torch.randn(16, 64)
+    q8 = quantize_int8(w)
+    assert q8.q.dtype == torch.int8 and (q8.dequantize() - w).abs().max() <= q8.scale.max() / 2
+    q4 = quantize_int4(w)
+    step = q4.scale.repeat_interleave(32, dim=1)
+    assert ((q4.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+
+
+def test_int4_needs_packable_shapes():
+    """The int4 kernel packs rows in 16s and groups of 32 columns; other
+    shapes fall back to int8 instead of failing."""
+    layer = make_linear(torch.randn(300, 64), None, "q4", CPU)
+    assert isinstance(layer.weight_rows(), torch.Tensor) and layer.format == "q8"
+    layer = make_linear(torch.randn(32, 40), None, "q4", CPU)
+    assert layer.format == "q8"
+    # Rows of 100 values: the int8 kernel would crash; the layer runs dense.
+    w, x = torch.randn(64, 100), torch.randn(4, 100)
+    for fmt in ("q4", "q8"):
+        torch.testing.assert_close(make_linear(w, None, fmt, CPU)(x), x @ w.t(),
+                                   rtol=0, atol=0.5)
+
+
+def test_a_changed_kernel_is_refused(monkeypatch):
+    check_kernels(CPU)
+    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu",
+                        lambda x, w, g, sz: torch.zeros(x.shape[0], sz.shape[1],
+                                                        dtype=x.dtype))
+    with pytest.raises(EngineError, match="q4 kernel differently"):
+        check_kernels(CPU)
+
+
+# -- whole models -----------------------------------------------------------------
+
+def _network(fmt: str, arch: str = "qwen2") -> Transformer:
+    from forerun.config import ModelConfig
+
+    model = hf_model(arch, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                     num_key_value_heads=2)
+    config = ModelConfig.from_hf(model.config.to_dict())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Transformer(config, state, weights_format=fmt)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "q8", "q4"])
+def test_logit_parity_with_the_float32_reference(fmt):
+    prompt = list(range(5, 45))
+    ref = TorchDecoder(_network("float32"), 128).feed(prompt).logits
+    got = TorchDecoder(_network(fmt), 128).feed(prompt).logits
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+    assert float(cos.min()) > {"bfloat16": 0.999, "q8": 0.99, "q4": 0.95}[fmt]
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert float(agree) >= {"bfloat16": 0.95, "q8": 0.9, "q4": 0.75}[fmt]
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_verification_is_exact_in_the_probed_groups(fmt, arch):
+    """Per format: once verifications are cut into the groups the probe
+    found exact, a feed of 9 positions (or a tree of them) gives the logits
+    of 9 one-position feeds."""
+    decoder = TorchDecoder(_network(fmt, arch), 256)
+    tokens = [int(t) for t in torch.randint(3, VOCAB, (200,),
+                                            generator=torch.Generator().manual_seed(1))]
+    result = exact_group_size(decoder, tokens, contexts=(20, 150), max_group=9)
+    decoder.verify_group = result.exact_group
+    more = tokens[160:169]
+    decoder.reset()
+    decoder.feed(tokens[:150], last_only=True)
+    one_by_one = torch.cat([decoder.feed([t]).logits for t in more])
+    decoder.rollback(150)
+    assert torch.equal(decoder.feed(more).logits, one_by_one)
+    # The same chain through forward() with an explicit causal mask.
+    decoder.rollback(150)
+    mask = torch.ones(9, 159, dtype=torch.bool).tril(diagonal=150)
+    out = decoder.forward(more, torch.arange(150, 159), mask).logits
+    assert torch.equal(out, one_by_one)
+
+
+def test_bad_weight_options(tmp_path):
+    with pytest.raises(ConfigError, match="weights must be one of auto, float32"):
+        forerun.load("smollm2-135m", weights="q3")
+    with pytest.raises(ConfigError, match="weights must be one of"):
+        forerun.load("smollm2-135m", weights=4)
+
+
+def test_bad_weight_option_on_the_command_line(capsys):
+    from forerun.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--weights", "q3", "hi"])
+    assert "invalid choice: 'q3'" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_weights_apply_to_the_torch_engine_only(preset_gguf):
+    pytest.importorskip("llama_cpp")
+    preset_gguf("smollm2-135m")
+    with pytest.raises(ConfigError, match="applies to the torch engine"):
+        forerun.load("smollm2-135m", engine="llama.cpp", weights="q4")
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("fmt", ["q4", "q8", "bfloat16"])
+def test_real_model_formats_agree_with_float32(preset_model, fmt):
+    """SmolLM2 (Q4_1 and Q8_0/Q6_K tensors) in each format against its
+    float32 dequantization, over real text."""
+    ref = preset_model("smollm2-135m", 512)
+    model = forerun.load("smollm2-135m", weights=fmt, context_length=512, progress=False)
+    assert model.decoder.model.weights_format == fmt
+    ids = ref._probe_tokens(160)
+    want = ref.decoder.feed(ids).logits
+    ref.decoder.reset()
+    got = model.decoder.feed(ids).logits
+    agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+    assert agree >= {"bfloat16": 0.97, "q8": 0.9, "q4": 0.95}[fmt], agree
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_real_model_greedy_speculation_is_plain_decoding(preset_gguf, fmt):
+    """Greedy speculative decoding (prompt lookup and self-drafting) in a
+    quantized format gives plain decoding's tokens in that format."""
+    preset_gguf("smollm2-135m")
+    model = forerun.load("smollm2-135m", weights=fmt, context_length=512, progress=False)
+    ids = model.encode_prompt(messages=[{"role": "user", "content":
+                                         "List the first ten prime numbers, then repeat "
+                                         "the list backwards."}])
+    plain = model.generate(prompt_ids=ids, max_new_tokens=40, ignore_eos=True)
+    for draft, k in (("ngram", None), ("ngram", 6), (model, 4)):
+        out = model.generate(prompt_ids=ids, max_new_tokens=40, ignore_eos=True,
+                             draft=draft, draft_k=k)
+        assert out.tokens == plain.tokens, (draft, k)
+        assert out.stats.drafted > 0
