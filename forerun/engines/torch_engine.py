@@ -14,6 +14,11 @@ from ..errors import CacheStateError, ContextLengthError, InvalidTokenError
 from ..kv_cache import KVCache
 from .transformer import Transformer
 
+# Positions per prefill block (see forerun.prefix_reuse): large enough that a
+# block runs the matrix kernels at full speed, small enough that a chat turn
+# reuses most of the previous prompt.
+PREFILL_BLOCK = 128
+
 
 class TorchDecoder:
     """Implements the Decoder protocol; see :mod:`forerun.decoder` for the
@@ -165,3 +170,41 @@ class TorchDecoder:
         """Restore a cache written by :meth:`save_cache` for this model."""
         payload, _ = KVCache.load_payload(path)
         self.cache.restore(payload)
+
+    # -- exact prefix reuse: forerun.prefix_reuse.PrefixReuse ----------------
+    #: Prompts are prefilled in blocks of this many positions, aligned to its
+    #: multiples (forerun.decoding.prefill); whole blocks are reusable.
+    prefill_block = PREFILL_BLOCK
+    #: Whether a prefill keeps the cached blocks it can (off: every prompt is
+    #: prefilled whole, in the same blocks).
+    reuse_prefixes = False
+
+    @property
+    def prefilled_tokens(self) -> tuple[int, ...]:
+        return self.cache.prefilled
+
+    def mark_prefilled(self, tokens: Sequence[int]) -> None:
+        self.cache.mark_prefilled(tokens, self.prefill_block)
+
+    def keep_prefix(self, length: int) -> None:
+        self.cache.keep_prefix(length)
+
+    def _prefix_owner(self) -> tuple:
+        # Whatever decides the numerics of the saved keys and values.
+        return (self.model, self.context_length, self.prefill_block, torch.get_num_threads())
+
+    def export_prefix(self):
+        from ..prefix_reuse import PrefixPayload
+
+        tokens = self.cache.prefilled
+        self.cache.keep_prefix(len(tokens))
+        data = self.cache.export()
+        nbytes = 2 * data["keys"].numel() * data["keys"].element_size()
+        return PrefixPayload(tokens, data, nbytes, self._prefix_owner())
+
+    def restore_prefix(self, payload) -> None:
+        if payload.owner != self._prefix_owner():
+            raise CacheStateError("this saved prefix belongs to another model or engine "
+                                  "setting; it can't be restored here")
+        self.cache.restore(payload.data)
+        self.cache.set_prefilled(payload.tokens)
