@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 STORE_VERSION = 1
+# Bumped whenever forerun's own computation of a forward changes (a record
+# measured on older code says nothing about the new one).
+ENGINE_NUMERICS_VERSION = 2
 
 
 @lru_cache(maxsize=1)
@@ -67,7 +70,7 @@ class CalibrationStore:
         from .paths import cache_dir
 
         self.key = {"kind": kind, "version": STORE_VERSION, "machine": machine_fingerprint(),
-                    **key}
+                    "numerics": ENGINE_NUMERICS_VERSION, **key}
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode())
         safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in label)[:80]
         name = f"{safe}-{digest.hexdigest()[:16]}.json" if safe else f"{digest.hexdigest()[:16]}.json"
