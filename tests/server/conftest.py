@@ -37,6 +37,8 @@ CONTEXT = 1024
 POSITION_BYTES = 30 * 3 * 64 * 2 * 4
 PREFIX_CACHE_MB = 13
 START_TIMEOUT = 600
+# A fixed weight format: "auto" would measure every format on a fresh cache.
+WEIGHTS = "float32"
 
 
 class LiveServer:
@@ -144,8 +146,8 @@ class LiveServer:
 
 def _start(preset_gguf, *args: str) -> LiveServer:
     preset_gguf(MODEL)   # skip (or fail in CI) without the preset
-    return LiveServer("-m", MODEL, "--context-length", str(CONTEXT), "--api-key", API_KEY,
-                      *args)
+    return LiveServer("-m", MODEL, "--weights", WEIGHTS, "--context-length", str(CONTEXT),
+                      "--api-key", API_KEY, *args)
 
 
 @pytest.fixture(scope="session")
