@@ -118,7 +118,9 @@ def _build_service(args: argparse.Namespace):
     drafts = {}
     if draft is not None and draft not in BUILTIN_DRAFTS and not draft.startswith("medusa:"):
         # A draft model runs on the target's engine, with its context.
-        loaded = forerun.load(draft, engine=args.engine, weights=args.weights,
+        # ... in the target's weight format (what "auto" resolved to for it).
+        loaded = forerun.load(draft, engine=args.engine,
+                              weights=model.decoder.settings.get("weights", "auto"),
                               context_length=model.decoder.context_length,
                               device=args.device, progress=not args.quiet)
         drafts = {draft: loaded}
