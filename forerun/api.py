@@ -442,20 +442,22 @@ def _torch_model_files(model, weights: str, dtype: torch.dtype, device: torch.de
 
     path = resolve_spec(model, progress=progress)
     is_gguf = not path.is_dir() and path.suffix.lower() == ".gguf"
-    if weights == "auto":
-        if dtype != torch.float32:   # an explicit activation dtype: dense weights
-            weights = "bfloat16" if dtype == torch.bfloat16 else "float32"
-        elif not is_gguf:   # a float model keeps its precision unless asked
-            weights = "float32"
-        else:
-            header = load_gguf_files(model, engine="torch", progress=progress)
-            weights = choose_weights(header.name, header.config, device).format
-    if is_gguf and weights in ("q4", "q8"):
-        from .loading.gguf_quantized import GGUFQuantizedWeights
-
+    if dtype != torch.float32 and weights == "auto":   # an explicit activation dtype
+        weights = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    if not is_gguf:
+        # A float model keeps its precision unless asked otherwise.
+        return load_model_files(model, progress=progress), \
+            "float32" if weights == "auto" else weights
+    if weights in ("auto", "q4", "q8"):
+        # The header (config, tokenizer) alone; the weights read lazily.
         files = load_gguf_files(model, engine="torch", progress=progress)
-        files.weights = GGUFQuantizedWeights(files.gguf_path, files.config)
-        return files, weights
+        if weights == "auto":
+            weights = choose_weights(files.name, files.config, device).format
+        if weights in ("q4", "q8"):
+            from .loading.gguf_quantized import GGUFQuantizedWeights
+
+            files.weights = GGUFQuantizedWeights(files.gguf_path, files.config)
+            return files, weights
     return load_model_files(model, progress=progress), weights
 
 
