@@ -94,8 +94,9 @@ Quantized = Int4Groups | Int8Rows
 def quantize_int8(w: torch.Tensor) -> Int8Rows:
     """Symmetric round-to-nearest int8, one scale per row."""
     w = w.float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-30) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    lo, hi = torch.aminmax(w, dim=1)
+    scale = torch.maximum(-lo, hi).clamp_min(1e-30) / 127.0
+    q = torch.div(w, scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return Int8Rows(q, scale)
 
 
@@ -115,16 +116,13 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> Int4Groups:
 
 
 def concat_rows(parts: list) -> "Quantized | torch.Tensor":
-    """Stack matrices of one kind along their output rows (fusing q/k/v or
-    gate/up into one layer)."""
+    """Stack matrices of one kind (all float, all int8 rows, or all int4
+    groups of one size) along their output rows."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(parts)
     if not all(type(p) is type(first) for p in parts):
-        # Mixed kinds: fall back to the finer one, int8, for all of them.
-        return concat_rows([p if isinstance(p, Int8Rows) else
-                            quantize_int8(p.dequantize() if not isinstance(p, torch.Tensor) else p)
-                            for p in parts])
+        raise ConfigError("concat_rows needs matrices of one kind; use fuse_linear")
     if isinstance(first, Int8Rows):
         return Int8Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
     if any(p.group != first.group for p in parts):
@@ -159,6 +157,17 @@ class Linear:
         heads on the model's LM head, and their training, read)."""
         raise NotImplementedError
 
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What :func:`restore_linear` needs to rebuild this layer without
+        quantizing or packing again: a JSON-able description and the
+        tensors the layer holds, by name."""
+        raise NotImplementedError
+
+    def _bias_state(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        return tensors
+
 
 class DenseLinear(Linear):
     """float32 or bfloat16 weights, ``F.linear``."""
@@ -177,6 +186,9 @@ class DenseLinear(Linear):
     def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weight if index is None else self.weight[index.to(self.weight.device)]
         return w.float()
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        return {"kind": self.format}, self._bias_state({"weight": self.weight})
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -217,6 +229,12 @@ class Int8Linear(Linear):
             index = index.to(q.device)
             q, s = q[index], s[index]
         return q.float() * s.float()[:, None]
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        held = {"q": self.q, "scale": self.scale} if self._kernel else {"weight": self.weight}
+        return ({"kind": "q8", "kernel": self._kernel, "shape": [self.out_features,
+                                                                 self.in_features]},
+                self._bias_state(held))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel:
@@ -262,6 +280,12 @@ class Int4Linear(Linear):
             w = self.weight.float()
         return w if index is None else w[index.to(w.device)]
 
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        held = ({"packed": self.packed, "scales_and_zeros": self.scales_and_zeros}
+                if self._kernel else {"weight": self.weight})
+        return ({"kind": "q4", "kernel": self._kernel, "group": self.group,
+                 "shape": [self.out_features, self.in_features]}, self._bias_state(held))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel:
             y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
@@ -269,6 +293,90 @@ class Int4Linear(Linear):
         else:
             y = F.linear(x.to(torch.bfloat16), self.weight)
         return self._add_bias(y.float())
+
+
+class ConcatLinear(Linear):
+    """Matrices of different kinds stacked along their output rows (a GGUF's
+    q/k/v or gate/up whose quantizations differ, e.g. 4-bit q and k with a
+    6-bit v): one layer per part, outputs concatenated, so each part keeps
+    its own values instead of all being requantized to the coarsest common
+    kind."""
+
+    def __init__(self, parts: list[Linear], bias: torch.Tensor | None) -> None:
+        self.parts = parts
+        self.bias = bias
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.format = "+".join(p.format for p in parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        w = torch.cat([p.weight_rows() for p in self.parts])
+        return w if index is None else w[index.to(w.device)]
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        metas, tensors = [], {}
+        for n, part in enumerate(self.parts):
+            meta, held = part.state()
+            metas.append(meta)
+            tensors.update({f"{n}.{name}": t for name, t in held.items()})
+        return {"kind": "concat", "parts": metas}, self._bias_state(tensors)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._add_bias(torch.cat([p(x) for p in self.parts], dim=-1))
+
+
+def fuse_linear(parts: list, bias: torch.Tensor | None, fmt: str,
+                device: torch.device) -> Linear:
+    """One layer of format ``fmt`` computing the matrices ``parts`` stacked
+    along their output rows (q/k/v, gate/up): fused into one matrix when
+    they are of one kind, else a :class:`ConcatLinear` of one layer each
+    (quantized parts of different kinds are never requantized to fuse)."""
+    if len(parts) == 1 or all(type(p) is type(parts[0]) for p in parts) or fmt in (
+            "float32", "bfloat16"):
+        if fmt in ("float32", "bfloat16"):
+            parts = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
+        return make_linear(concat_rows(parts), bias, fmt, device)
+    return ConcatLinear([make_linear(p, None, fmt, device) for p in parts],
+                        None if bias is None else bias.to(device=device, dtype=torch.float32))
+
+
+def restore_linear(meta: dict, tensors: dict[str, torch.Tensor], device: torch.device) -> Linear:
+    """The layer that :meth:`Linear.state` described, holding ``tensors``
+    as they are (no quantizing, no packing)."""
+    kind = meta["kind"]
+    bias = tensors.get("bias")
+    bias = None if bias is None else bias.to(device)
+    if kind == "concat":
+        parts = [restore_linear(m, {k[len(f"{n}."):]: t for k, t in tensors.items()
+                                    if k.startswith(f"{n}.")}, device)
+                 for n, m in enumerate(meta["parts"])]
+        return ConcatLinear(parts, bias)
+    if kind in ("float32", "bfloat16"):
+        layer = DenseLinear.__new__(DenseLinear)
+        layer.weight = tensors["weight"].to(device)
+        layer.out_features, layer.in_features = layer.weight.shape
+        layer.format = kind
+    elif kind in ("q8", "q4"):
+        cls = Int8Linear if kind == "q8" else Int4Linear
+        layer = cls.__new__(cls)
+        layer.out_features, layer.in_features = (int(v) for v in meta["shape"])
+        layer._kernel = bool(meta["kernel"])
+        if kind == "q4":
+            layer.group = int(meta["group"])
+        held = (("weight",) if not layer._kernel else ("q", "scale") if kind == "q8"
+                else ("packed", "scales_and_zeros"))
+        for name in held:
+            if name not in tensors:
+                raise ConfigError(f"stored {kind} layer lacks its tensor {name!r}")
+            setattr(layer, name, tensors[name].to(device))
+    else:
+        raise ConfigError(f"unknown layer kind {kind!r} in stored weights")
+    layer.bias = bias
+    return layer
 
 
 def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, fmt: str,

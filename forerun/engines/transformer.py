@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..errors import ConfigError, ModelFormatError
 from ..kv_cache import KVCache
-from .linear import (DenseLinear, Int8Linear, Int8Rows, Linear, check_kernels, concat_rows,
-                     make_linear, quantize_int8)
+from .linear import (WEIGHT_FORMATS, DenseLinear, Int8Linear, Int8Rows, Linear, check_kernels,
+                     fuse_linear,
+                     quantize_int8, restore_linear)
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -52,6 +53,7 @@ class Embedding:
             self.table = None
         else:
             self.table = table.to(device)
+            self.q = self.scale = None
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
@@ -72,19 +74,8 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor],
                  *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", weights_format: str | None = None) -> None:
-        self.config = config
-        self.device = torch.device(device)
-        if weights_format is None:
-            weights_format = "bfloat16" if dtype == torch.bfloat16 else "float32"
-        fmt = self.weights_format = weights_format
-        # Activations: float32, except the dense bfloat16 format of old
-        # (dtype=torch.bfloat16), which runs everything in bfloat16.
-        self.dtype = dtype if fmt in ("float32", "bfloat16") and dtype != torch.float32 else torch.float32
-        if fmt in ("q4", "q8"):
-            check_kernels(self.device)
-        c = config
-        self.q_size = c.num_heads * c.head_dim
-        self.kv_size = c.num_kv_heads * c.head_dim
+        self._setup(config, dtype, device, weights_format)
+        fmt, c = self.weights_format, config
 
         def raw(name: str, shape: tuple[int, ...]):
             if name not in weights:
@@ -100,8 +91,7 @@ class Transformer:
 
         def linear(names: list[tuple[str, tuple[int, int]]], bias: torch.Tensor | None = None
                    ) -> Linear:
-            parts = [raw(n, s) for n, s in names]
-            return make_linear(concat_rows(parts), bias, fmt, self.device)
+            return fuse_linear([raw(n, s) for n, s in names], bias, fmt, self.device)
 
         h, i = c.hidden_size, c.intermediate_size
         embed = raw("model.embed_tokens.weight", (c.vocab_size, h))
@@ -147,6 +137,97 @@ class Transformer:
                 down=linear([(p + "mlp.down_proj.weight", (h, i))]),
             ))
         self.rope = RotaryEmbedding(c, self.device)
+
+    def _setup(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+               weights_format: str | None) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        if weights_format is None:
+            weights_format = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        fmt = self.weights_format = weights_format
+        # Activations: float32, except the dense bfloat16 format of old
+        # (dtype=torch.bfloat16), which runs everything in bfloat16.
+        self.dtype = dtype if fmt in ("float32", "bfloat16") and dtype != torch.float32 else torch.float32
+        if fmt in ("q4", "q8"):
+            check_kernels(self.device)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Everything this network holds, as built: a JSON-able description
+        and its tensors by name, for :meth:`from_state` to rebuild it without
+        reading, quantizing or packing the source weights again (the
+        packed-weight cache, :mod:`forerun.loading.packed_cache`)."""
+        tensors: dict[str, torch.Tensor] = {"norm": self.norm}
+        layers = []
+
+        def add(prefix: str, layer: Linear) -> dict:
+            meta, held = layer.state()
+            tensors.update({f"{prefix}.{name}": t for name, t in held.items()})
+            return meta
+
+        if self.embed.table is not None:
+            tensors["embed.table"] = self.embed.table
+        else:
+            tensors["embed.q"], tensors["embed.scale"] = self.embed.q, self.embed.scale
+        # A tied LM head that reads the embedding's rows is stored once.
+        tied = (getattr(self.lm_head, "q", None) is self.embed.q is not None
+                or getattr(self.lm_head, "weight", None) is self.embed.table is not None)
+        head = "tied" if tied else add("lm_head", self.lm_head)
+        for n, layer in enumerate(self.layers):
+            p = f"layers.{n}"
+            tensors[p + ".attn_norm"], tensors[p + ".mlp_norm"] = layer.attn_norm, layer.mlp_norm
+            layers.append({name: add(f"{p}.{name}", getattr(layer, name))
+                           for name in ("qkv", "o", "gate_up", "down")})
+        meta = {"weights_format": self.weights_format, "dtype": str(self.dtype),
+                "lm_head": head, "layers": layers}
+        return meta, {k: t.contiguous() for k, t in tensors.items()}
+
+    @classmethod
+    def from_state(cls, config: ModelConfig, meta: dict, tensors: Mapping[str, torch.Tensor],
+                   *, device: torch.device | str = "cpu") -> "Transformer":
+        """The network :meth:`state` described, holding ``tensors``.  Raises
+        ModelFormatError when they don't fit ``config``."""
+        self = cls.__new__(cls)
+        dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16}.get(
+            meta.get("dtype"))
+        if (dtype is None or meta.get("weights_format") not in WEIGHT_FORMATS
+                or not isinstance(meta.get("layers"), list)
+                or len(meta["layers"]) != config.num_layers):
+            raise ModelFormatError("the stored network does not match the model's config")
+        self._setup(config, dtype, device, meta["weights_format"])
+
+        def group(prefix: str) -> dict[str, torch.Tensor]:
+            return {k[len(prefix) + 1:]: t for k, t in tensors.items()
+                    if k.startswith(prefix + ".")}
+
+        try:
+            dev = self.device
+            if "embed.table" in tensors:
+                self.embed = Embedding(tensors["embed.table"], dev)
+            else:
+                self.embed = Embedding(Int8Rows(tensors["embed.q"], tensors["embed.scale"]), dev)
+            if meta["lm_head"] != "tied":
+                self.lm_head = restore_linear(meta["lm_head"], group("lm_head"), dev)
+            elif self.embed.table is not None:
+                self.lm_head = DenseLinear(self.embed.table, None, self.embed.table.dtype, dev)
+            else:
+                self.lm_head = restore_linear(
+                    {"kind": "q8", "kernel": True, "shape": list(self.embed.q.shape)},
+                    {"q": self.embed.q, "scale": self.embed.scale}, dev)
+            self.norm = tensors["norm"].to(dev)
+            self.layers = []
+            for n, metas in enumerate(meta["layers"]):
+                p = f"layers.{n}"
+                self.layers.append(LayerWeights(
+                    attn_norm=tensors[p + ".attn_norm"].to(dev),
+                    mlp_norm=tensors[p + ".mlp_norm"].to(dev),
+                    **{name: restore_linear(metas[name], group(f"{p}.{name}"), dev)
+                       for name in ("qkv", "o", "gate_up", "down")}))
+        except (KeyError, TypeError, ConfigError) as exc:
+            raise ModelFormatError(f"the stored network is incomplete: {exc}") from exc
+        self.rope = RotaryEmbedding(config, self.device)
+        return self
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     seen: "torch.Tensor | int") -> torch.Tensor:

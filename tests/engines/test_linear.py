@@ -12,8 +12,9 @@ from gguf import GGMLQuantizationType as GGMLType
 
 import forerun
 from forerun.engines.grouping_probe import exact_group_size
-from forerun.engines.linear import (WEIGHT_FORMATS, Int4Groups, check_kernels,
-                                    make_linear, quantize_int4, quantize_int8)
+from forerun.engines.linear import (WEIGHT_FORMATS, ConcatLinear, Int4Groups, check_kernels,
+                                    fuse_linear, make_linear, quantize_int4, quantize_int8,
+                                    restore_linear)
 from forerun.engines.torch_engine import TorchDecoder
 from forerun.engines.transformer import Transformer
 from forerun.errors import ConfigError, EngineError
@@ -108,6 +109,44 @@ def test_int4_needs_packable_shapes():
     for fmt in ("q4", "q8"):
         torch.testing.assert_close(make_linear(w, None, fmt, CPU)(x), x @ w.t(),
                                    rtol=0, atol=0.5)
+
+
+def test_parts_of_different_kinds_keep_their_own_values():
+    """q/k in 4 bits and v in 8 (as a Q4_K_M GGUF stores them) fuse into one
+    layer whose rows are each part's own product: no part is requantized
+    to the other's kind."""
+    gen = torch.Generator().manual_seed(5)
+    parts = [quantize_int4(torch.randn(32, 64, generator=gen)),
+             quantize_int4(torch.randn(16, 64, generator=gen)),
+             quantize_int8(torch.randn(16, 64, generator=gen))]
+    bias = torch.randn(64, generator=gen)
+    layer = fuse_linear(parts, bias, "q4", CPU)
+    assert isinstance(layer, ConcatLinear) and layer.format == "q4+q4+q8"
+    x = torch.randn(3, 64, generator=gen)
+    want = torch.cat([make_linear(p, None, "q4", CPU)(x) for p in parts], dim=-1) + bias
+    assert torch.equal(layer(x), want)
+    v = parts[2]   # the kernel holds scales in bfloat16
+    assert torch.equal(layer.weight_rows()[48:], v.q.float() * v.scale.bfloat16().float()[:, None])
+    # One kind: one fused matrix.
+    assert not isinstance(fuse_linear(parts[:2], None, "q4", CPU), ConcatLinear)
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS + ("mixed",))
+def test_a_layer_restored_from_its_state_computes_the_same(fmt):
+    """What the packed-weight cache stores rebuilds the layer bit for bit,
+    without quantizing or packing again."""
+    gen = torch.Generator().manual_seed(6)
+    w, b = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    layer = (fuse_linear([quantize_int4(w[:32]), quantize_int8(w[32:])], b, "q4", CPU)
+             if fmt == "mixed" else make_linear(w, b, fmt, CPU))
+    meta, tensors = layer.state()
+    copy = restore_linear(meta, {k: t.clone() for k, t in tensors.items()}, CPU)
+    x = torch.randn(4, 64, generator=gen)
+    assert type(copy) is type(layer) and torch.equal(copy(x), layer(x))
+    missing = dict(tensors)
+    missing.pop(next(k for k in tensors if k != "bias"))
+    with pytest.raises((ConfigError, KeyError)):
+        restore_linear(meta, missing, CPU)
 
 
 def test_a_changed_kernel_is_refused(monkeypatch):
