@@ -421,8 +421,15 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
     from .engines.transformer import Transformer
 
     try:
-        network = Transformer(config, files.weights, dtype=dtype, device=device,
-                              weights_format=weights)
+        if files.weights is None:   # a GGUF in q4/q8: the packed network
+            from .loading.load import _known_digest
+            from .loading.packed_cache import packed_network
+
+            network = packed_network(files.gguf_path, config, weights, device,
+                                     digest=_known_digest(model), progress=progress)
+        else:
+            network = Transformer(config, files.weights, dtype=dtype, device=device,
+                                  weights_format=weights)
         decoder = TorchDecoder(network, context_length, config.eos_token_ids)
     except (RuntimeError, MemoryError) as exc:
         if not memory_error(exc):
@@ -437,7 +444,10 @@ def _torch_model_files(model, weights: str, dtype: torch.dtype, device: torch.de
                        progress: bool):
     """The files of ``model`` for the torch engine in weight format
     ``weights`` (``"auto"`` resolved here), and that format.  A GGUF in q4
-    or q8 is read directly; otherwise through the float32 conversion cache."""
+    or q8 comes with ``weights`` None: its network is built from the GGUF
+    itself, or read from the packed-weight cache
+    (:mod:`forerun.loading.packed_cache`); other models come through the
+    float32 conversion cache."""
     from .loading.load import load_gguf_files, load_model_files, resolve_spec
 
     path = resolve_spec(model, progress=progress)
@@ -454,9 +464,7 @@ def _torch_model_files(model, weights: str, dtype: torch.dtype, device: torch.de
         if weights == "auto":
             weights = choose_weights(files.name, files.config, device).format
         if weights in ("q4", "q8"):
-            from .loading.gguf_quantized import GGUFQuantizedWeights
-
-            files.weights = GGUFQuantizedWeights(files.gguf_path, files.config)
+            files.weights = None   # built from the GGUF or the packed cache by load()
             return files, weights
     return load_model_files(model, progress=progress), weights
 

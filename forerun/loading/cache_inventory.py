@@ -6,6 +6,7 @@ The cache (:func:`~forerun.paths.cache_dir`) holds:
   ``.manifest.json`` beside each);
 * ``converted/<key>/``: GGUF files converted for the torch engine;
 * ``gguf-header/<key>/``: parsed GGUF headers for the llama.cpp engine;
+* ``packed/<key>/``: GGUF models built in the torch engine's q4/q8 formats;
 * ``digests/``: remembered SHA-256 digests of model files (the keys above);
 * anything else (calibrations, Medusa training caches), listed as ``other``.
 
@@ -26,14 +27,14 @@ from .cache_entry import (MANIFEST_NAME, TMP_MARK, CacheEntry, check, read_manif
                           remove_path, stale_temporaries)
 
 #: kinds of entries, by the cache subfolder that holds them
-ENTRY_FOLDERS = ("models", "converted", "gguf-header")
+ENTRY_FOLDERS = ("models", "converted", "gguf-header", "packed")
 
 
 @dataclass
 class Item:
     """One thing in the cache.
 
-    ``kind``: ``preset``, ``converted``, ``gguf-header``, ``temporary``,
+    ``kind``: ``preset``, ``converted``, ``gguf-header``, ``packed``, ``temporary``,
     ``lock``, ``digests`` or ``other``.  ``state``: ``ok``, or what is wrong
     (``stale``: left by a process that is gone; ``in use``: a temporary of
     a running process; ``damaged: ...``, ``incomplete ...``, ``written by
@@ -82,6 +83,10 @@ def entry_at(kind: str, path: Path) -> CacheEntry:
         from .conversion_cache import CONVERTER_VERSION
 
         return CacheEntry(path, f"the converted model {path.name}", version=CONVERTER_VERSION)
+    if kind == "packed":
+        from .packed_cache import PACKED_VERSION
+
+        return CacheEntry(path, f"the packed weights {path.name}", version=PACKED_VERSION)
     from .load import GGUF_HEADER_VERSION
 
     return CacheEntry(path, f"the parsed GGUF header {path.name}", version=GGUF_HEADER_VERSION)

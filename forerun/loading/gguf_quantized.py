@@ -104,6 +104,10 @@ class GGUFQuantizedWeights(Mapping):
                 values = _permute(values, c.num_kv_heads)
         return values
 
+    def __contains__(self, name: object) -> bool:
+        # Mapping's own __contains__ would read and convert the tensor.
+        return name in self._tensors
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 
