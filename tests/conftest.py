@@ -1,4 +1,8 @@
-"""Shared fixtures: the real preset models, loaded once per session."""
+"""Shared fixtures: the real preset models, loaded once per session; the
+``needs_preset`` marker; the quick subset's marks.
+
+Presets are found (and assembled) when a test that needs them runs, never
+at collection: deselecting the real-model tests costs nothing."""
 
 import sys
 from pathlib import Path
@@ -24,14 +28,41 @@ def preset_model():
     """``preset_model(name)``: a forerun Model of a preset, loaded once."""
     import forerun
 
-    def get(name: str, context_length: int = 1024):
-        key = (name, context_length)
+    def get(name: str, context_length: int = 1024, weights: str = "float32"):
+        """float32 by default: the reference format, which transformers'
+        parity tests compare with; ``weights="q4"`` is what users run (and
+        verifies in exact groups, where float32 on some CPUs verifies one
+        position per forward, several times slower)."""
+        key = (name, context_length, weights)
         if key not in _MODELS:
             require_preset(name)
-            # float32: the reference format, which transformers' parity
-            # tests compare with (the quantized formats have tests of their own).
             _MODELS[key] = forerun.load(name, context_length=context_length, progress=False,
-                                        weights="float32")
+                                        weights=weights)
         return _MODELS[key]
 
     return get
+
+
+PRESET_FIXTURES = {"preset_gguf", "preset_model"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "needs_preset(*names): the test uses these presets (GGUF file names "
+        "or preset names); skipped when absent, an error in CI")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that use a real preset are marked ``real_model`` (so ``-m 'not
+    real_model'`` leaves them out without assembling anything)."""
+    for item in items:
+        if (item.get_closest_marker("needs_preset") is not None
+                or PRESET_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.real_model)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    for marker in item.iter_markers("needs_preset"):
+        for name in marker.args:
+            require_preset(name.removesuffix(".gguf"))

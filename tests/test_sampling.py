@@ -12,8 +12,8 @@ from forerun.errors import GenerationConfigError
 from forerun.sampling import (SamplingParams, greedy_token, make_generator,
                               probabilities, sample_token)
 
-scipy_stats = pytest.importorskip("scipy.stats")
-logits_process = pytest.importorskip("transformers.generation.logits_process")
+import scipy.stats as scipy_stats  # noqa: E402
+import transformers.generation.logits_process as logits_process  # noqa: E402
 
 
 def reference_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -266,7 +266,6 @@ def test_missing_peer_packages_are_skipped(tiny, monkeypatch):
 
 
 def test_transformers_peers(tiny):
-    pytest.importorskip("transformers")
     report = bench(tiny, peer_transformers=True, peer_llama_cpp=True)
     for name in ("hf-plain", "hf-assisted", "hf-lookup"):
         assert report.methods[name]["status"] == "ok", report.methods[name]

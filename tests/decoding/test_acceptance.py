@@ -11,7 +11,6 @@ from forerun.decoding.acceptance import accept_greedy, accept_sampled
 
 from table_decoders import chi_square_pvalue, single_thread  # noqa: F401 (autouse fixture)
 
-pytest.importorskip("scipy.stats")
 
 
 def one_hot_logits(choices: list[int], vocab: int = 8) -> torch.Tensor:

@@ -18,8 +18,6 @@ from forerun.sampling import SamplingParams, TokenSampler
 from method_runs import FeedLog
 from table_decoders import single_thread  # noqa: F401 (autouse fixture)
 
-pytest.importorskip("transformers")
-
 from tiny_models import VOCAB, forerun_decoder, hf_model  # noqa: E402
 
 ARCHS = ["qwen2", "llama"]

@@ -25,12 +25,13 @@ from forerun.sampling import SamplingParams, TokenSampler
 from method_runs import run_method
 from table_decoders import TableDecoder, chi_square_pvalue, joint_distribution
 
-pytest.importorskip("scipy.stats")
+
+from quick import draws  # noqa: E402
 
 V = 6
 N_TOKENS = 3
-N_SEQUENCES = 50_000
-N_BROKEN = 20_000
+N_SEQUENCES = draws(50_000, 6_000)
+N_BROKEN = draws(20_000, 6_000)
 PASS_P = 1e-3
 REJECT_P = 1e-6
 

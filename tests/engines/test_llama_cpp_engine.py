@@ -257,6 +257,7 @@ def test_grouping_probe_is_stored_per_machine_and_settings(llama_model, tmp_path
     from forerun.engines import grouping_probe
 
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    monkeypatch.setattr(forerun.api, "PROBE_LONG_CONTEXT", 200)   # what is stored, not how long
     calls = []
     real = grouping_probe.exact_group_size
     monkeypatch.setattr(grouping_probe, "exact_group_size",
@@ -300,12 +301,13 @@ def test_grouping_invariance_up_to_the_default_context(preset_gguf):
         assert decoder.context_length == 4096 and decoder.options["cache_type_v"] == "q8_0"
         group = model.verification_grouping().exact_group
         long_prompt = model._probe_tokens(4096 - 2 * len(MORE))
+        decoder.reset()
         for length in (600, 1154, 2100, len(long_prompt)):
-            decoder.reset()
-            decoder.feed(long_prompt[:length], last_only=True)
+            decoder.feed(long_prompt[decoder.length:length], last_only=True)
             together = decoder.feed(MORE).logits
             decoder.rollback(length)
             one_by_one = torch.cat([decoder.feed([t]).logits for t in MORE])
+            decoder.rollback(length)
             assert torch.equal(together, one_by_one), f"at {length} cached positions"
         # F16 values are exact only on one thread (the documented fallback).
         with LlamaCppDecoder(decoder.path, context_length=CONTEXT, n_threads=1,

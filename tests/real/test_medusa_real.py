@@ -23,7 +23,8 @@ def messages(text):
 
 @pytest.fixture(scope="module")
 def model(preset_model):
-    return preset_model("qwen2.5-coder-1.5b")
+    # q4: the format users run, which verifies a tree in exact groups.
+    return preset_model("qwen2.5-coder-1.5b", weights="q4")
 
 
 def test_shipped_heads_fit_the_preset(model):

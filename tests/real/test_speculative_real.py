@@ -48,7 +48,10 @@ def assert_identical(model, prompt_ids, plain, other, label):
 
 @pytest.fixture(scope="module")
 def pair(preset_model):
-    return preset_model("qwen2.5-coder-1.5b"), preset_model("qwen2.5-coder-0.5b")
+    """The real pair in q4, the format users run (float32's own
+    speculation is checked on the tiny models and by the format tests)."""
+    return (preset_model("qwen2.5-coder-1.5b", weights="q4"),
+            preset_model("qwen2.5-coder-0.5b", weights="q4"))
 
 
 @pytest.mark.slow
@@ -57,7 +60,7 @@ def test_draft_model_greedy_is_lossless(pair):
     for text in CHAT_PROMPTS:
         ids = target.encode_prompt(messages=messages(text))
         plain = target.generate(prompt_ids=ids, max_new_tokens=64)
-        for k in (1, 2, 4, 8, None):
+        for k in (2, 8, None):
             out = target.generate(prompt_ids=ids, max_new_tokens=64, draft=draft, draft_k=k)
             assert_identical(target, ids, plain, out, f"k={k} on {text[:30]!r}")
             assert out.finish_reason == plain.finish_reason
@@ -78,7 +81,7 @@ def test_draft_model_agrees_often_on_code(pair):
 @pytest.mark.parametrize("preset", ["smollm2-135m",
                                     pytest.param("qwen2.5-coder-1.5b", marks=pytest.mark.slow)])
 def test_ngram_greedy_is_lossless(preset_model, preset):
-    model = preset_model(preset)
+    model = preset_model(preset, weights="q4")
     for text in REPEAT_PROMPTS:
         ids = model.encode_prompt(messages=messages(text))
         plain = model.generate(prompt_ids=ids, max_new_tokens=64)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from real_presets import MODELS_DIR, have_model
+from real_presets import MODELS_DIR
 
 QWEN_05B = "qwen2.5-coder-0.5b.gguf"
 QWEN_15B = "qwen2.5-coder-1.5b.gguf"
@@ -23,11 +23,10 @@ GGUF_NAMES = (QWEN_05B, QWEN_15B, SMOLLM)
 
 
 def real_model_param(name: str) -> Any:
-    """A pytest param for one GGUF, marked real_model and skipped when absent."""
-    return pytest.param(name, id=name.removesuffix(".gguf"), marks=[
-        pytest.mark.real_model,
-        pytest.mark.skipif(not have_model(name), reason=f"{MODELS_DIR / name} is not present"),
-    ])
+    """A pytest param for one GGUF, which the test needs (skipped when absent,
+    found only when the test runs)."""
+    return pytest.param(name, id=name.removesuffix(".gguf"),
+                        marks=[pytest.mark.needs_preset(name)])
 
 
 @functools.lru_cache(maxsize=None)

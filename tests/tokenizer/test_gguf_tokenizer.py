@@ -11,7 +11,7 @@ from forerun.tokenizer import SUPPORTED_PRE_TOKENIZERS, tokenizer_from_gguf_meta
 
 from .conftest import (
     GGUF_NAMES, QWEN_05B, QWEN_15B, SMOLLM, departs_from_transformers_gguf, forerun_tokenizer,
-    gguf_metadata, have_model, hf_tokenizer, real_model_param, reference_backend,
+    gguf_metadata, hf_tokenizer, real_model_param, reference_backend,
 )
 
 TEXTS = [
@@ -165,7 +165,7 @@ def test_chat_template_matches_transformers(name, conversation):
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not have_model(QWEN_05B), reason="Qwen GGUF not present")
+@pytest.mark.needs_preset(QWEN_05B)
 def test_chat_template_with_tools_matches_transformers():
     ours, hf = forerun_tokenizer(QWEN_05B), hf_tokenizer(QWEN_05B)
     tools = [{"type": "function", "function": {
@@ -177,8 +177,7 @@ def test_chat_template_with_tools_matches_transformers():
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not (have_model(QWEN_05B) and have_model(QWEN_15B) and have_model(SMOLLM)),
-                    reason="GGUFs not present")
+@pytest.mark.needs_preset(QWEN_05B, QWEN_15B, SMOLLM)
 def test_fingerprint():
     a, b, c = (forerun_tokenizer(n) for n in (QWEN_05B, QWEN_15B, SMOLLM))
     assert a.fingerprint() == b.fingerprint()
@@ -189,7 +188,7 @@ def test_fingerprint():
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not have_model(SMOLLM), reason="SmolLM GGUF not present")
+@pytest.mark.needs_preset(SMOLLM)
 def test_smollm_splits_digits_like_llama_cpp():
     """llama.cpp's "smollm" pre-tokenizer splits every \\p{N} first, then runs
     the GPT-2 regex on the pieces; transformers' GGUF conversion does not (it
@@ -204,7 +203,7 @@ def test_smollm_splits_digits_like_llama_cpp():
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not have_model(QWEN_05B), reason="Qwen GGUF not present")
+@pytest.mark.needs_preset(QWEN_05B)
 def test_qwen_normalizes_nfc():
     ours = forerun_tokenizer(QWEN_05B)
     assert ours.encode("cafe\u0301") == ours.encode("café")

@@ -12,7 +12,7 @@ from forerun.errors import InvalidTokenError
 from forerun.tokenizer import StreamDecoder, Tokenizer
 from forerun.tokenizer.gguf_tokenizer import _byte_alphabet
 
-from .conftest import QWEN_05B, SMOLLM, forerun_tokenizer, have_model, real_model_param
+from .conftest import QWEN_05B, SMOLLM, forerun_tokenizer, real_model_param
 
 
 def stream(tok, ids, **kwargs):
@@ -156,7 +156,7 @@ def _real_ids(name):
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not have_model(QWEN_05B), reason="Qwen GGUF not present")
+@pytest.mark.needs_preset(QWEN_05B)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), skip=st.booleans(), max_pending=st.integers(1, 8))
 def test_concatenation_equals_decode_real_qwen(data, skip, max_pending):
@@ -167,7 +167,7 @@ def test_concatenation_equals_decode_real_qwen(data, skip, max_pending):
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not have_model(SMOLLM), reason="SmolLM GGUF not present")
+@pytest.mark.needs_preset(SMOLLM)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), skip=st.booleans())
 def test_concatenation_equals_decode_real_smollm(data, skip):
@@ -178,7 +178,7 @@ def test_concatenation_equals_decode_real_smollm(data, skip):
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not have_model(QWEN_05B), reason="Qwen GGUF not present")
+@pytest.mark.needs_preset(QWEN_05B)
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(max_size=30))
 def test_valid_text_never_emits_replacement_real(text):

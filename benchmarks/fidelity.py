@@ -1,0 +1,116 @@
+"""How far each weight format's logits are from the float32 reference, and
+from llama.cpp's, over real text.
+
+The shipped prompt set (forerun/bench/prompts) is tokenized and cut into
+sequences of ``--length`` tokens until ``--positions`` positions are
+covered; every position's logits are computed by the float32 reference
+(the GGUF dequantized), by each format of the PyTorch engine and by
+llama.cpp on the same GGUF.  For each, against the reference and against
+llama.cpp: top-1 agreement, mean KL divergence KL(reference || format) in
+nats, and the largest logit difference.
+
+    python benchmarks/fidelity.py [--model qwen2.5-coder-1.5b] [--positions 2048]
+        [--formats q4,q8,bfloat16] [--no-llama-cpp] [--json out.json]
+
+Not a timing: it can run beside other work, but it holds the float32 model
+(about 4 bytes per parameter) in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+import torch
+
+import forerun
+from forerun.bench.prompts import load_prompts
+from forerun.calibration import cpu_name
+
+
+def sequences(model, positions: int, length: int) -> list[list[int]]:
+    """Token sequences of ``length`` cut from the prompt set's text."""
+    text = "\n\n".join(turn for p in load_prompts() for turn in p.turns)
+    ids = model.tokenizer.encode(text, add_special_tokens=False)
+    need = -(-positions // length) * length
+    while len(ids) < need:
+        ids = ids + ids
+    return [ids[i:i + length] for i in range(0, need, length)]
+
+
+def all_logits(model, seqs: list[list[int]], chunk: int = 64) -> torch.Tensor:
+    """Every position's float32 logits, ``[positions, vocab]``."""
+    d = model.decoder
+    rows = []
+    for seq in seqs:
+        d.reset()
+        for i in range(0, len(seq), chunk):
+            rows.append(d.feed(seq[i:i + chunk]).logits.float().cpu())
+    d.reset()
+    return torch.cat(rows)
+
+
+def compare(got: torch.Tensor, ref: torch.Tensor, chunk: int = 128) -> dict:
+    agree, kl_sum, gap = 0, 0.0, 0.0
+    for i in range(0, got.shape[0], chunk):
+        g, r = got[i:i + chunk].double(), ref[i:i + chunk].double()
+        agree += int((g.argmax(-1) == r.argmax(-1)).sum())
+        logp_ref, logp_got = torch.log_softmax(r, -1), torch.log_softmax(g, -1)
+        kl_sum += float((logp_ref.exp() * (logp_ref - logp_got)).sum())
+        gap = max(gap, float((g - r).abs().max()))
+    n = got.shape[0]
+    return {"top1_agreement": round(agree / n, 4), "mean_kl": float(f"{kl_sum / n:.3g}"),
+            "max_logit_gap": round(gap, 3)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--positions", type=int, default=2048)
+    p.add_argument("--length", type=int, default=512)
+    p.add_argument("--formats", default="q4,q8,bfloat16")
+    p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--json")
+    args = p.parse_args()
+
+    context = args.length + 8
+    reference = forerun.load(args.model, weights="float32", context_length=context,
+                             progress=False)
+    seqs = sequences(reference, args.positions, args.length)
+    logits = {"float32": all_logits(reference, seqs)}
+    del reference
+    gc.collect()
+    names = [f for f in args.formats.split(",") if f]
+    for fmt in names:
+        model = forerun.load(args.model, weights=fmt, context_length=context, progress=False)
+        logits[fmt] = all_logits(model, seqs)
+        del model
+        gc.collect()
+    if not args.no_llama_cpp:
+        model = forerun.load(args.model, engine="llama.cpp", context_length=context,
+                             progress=False)
+        logits["llama.cpp"] = all_logits(model, seqs)
+        del model
+    positions = sum(len(s) for s in seqs)
+    print(f"{args.model}: {positions} positions of the prompt set, {cpu_name()}, "
+          f"torch {torch.__version__}")
+    print("| logits of | vs | top-1 agreement | mean KL (nats) | largest logit gap |")
+    print("|---|---|---:|---:|---:|")
+    table = {}
+    for name, got in logits.items():
+        for base in ("float32", "llama.cpp"):
+            if base == name or base not in logits:
+                continue
+            row = compare(got, logits[base])
+            table[f"{name} vs {base}"] = row
+            print(f"| {name} | {base} | {row['top1_agreement']:.2%} | {row['mean_kl']:.3g} | "
+                  f"{row['max_logit_gap']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "positions": positions, "cpu": cpu_name(),
+                       "rows": table}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
