@@ -6,7 +6,8 @@ matrix products are fast where the CPU has AVX512-BF16 and slower than
 float32 where it has not; the int4 and int8 kernels read 4 to 8 times fewer
 bytes than float32 but spend more instructions per byte.  So the first load
 times each candidate's kernels on the model's own matrix shapes (the MLP's,
-which hold most of the weights), for forwards of 1 and of 4 positions (a
+which hold most of the weights; random values, already in each format),
+for forwards of 1 and of 4 positions (a
 decoding step, and a verification), and keeps the choice per machine, model
 shape and thread count in the calibration store.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from .linear import make_linear
+from .linear import INT4_GROUP, Int4Groups, Int8Rows, make_linear
 
 # Forwards of 1 position (plain decoding) and of 4 (a verification).
 TIMED_POSITIONS = (1, 4)
@@ -56,29 +57,53 @@ class FormatChoice:
                 f"{'/'.join(str(t) for t in TIMED_POSITIONS)} positions: {rows})")
 
 
+def _random_weights(fmt: str, n: int, k: int, gen: torch.Generator):
+    """A random ``[n, k]`` matrix already in ``fmt``'s values (quantized
+    directly: the kernels' speed does not depend on the values, and
+    quantizing float matrices would cost more than the timing itself)."""
+    if fmt == "q4" and k % INT4_GROUP == 0:
+        groups = k // INT4_GROUP
+        return Int4Groups(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                          torch.rand(n, groups, generator=gen) * 0.01,
+                          torch.randn(n, groups, generator=gen) * 0.01)
+    if fmt in ("q4", "q8"):
+        return Int8Rows(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+                        torch.rand(n, generator=gen) * 0.01)
+    dtype = torch.float32 if fmt == "float32" else torch.bfloat16
+    return (torch.randn(n, k, generator=gen) * 0.02).to(dtype)
+
+
+# Bytes of distinct weights the timing cycles through: several times the
+# last-level cache of the CPUs seen (32 MB), so a timing reads its weights
+# from memory, as a forward through a whole model does.
+CYCLED_BYTES = 128 << 20
+_BYTES_PER_WEIGHT = {"q4": 0.5, "q8": 1, "bfloat16": 2, "float32": 4}
+
+
 def time_formats(config: ModelConfig, candidates: tuple[str, ...], device: torch.device,
-                 *, copies: int = 3, repeats: int = 5) -> dict[str, list[float]]:
+                 *, repeats: int = 3) -> dict[str, list[float]]:
     """Milliseconds per forward of one MLP block (gate/up and down) of
-    ``config``'s shapes in each format, best of ``repeats``.  ``copies``
-    blocks with distinct weights are cycled, so the CPU's last-level cache
-    can't hold them and the timing includes reading the weights."""
+    ``config``'s shapes in each format, best of ``repeats``.  Each timed
+    run reads a block of its own (distinct weights, :data:`CYCLED_BYTES`
+    of them in all), so the CPU's caches can't hold them and the timing
+    includes reading the weights, as a forward through a whole model does."""
     h, i = config.hidden_size, config.intermediate_size
     gen = torch.Generator().manual_seed(0)
     result: dict[str, list[float]] = {}
     for fmt in candidates:
-        blocks = []
-        for _ in range(copies):
-            gate_up = torch.randn(2 * i, h, generator=gen) * 0.02
-            down = torch.randn(h, i, generator=gen) * 0.02
-            blocks.append((make_linear(gate_up, None, fmt, device),
-                           make_linear(down, None, fmt, device)))
-            del gate_up, down
+        block_bytes = 3 * h * i * _BYTES_PER_WEIGHT[fmt]
+        copies = max(repeats + 1, min(16, -(-CYCLED_BYTES // int(block_bytes))))
+        blocks = [(make_linear(_random_weights(fmt, 2 * i, h, gen), None, fmt, device),
+                   make_linear(_random_weights(fmt, h, i, gen), None, fmt, device))
+                  for _ in range(copies)]
         row = []
+        n = 0
         for t in TIMED_POSITIONS:
             x = torch.randn(t, h, generator=gen).to(device)
             best = float("inf")
             for r in range(repeats + 1):
-                gate_up, down = blocks[r % copies]
+                gate_up, down = blocks[n % copies]
+                n += 1
                 start = time.perf_counter()
                 y = gate_up(x)
                 y = down(y[:, :i] * y[:, i:])
