@@ -4,6 +4,7 @@
 Presets are found (and assembled) when a test that needs them runs, never
 at collection: deselecting the real-model tests costs nothing."""
 
+import gc
 import sys
 from pathlib import Path
 
@@ -36,6 +37,12 @@ def preset_model():
         key = (name, context_length, weights)
         if key not in _MODELS:
             require_preset(name)
+            # Models of one weight format at a time: float32 and q4 copies of
+            # the real pair together, beside transformers' reference, would
+            # pass the machine's 24 GB.
+            for other in [k for k in _MODELS if k[2] != weights]:
+                del _MODELS[other]
+            gc.collect()
             _MODELS[key] = forerun.load(name, context_length=context_length, progress=False,
                                         weights=weights)
         return _MODELS[key]

@@ -257,7 +257,7 @@ def test_grouping_probe_is_stored_per_machine_and_settings(llama_model, tmp_path
     from forerun.engines import grouping_probe
 
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
-    monkeypatch.setattr(forerun.api, "PROBE_LONG_CONTEXT", 200)   # what is stored, not how long
+    monkeypatch.setattr("forerun.api.PROBE_LONG_CONTEXT", 200)   # what is stored, not how long
     calls = []
     real = grouping_probe.exact_group_size
     monkeypatch.setattr(grouping_probe, "exact_group_size",
