@@ -50,6 +50,22 @@ def preset_model():
     return get
 
 
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    """An empty forerun cache of the test's own (``FORERUN_CACHE``)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("FORERUN_CACHE", str(root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    """A tiny random Qwen2 GGUF (:mod:`tiny_gguf`), written once per module."""
+    from tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
 PRESET_FIXTURES = {"preset_gguf", "preset_model"}
 
 

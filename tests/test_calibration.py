@@ -13,12 +13,6 @@ from forerun.calibration import CalibrationStore, machine_fingerprint, valid_cos
 from forerun.engines.grouping_probe import GroupingResult
 
 
-@pytest.fixture()
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def test_a_record_is_read_back_for_its_own_key(cache):
     store = CalibrationStore("costs", {"model": "m", "threads": 2}, label="m")
     assert store.load(valid_costs(3)) is None

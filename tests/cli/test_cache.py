@@ -14,13 +14,6 @@ from forerun.loading.conversion_cache import convert_gguf, converted_entry
 from tiny_gguf import write_tiny_gguf
 
 
-@pytest.fixture()
-def cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("FORERUN_CACHE", str(root))
-    return root
-
-
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gguf")

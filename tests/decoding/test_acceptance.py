@@ -4,7 +4,6 @@ hand-made distributions."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from forerun.decoding.acceptance import accept_greedy, accept_sampled

@@ -4,7 +4,6 @@ its record is damaged, and load() runs the model in it."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import forerun

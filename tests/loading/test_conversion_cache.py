@@ -30,18 +30,6 @@ FLOAT32 = ({"weights": "float32"} if "weights" in inspect.signature(forerun.load
            else {})
 
 @pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-
-
-@pytest.fixture()
-def cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("FORERUN_CACHE", str(root))
-    return root
-
-
-@pytest.fixture(scope="module")
 def pristine(gguf_path, tmp_path_factory):
     """The tokens a correctly converted model generates."""
     os.environ["FORERUN_CACHE"] = str(tmp_path_factory.mktemp("pristine-cache"))

@@ -8,12 +8,6 @@ import pytest
 
 from forerun.loading.cache_entry import TMP_MARK
 from forerun.loading.load import load_gguf_files
-from tiny_gguf import write_tiny_gguf
-
-
-@pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 def header(path):

@@ -14,21 +14,8 @@ import forerun.loading.gguf_quantized as gguf_quantized
 from forerun.loading.cache_entry import check
 from forerun.loading.content_key import file_digest
 from forerun.loading.packed_cache import FILE_NAME, packed_entry
-from tiny_gguf import write_tiny_gguf
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-
-
-@pytest.fixture()
-def cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("FORERUN_CACHE", str(root))
-    return root
 
 
 def logits(path, fmt: str) -> torch.Tensor:

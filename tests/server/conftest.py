@@ -24,7 +24,7 @@ import time
 import pytest
 
 # The test extra installs these: a missing one is an error, not a skip.
-import openai  # noqa: E402,F401
+import openai  # noqa: E402
 import prometheus_client  # noqa: E402,F401
 import starlette  # noqa: E402,F401
 import uvicorn  # noqa: E402,F401
@@ -84,8 +84,6 @@ class LiveServer:
 
     # -- clients -----------------------------------------------------------
     def client(self, api_key: str = API_KEY, **kwargs):
-        import openai
-
         return openai.OpenAI(base_url=self.url, api_key=api_key, max_retries=0,
                              timeout=kwargs.pop("timeout", 300), **kwargs)
 
