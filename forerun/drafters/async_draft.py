@@ -28,12 +28,13 @@ Exactness:
   whose context hash is that of the committed sequence followed by the
   proposals before them: a proposal drafted from a context that was later
   rejected is never verified (the thread drops it, or the verifier does).
-* A sampled draft at position ``j`` is drawn with a generator seeded from the
-  sampler's seed and ``j`` (:func:`position_seed`), never with the sampler's
-  generator, which stays the acceptance rule's alone.  A draft so depends on
-  its context and the seed, not on how far ahead the thread ran before a
-  rejection; with a fixed draft length the output depends only on the seed,
-  not on thread timing.  (The adaptive length is chosen from measured times,
+* A sampled draft at position ``j`` is drawn with a generator seeded from
+  ``j`` and a seed drawn once per generation from the sampler's generator
+  (:func:`draft_seed`, :func:`position_seed`), never with the sampler's
+  generator itself, which stays the acceptance rule's alone.  A draft so
+  depends on its context and the seed, not on how far ahead the thread ran
+  before a rejection; with a fixed draft length the output depends only on
+  the seed, not on thread timing.  (The adaptive length is chosen from measured times,
   so there, as with synchronous drafting, another timing can give another,
   equally exact, sample.)
 """
@@ -197,9 +198,10 @@ class AsyncDraftModelDrafter:
 
     # -- the verifier's side -------------------------------------------------
     def use_sampler(self, sampler: TokenSampler) -> None:
-        """Draft the next generation with ``sampler``'s settings, and its seed
-        for the draft's own random stream (call before :meth:`begin`, so the
-        thread can draft from the first token on)."""
+        """Draft the next generation with ``sampler``'s settings and a seed
+        drawn from its generator for the draft's own random streams (call
+        just before :meth:`begin`, so the thread can draft from the first
+        token on; else the first :meth:`propose` does it)."""
         self._sampling = (sampler.params, draft_seed(sampler))
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
@@ -216,6 +218,7 @@ class AsyncDraftModelDrafter:
         self._last_k = 0
         self._first_proposal = True
         channel = self._channel = _Channel(self._sampling)
+        self._sampling = None    # one generation's: the next draws its own
         state = self._state = _Speculation(prompt)
         self._thread = threading.Thread(target=self._drafting, args=(channel, state),
                                         name="forerun-drafter", daemon=True)
@@ -421,7 +424,10 @@ class AsyncDraftModelDrafter:
     def _apply_feedback(self, channel: _Channel, state: _Speculation) -> None:
         """Take in the committed tokens the verifier sent (holding the
         channel's lock): drafts that agree stay; at the first that does not,
-        the speculated sequence, the queue and the draft cache roll back."""
+        the speculated sequence, the queue and the draft cache roll back.
+        Drafts the verifier took from the queue past what it committed (a
+        rejected draft whose replacement happened to be the thread's own
+        draft) left the queue, so they are drafted again too."""
         while channel.feedback:
             start, tokens, drafted = channel.feedback.popleft()
             if start != state.known:
@@ -432,19 +438,21 @@ class AsyncDraftModelDrafter:
             p = start
             while p < end and p < len(seq) and seq[p] == tokens[p - start]:
                 p += 1
-            if p < end:
-                if p < len(seq):
-                    # Rejected at p: everything drafted past the verified
-                    # drafts was never verified, and never will be.
-                    channel.discarded += max(0, len(seq) - max(p, start + drafted))
-                    state.truncate(p)
-                    while channel.proposals and channel.proposals[-1].position >= p:
-                        channel.proposals.pop()
-                    if len(state.fed) > p:
-                        self.decoder.rollback(p)
-                        del state.fed[p:]
-                for t in tokens[p - start:]:
-                    state.append(t)
+            cut = p if p < min(end, len(seq)) else None
+            if p == end and end < min(start + drafted, len(seq)):
+                cut = end
+            if cut is not None:
+                # Everything drafted past the verified drafts was never
+                # verified, and never will be.
+                channel.discarded += max(0, len(seq) - max(cut, start + drafted))
+                state.truncate(cut)
+                while channel.proposals and channel.proposals[-1].position >= cut:
+                    channel.proposals.pop()
+                if len(state.fed) > cut:
+                    self.decoder.rollback(cut)
+                    del state.fed[cut:]
+            for t in tokens[len(seq) - start:]:
+                state.append(t)
             state.known = end
 
     def _draft_step(self, channel: _Channel, state: _Speculation, params: SamplingParams,
@@ -482,7 +490,11 @@ class AsyncDraftModelDrafter:
 
 
 def draft_seed(sampler: TokenSampler) -> int:
-    """The seed of the draft's random stream in a generation sampled by
-    ``sampler``: the seed its generator started from (so a fixed seed gives
-    fixed drafts; the sampler's generator itself is never drawn from)."""
-    return int(sampler.generator.initial_seed())
+    """The seed of the draft's random streams in a generation sampled by
+    ``sampler``: one draw from the sampler's generator, taken before the
+    generation starts.  A fixed seed so gives fixed drafts, and each
+    generation of a sampler used for several gets streams of its own (drafts
+    drawn with the same uniforms in every generation would not be
+    independent samples).  The thread never touches the generator."""
+    g = sampler.generator
+    return int(torch.randint(0, 2 ** 62, (1,), generator=g, device=g.device))
