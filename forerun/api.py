@@ -141,7 +141,7 @@ class Model:
                                     or draft_k < 1):
             raise GenerationConfigError(f"draft_k must be a positive integer (or None to "
                                         f"choose it every round), got {draft_k!r}")
-        split = _async_split(draft, draft_async, draft_threads, target_threads)
+        split = async_split(draft, draft_async, draft_threads, target_threads)
         method, drafts = self._method(draft, draft_k, split)
         return GenerationStream(self._run(method, drafts, ids, params, cancel))
 
@@ -222,12 +222,29 @@ class Model:
         from .decoding.async_speculative import AsyncSpeculativeDecoding
         from .drafters.async_draft import AsyncDraftModelDrafter
 
+        asked = target_threads
         draft_threads = draft_threads or 1
-        target_threads = target_threads or max(1, self.decoder.threads - draft_threads)
+        own = self.decoder.threads
+        target_threads = target_threads or max(1, own - draft_threads)
         drafter = AsyncDraftModelDrafter(self._draft_decoder(draft), threads=draft_threads)
-        self.verification_grouping()
+        group = self.verification_grouping().exact_group
+        if target_threads != own:
+            # Exact only where verifying on target_threads gives plain
+            # decoding's logits on the model's own count: measured.
+            probe = self._measured_grouping(target_threads)
+            if probe.exact_group == 0 and asked is not None:
+                raise ConfigError(
+                    f"target_threads={asked}: on {target_threads} thread(s) this model's "
+                    f"engine computes other logits than on its own {own} "
+                    f"({probe.describe()}), so speculative decoding would not be "
+                    f"token-identical to plain decoding; leave target_threads out (the "
+                    f"model then keeps its {own} threads) or use another weight format")
+            if probe.exact_group == 0:
+                target_threads = own
+            else:
+                group = min(group, probe.exact_group)
         method = AsyncSpeculativeDecoding(self.decoder, drafter, k=draft_k,
-                                          target_threads=target_threads)
+                                          target_threads=target_threads, verify_group=group)
         method.cost_store = cost_store(self, f"+async-{draft_threads}+{target_threads}")
         method.reference_store = cost_store(self)
         return method
@@ -264,23 +281,32 @@ class Model:
         settings, then kept in forerun's cache), applied to the decoder:
         speculative decoding cuts its verifications into groups of at most
         that size, so it stays token-identical to plain decoding."""
+        if self._grouping is None:
+            result = self._measured_grouping()
+            self.decoder.verify_group = result.exact_group
+            self._grouping = result
+        return self._grouping
+
+    def _measured_grouping(self, threads: int | None = None) -> "GroupingResult":
+        """The grouping probe's result for this model on this machine (kept
+        in forerun's cache): for verifications on ``threads`` threads
+        against plain decoding on the decoder's own count, when given."""
         from .calibration import CalibrationStore
         from .engines.grouping_probe import GroupingResult, exact_group_size
 
-        if self._grouping is None:
-            decoder = self.decoder
-            key = {"model": self.identity, **decoder.settings,
-                   "contexts": list(self._probe_contexts())}
-            store = CalibrationStore("grouping", key, label=f"{self.name}-{decoder.engine}")
-            result = store.load(GroupingResult.from_dict)
-            if result is None:
-                contexts = self._probe_contexts()
-                result = exact_group_size(decoder, self._probe_tokens(max(contexts) + 16),
-                                          contexts=contexts)
-                store.save(result.to_dict())
-            decoder.verify_group = result.exact_group
-            self._grouping = result
-        return self._grouping
+        decoder = self.decoder
+        key = {"model": self.identity, **decoder.settings,
+               "contexts": list(self._probe_contexts())}
+        if threads is not None:
+            key["verified_on_threads"] = threads
+        store = CalibrationStore("grouping", key, label=f"{self.name}-{decoder.engine}")
+        result = store.load(GroupingResult.from_dict)
+        if result is None:
+            contexts = self._probe_contexts()
+            result = exact_group_size(decoder, self._probe_tokens(max(contexts) + 16),
+                                      contexts=contexts, threads=threads)
+            store.save(result.to_dict())
+        return result
 
     def _probe_contexts(self) -> tuple[int, ...]:
         """Cached lengths the grouping probe runs at: a short prompt, and a
@@ -335,10 +361,12 @@ class Model:
         return draft.decoder.fork() if draft.decoder is self.decoder else draft.decoder
 
 
-def _async_split(draft, draft_async, draft_threads, target_threads
-                 ) -> tuple[int | None, int | None] | None:
+def async_split(draft, draft_async, draft_threads, target_threads
+                ) -> tuple[int | None, int | None] | None:
     """``(draft_threads, target_threads)`` for asynchronous drafting, ``None``
-    for synchronous; every wrong combination is a GenerationConfigError."""
+    for synchronous: the checked ``draft_async``, ``draft_threads`` and
+    ``target_threads`` arguments of :meth:`Model.stream` for ``draft``; every
+    wrong combination is a GenerationConfigError."""
     if not isinstance(draft_async, bool):
         raise GenerationConfigError(f"draft_async must be True or False, got {draft_async!r}")
     for name, value in (("draft_threads", draft_threads), ("target_threads", target_threads)):

@@ -60,16 +60,22 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
 
     ``k``: a fixed draft length, or ``None`` to choose it every round from
     the overlapped costs.  ``target_threads``: the target's CPU threads
-    during a generation (``None``: as they are).  The output is the same as
-    synchronous speculative decoding's: token-identical to plain decoding
-    when greedy, the target's distribution when sampling.
+    during a generation (``None``: as they are).  ``verify_group``: the most
+    positions one verification forward computes during a generation
+    (``None``: the target's own ``verify_group``); on another thread count
+    than plain decoding's, the group measured exact there
+    (:func:`~forerun.engines.grouping_probe.exact_group_size` with
+    ``threads``).  The output is then the same as synchronous speculative
+    decoding's: token-identical to plain decoding when greedy, the target's
+    distribution when sampling.
     """
 
     def __init__(self, target: Decoder, drafter: AsyncDraftModelDrafter, *,
                  k: int | None = None, target_threads: int | None = None,
-                 max_k: int = 8) -> None:
+                 verify_group: int | None = None, max_k: int = 8) -> None:
         super().__init__(target, drafter, k=k, max_k=max_k, name="draft-async")
         self.target_threads = target_threads
+        self.verify_group = verify_group
         self.reference: SyncReference | None = None
         self.reference_store = None   # optional: the synchronous method's cost store
 
@@ -77,8 +83,10 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
             stats: GenerationStats) -> Iterator[list[int]]:
         target, drafter = self.target, self.drafter
         self._measure_reference(prompt_ids[-1])
-        before = target.threads
+        before, group = target.threads, target.verify_group
         try:
+            if self.verify_group is not None:
+                target.verify_group = self.verify_group
             if self.target_threads is not None:
                 target.set_threads(self.target_threads)
             stats.target_threads = target.threads
@@ -87,6 +95,7 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
         finally:
             drafter.stop()
             target.set_threads(before)
+            target.verify_group = group
             self._record(stats)
 
     def _measure_reference(self, token: int) -> None:
