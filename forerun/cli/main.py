@@ -104,7 +104,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ..api import load
+    from ..api import async_split, load
     from ..loading.presets import DEFAULT_MODEL
 
     from ..generation.params import GenerationParams
@@ -119,10 +119,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.model is not None and not args.model.strip():
         raise ForerunError("--model is empty; give a preset, a .gguf file or a Hugging Face "
                            "folder, or leave --model out for the default")
+    draft = resolve_draft_option(args)
+    async_split(draft, args.draft_async, args.draft_threads, args.target_threads)
     model = load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
                  context_length=args.context_length, device=args.device,
                  progress=not args.quiet)
-    draft = resolve_draft_option(args)
     if args.raw:
         if args.system is not None:
             raise ForerunError("--system needs the chat template; drop --raw or --system")
