@@ -247,6 +247,7 @@ class Model:
                                           target_threads=target_threads, verify_group=group)
         method.cost_store = cost_store(self, f"+async-{draft_threads}+{target_threads}")
         method.reference_store = cost_store(self)
+        method.measure_reference(self._probe_tokens(1)[0])
         return method
 
     def _build_speculative(self, draft, draft_k: int | None):

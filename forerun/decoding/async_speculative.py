@@ -19,11 +19,12 @@ around the loop:
 * **A verdict.**  Once per method, before the split, it measures what
   synchronous drafting costs on this machine (the target's verification
   costs at its own thread count, kept in ``reference_store``, and one draft
-  step).  Each generation then compares the tokens per second it achieved
-  over waiting and verifying with the best that synchronous drafting (or
-  plain steps) would achieve at the same acceptance rate by those costs,
-  and records both in the stats: asynchronous drafting pays on this machine
-  or it does not.
+  step: :meth:`AsyncSpeculativeDecoding.measure_reference`).  Each
+  generation then compares the tokens per second it achieved over waiting
+  and verifying with the best that synchronous drafting (or plain steps)
+  would achieve at the same acceptance rate by those costs, and records
+  both in the stats: asynchronous drafting pays on this machine or it does
+  not.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
     def run(self, prompt_ids: list[int], sampler: TokenSampler,
             stats: GenerationStats) -> Iterator[list[int]]:
         target, drafter = self.target, self.drafter
-        self._measure_reference(prompt_ids[-1])
+        if self.reference is None:
+            self.measure_reference(prompt_ids[-1])
         before, group = target.threads, target.verify_group
         try:
             if self.verify_group is not None:
@@ -98,11 +100,13 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
             target.verify_group = group
             self._record(stats)
 
-    def _measure_reference(self, token: int) -> None:
-        """Once: the synchronous costs, before the thread split (the
-        target's from ``reference_store`` when it holds them)."""
-        if self.reference is not None:
-            return
+    def measure_reference(self, token: int) -> None:
+        """Measure what synchronous drafting costs, for the verdict: the
+        target's verification costs on its own thread count (from
+        ``reference_store`` when it holds them; ``token`` is fed to time
+        them, then rolled back) and one draft step.  Run while no
+        generation runs; :meth:`run` does it before its first generation
+        when it was not done (the time then counts as decoding time)."""
         from ..calibration import valid_costs
 
         costs = VerifyCosts(self.policy.max_k + 1)
