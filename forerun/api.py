@@ -113,7 +113,9 @@ class Model:
                top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                stop: Sequence[str] | str = (), stop_token_ids: Sequence[int] = (),
                ignore_eos: bool = False, cancel=None, draft=None,
-               draft_k: int | None = None) -> "GenerationStream":
+               draft_k: int | None = None, draft_async: bool = False,
+               draft_threads: int | None = None,
+               target_threads: int | None = None) -> "GenerationStream":
         """Like :meth:`generate`, but returns an iterator of text deltas; its
         ``result`` attribute holds the :class:`GenerationResult` once the
         iteration has ended.
@@ -139,7 +141,8 @@ class Model:
                                     or draft_k < 1):
             raise GenerationConfigError(f"draft_k must be a positive integer (or None to "
                                         f"choose it every round), got {draft_k!r}")
-        method, drafts = self._method(draft, draft_k)
+        split = async_split(draft, draft_async, draft_threads, target_threads)
+        method, drafts = self._method(draft, draft_k, split)
         return GenerationStream(self._run(method, drafts, ids, params, cancel))
 
     def _run(self, method, drafts: list["Model"], ids: list[int], params: GenerationParams,
@@ -174,38 +177,84 @@ class Model:
         ``draft_k`` fixes the draft length; by default it is chosen every
         round from measured costs.  The output is the same as without a
         draft: token for token when greedy, in distribution when sampling.
+
+        ``draft_async=True`` runs a draft model in a thread of its own,
+        drafting ahead while this model verifies
+        (:mod:`forerun.decoding.async_speculative`), on ``draft_threads``
+        CPU threads (default 1) while this model runs on ``target_threads``
+        (default: its own count less the draft's, at least 1).  The output is
+        the same as synchronous drafting's; the stats say whether it paid.
         """
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
             pass
         return stream.result
 
-    def _method(self, draft=None, draft_k: int | None = None):
+    def _method(self, draft=None, draft_k: int | None = None,
+                split: tuple[int | None, int | None] | None = None):
         """The decoding method for ``draft``, and the draft models it uses.
-        A new method is built holding this model (building may load a draft
-        model and measure this one)."""
+        ``split``: ``(draft_threads, target_threads)`` for asynchronous
+        drafting, ``None`` for synchronous.  A new method is built holding
+        this model (building may load a draft model and measure this one)."""
         from .decoding.plain import PlainDecoding
 
         if draft is None:
             if draft_k is not None:
                 raise GenerationConfigError("draft_k needs a draft (draft=...)")
             return PlainDecoding(self.decoder), []
-        key = (draft if isinstance(draft, str) else id(draft), draft_k)
+        key = (draft if isinstance(draft, str) else id(draft), draft_k, split)
         built = self._methods.get(key)
         if built is None:
             with Holds([self._lock]):
                 built = self._methods.get(key)
                 if built is None:
                     known = len(self.drafts)
-                    method = self._build_speculative(draft, draft_k)
+                    method = (self._build_speculative(draft, draft_k) if split is None
+                              else self._build_async(draft, draft_k, *split))
                     built = self._methods[key] = (method, self.drafts[known:])
         return built
 
+    def _build_async(self, draft, draft_k: int | None, draft_threads: int | None,
+                     target_threads: int | None):
+        """Speculative decoding with a draft model drafting in its own thread,
+        on ``draft_threads`` (default 1) while this model runs on
+        ``target_threads`` (default: its thread count less the draft's)."""
+        from .decoding.async_speculative import AsyncSpeculativeDecoding
+        from .drafters.async_draft import AsyncDraftModelDrafter
+
+        asked = target_threads
+        draft_threads = draft_threads or 1
+        own = self.decoder.threads
+        target_threads = target_threads or max(1, own - draft_threads)
+        drafter = AsyncDraftModelDrafter(self._draft_decoder(draft), threads=draft_threads)
+        group = self.verification_grouping().exact_group
+        if target_threads != own:
+            # Exact only where verifying on target_threads gives plain
+            # decoding's logits on the model's own count: measured.
+            probe = self._measured_grouping(target_threads)
+            if probe.exact_group == 0 and asked is not None:
+                raise ConfigError(
+                    f"target_threads={asked}: on {target_threads} thread(s) this model's "
+                    f"engine computes other logits than on its own {own} "
+                    f"({probe.describe()}), so speculative decoding would not be "
+                    f"token-identical to plain decoding; leave target_threads out (the "
+                    f"model then keeps its {own} threads) or use another weight format")
+            if probe.exact_group == 0:
+                target_threads = own
+            else:
+                group = min(group, probe.exact_group)
+        method = AsyncSpeculativeDecoding(self.decoder, drafter, k=draft_k,
+                                          target_threads=target_threads, verify_group=group)
+        method.cost_store = cost_store(self, f"+async-{draft_threads}+{target_threads}")
+        method.reference_store = cost_store(self)
+        method.measure_reference(self._probe_tokens(1)[0])
+        return method
+
     def _build_speculative(self, draft, draft_k: int | None):
         from .decoding.speculative import SpeculativeDecoding
-        from .drafters.medusa import is_medusa_spec, medusa_drafter
+        from .drafters.medusa import medusa_drafter
 
-        if is_medusa_spec(draft):
+        if _draft_kind(draft) == "medusa":
             # Medusa heads draft a tree; draft_k fixes its node count.
             from .decoding.tree_speculative import TreeSpeculativeDecoding
 
@@ -233,23 +282,32 @@ class Model:
         settings, then kept in forerun's cache), applied to the decoder:
         speculative decoding cuts its verifications into groups of at most
         that size, so it stays token-identical to plain decoding."""
+        if self._grouping is None:
+            result = self._measured_grouping()
+            self.decoder.verify_group = result.exact_group
+            self._grouping = result
+        return self._grouping
+
+    def _measured_grouping(self, threads: int | None = None) -> "GroupingResult":
+        """The grouping probe's result for this model on this machine (kept
+        in forerun's cache): for verifications on ``threads`` threads
+        against plain decoding on the decoder's own count, when given."""
         from .calibration import CalibrationStore
         from .engines.grouping_probe import GroupingResult, exact_group_size
 
-        if self._grouping is None:
-            decoder = self.decoder
-            key = {"model": self.identity, **decoder.settings,
-                   "contexts": list(self._probe_contexts())}
-            store = CalibrationStore("grouping", key, label=f"{self.name}-{decoder.engine}")
-            result = store.load(GroupingResult.from_dict)
-            if result is None:
-                contexts = self._probe_contexts()
-                result = exact_group_size(decoder, self._probe_tokens(max(contexts) + 16),
-                                          contexts=contexts)
-                store.save(result.to_dict())
-            decoder.verify_group = result.exact_group
-            self._grouping = result
-        return self._grouping
+        decoder = self.decoder
+        key = {"model": self.identity, **decoder.settings,
+               "contexts": list(self._probe_contexts())}
+        if threads is not None:
+            key["verified_on_threads"] = threads
+        store = CalibrationStore("grouping", key, label=f"{self.name}-{decoder.engine}")
+        result = store.load(GroupingResult.from_dict)
+        if result is None:
+            contexts = self._probe_contexts()
+            result = exact_group_size(decoder, self._probe_tokens(max(contexts) + 16),
+                                      contexts=contexts, threads=threads)
+            store.save(result.to_dict())
+        return result
 
     def _probe_contexts(self) -> tuple[int, ...]:
         """Cached lengths the grouping probe runs at: a short prompt, and a
@@ -267,13 +325,20 @@ class Model:
         """A Drafter for ``draft``: 'ngram' (prompt lookup), a Drafter object,
         or a draft model (a Model, preset name or path)."""
         from .drafters.draft_model import DraftModelDrafter
-        from .errors import TokenizerError
 
-        if isinstance(draft, str) and draft == "ngram":
+        kind = _draft_kind(draft)
+        if kind == "ngram":
             from .drafters.ngram import NgramDrafter
             return NgramDrafter()
-        if hasattr(draft, "propose"):
+        if kind == "drafter":
             return draft
+        return DraftModelDrafter(self._draft_decoder(draft))
+
+    def _draft_decoder(self, draft):
+        """The decoder a draft model (a Model, preset name or path) drafts
+        with: its own, or a fork of this model's when it drafts for itself."""
+        from .errors import TokenizerError
+
         if not isinstance(draft, Model):
             # The draft runs on the target's engine (and, for torch, its dtype).
             # The draft runs on the target's engine, in its weight format.
@@ -294,8 +359,48 @@ class Model:
                 f"context_length")
         self.drafts.append(draft)   # keep the draft model alive with its method
         # A model drafting for itself needs a cache of its own.
-        decoder = draft.decoder.fork() if draft.decoder is self.decoder else draft.decoder
-        return DraftModelDrafter(decoder)
+        return draft.decoder.fork() if draft.decoder is self.decoder else draft.decoder
+
+
+def async_split(draft, draft_async, draft_threads, target_threads
+                ) -> tuple[int | None, int | None] | None:
+    """``(draft_threads, target_threads)`` for asynchronous drafting, ``None``
+    for synchronous: the checked ``draft_async``, ``draft_threads`` and
+    ``target_threads`` arguments of :meth:`Model.stream` for ``draft``; every
+    wrong combination is a GenerationConfigError."""
+    if not isinstance(draft_async, bool):
+        raise GenerationConfigError(f"draft_async must be True or False, got {draft_async!r}")
+    for name, value in (("draft_threads", draft_threads), ("target_threads", target_threads)):
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise GenerationConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not draft_async:
+            raise GenerationConfigError(f"{name} applies to asynchronous drafting: add "
+                                        f"draft_async=True (--draft-async)")
+    if not draft_async:
+        return None
+    if draft is None or _draft_kind(draft) != "model":
+        raise GenerationConfigError(
+            f"draft_async needs a draft model (a Model, preset or path sharing the "
+            f"tokenizer), got draft={draft!r}: prompt lookup and Medusa heads cost little "
+            f"to draft and have no model to run in a thread of its own")
+    return draft_threads, target_threads
+
+
+def _draft_kind(draft) -> str:
+    """What a ``draft=`` value names: ``"ngram"`` (prompt lookup),
+    ``"medusa"`` (heads, or a tree drafter), ``"drafter"`` (a Drafter
+    object) or ``"model"`` (a Model, preset name or path)."""
+    from .drafters.medusa import is_medusa_spec
+
+    if isinstance(draft, str) and draft == "ngram":
+        return "ngram"
+    if is_medusa_spec(draft):
+        return "medusa"
+    if hasattr(draft, "propose"):
+        return "drafter"
+    return "model"
 
 
 def cost_store(model: "Model", tag: str = "") -> "CalibrationStore":

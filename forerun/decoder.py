@@ -91,6 +91,23 @@ class Decoder(Protocol):
         values: the key of measurements kept per machine."""
         ...
 
+    @property
+    def threads(self) -> int:
+        """The CPU threads a forward runs on now (see :meth:`set_threads`)."""
+        ...
+
+    def set_threads(self, n: int) -> None:
+        """Run later forwards on ``n`` CPU threads (a positive integer, else
+        :class:`~forerun.errors.ConfigError`).  What a thread count belongs to
+        depends on the engine: on forerun's PyTorch engine it is the *calling
+        thread's* intra-op thread count (torch keeps one per OS thread under
+        OpenMP, shared by every torch operation of that thread), so call it
+        from the thread that feeds this decoder; on llama.cpp it is the
+        context's own count, whichever thread feeds it.  Numerics may depend
+        on the count on some kernels; the engines' exact verification groups
+        are measured at the count a model was loaded with."""
+        ...
+
     def feed(self, tokens: Sequence[int], *, last_only: bool = False,
              return_hidden: bool = False) -> ForwardOutput:
         """Append ``tokens`` at positions ``length .. length+T-1`` with causal

@@ -72,6 +72,11 @@ class ModelBusyError(ForerunError, RuntimeError):
     stream that was neither exhausted nor closed."""
 
 
+class DrafterError(ForerunError, RuntimeError):
+    """A drafter that failed in its own thread (asynchronous drafting); the
+    generation stopped, and the target and draft models stay usable."""
+
+
 class NonFiniteLogitsError(ForerunError, RuntimeError):
     """A model that produced NaN or infinite logits: corrupt weights, or an
     overflow in a reduced-precision dtype."""

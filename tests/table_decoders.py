@@ -88,6 +88,12 @@ class TableDecoder:
     def settings(self) -> dict:
         return {"engine": "table"}
 
+    # A table lookup runs on one thread, whatever it is told.
+    threads = 1
+
+    def set_threads(self, n: int) -> None:
+        pass
+
     # -- forward -----------------------------------------------------------
     def _check(self, tokens: Sequence[int], return_hidden: bool) -> list[int]:
         if return_hidden:

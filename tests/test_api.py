@@ -91,6 +91,9 @@ GENERATE_ARGS = {
     "draft": (st.sampled_from(["ngram", "draft"]),
               st.sampled_from(["medusa", "medusa:", "/nonexistent", "", "none"])),
     "draft_k": (st.integers(1, 16), st.integers(-1, 18)),
+    "draft_async": (st.booleans(), st.sampled_from([1, 0, "yes", None])),
+    "draft_threads": (st.integers(1, 2), st.integers(-1, 0)),
+    "target_threads": (st.integers(1, 2), st.integers(-1, 0)),
 }
 SOURCES = ("prompt", "messages", "prompt_ids")
 # Given unless hostile: the default max_new_tokens (256) overflows the
@@ -194,6 +197,9 @@ def test_load_succeeds_or_raises_forerun_errors(folders, tmp_path, monkeypatch, 
     ({"stop": [3]}, "stop strings"),
     ({"ignore_eos": 1}, "ignore_eos"),
     ({"draft": "ngram", "draft_k": True}, "draft_k"),
+    ({"draft": "ngram", "draft_async": True}, "draft_async needs a draft model"),
+    ({"draft_async": 1}, "draft_async must be True or False"),
+    ({"draft_threads": 1}, "add draft_async=True"),
     ({"messages": "hi", "prompt": None}, "messages must be a list"),
     ({"prompt": "bad \udcff byte"}, "not valid UTF-8"),
 ])

@@ -68,6 +68,10 @@ class BenchMethod:
     def close(self) -> None:
         """Free what :meth:`setup` loaded."""
 
+    def conclude(self, rows: Sequence[dict[str, Any]]) -> None:
+        """After the measured loop, with this method's rows: set :attr:`note`
+        to what the report should say about them (default: nothing)."""
+
 
 class BenchContext:
     """What the methods of one run share: the target model, where it came
@@ -132,10 +136,12 @@ class ForerunMethod(BenchMethod):
     """
 
     def __init__(self, name: str, *, draft: Any = None, draft_k: int | None = None,
-                 use_draft_model: bool = False, description: str = "") -> None:
+                 use_draft_model: bool = False, description: str = "",
+                 options: dict[str, Any] | None = None) -> None:
         self.name = name
         self.draft = draft
         self.draft_k = draft_k
+        self.options = dict(options or {})   # more keyword arguments of generate
         self.use_draft_model = use_draft_model
         self.description = description
         self.baseline = None if draft is None and not use_draft_model else "plain"
@@ -151,7 +157,7 @@ class ForerunMethod(BenchMethod):
             result = ctx.model.generate(prompt_ids=list(prompt_ids),
                                         max_new_tokens=max_new_tokens,
                                         temperature=temperature, seed=seed, draft=self._draft,
-                                        draft_k=self.draft_k)
+                                        draft_k=self.draft_k, **self.options)
         except ModelNotFoundError as exc:
             if isinstance(self._draft, str):
                 # Model.generate took the name for a draft model's path: this
@@ -165,7 +171,25 @@ class ForerunMethod(BenchMethod):
                  "decode_seconds": s.decode_seconds, "method": s.method}
         if s.rounds:
             stats.update(rounds=s.rounds, drafted=s.drafted, accepted=s.accepted)
+        if s.async_pays is not None:
+            stats.update(async_tokens_per_second=s.async_tokens_per_second,
+                         sync_tokens_per_second=s.sync_tokens_per_second)
         return MethodOutput(list(result.tokens), result.text, stats)
+
+    def conclude(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Asynchronous drafting: in how many generations it paid by its own
+        estimate (:attr:`GenerationStats.async_pays`)."""
+        turns = [t for r in rows for t in r["turns"] if "sync_tokens_per_second" in t]
+        if not turns:
+            return
+        paid = sum(t["async_tokens_per_second"] > t["sync_tokens_per_second"] for t in turns)
+        mean_async = sum(t["async_tokens_per_second"] for t in turns) / len(turns)
+        mean_sync = sum(t["sync_tokens_per_second"] for t in turns) / len(turns)
+        self.note = (f"asynchronous drafting paid in {paid} of {len(turns)} generations by its "
+                     f"own estimate: {mean_async:.2f} tokens/s over waiting and verifying "
+                     f"(mean), against {mean_sync:.2f} estimated for synchronous drafting "
+                     f"from this machine's measured costs"
+                     + ("" if paid else "; it does not pay here"))
 
 
 # -- the registry ------------------------------------------------------------
@@ -248,6 +272,26 @@ register_method("draft", lambda: ForerunMethod("draft", use_draft_model=True,
                 "speculative decoding with the draft model, adaptive draft length")
 register_pattern(r"draft-k(\d+)", _draft_k, "draft-kN",
                  "speculative decoding with the draft model, draft length fixed at N")
+def _draft_async(match: re.Match) -> BenchMethod:
+    k, draft_threads, target_threads = (int(g) if g else None for g in match.groups())
+    if k is not None and not 1 <= k <= 16:
+        raise BenchError(f"{match.group(0)}: the draft length must lie in 1..16")
+    if 0 in (draft_threads, target_threads):
+        raise BenchError(f"{match.group(0)}: thread counts must be positive")
+    split = (f"draft on {draft_threads} thread(s), model on {target_threads}"
+             if draft_threads else "default thread split")
+    length = f"draft length {k}" if k else "adaptive length"
+    return ForerunMethod(match.group(0), use_draft_model=True, draft_k=k,
+                         options={"draft_async": True, "draft_threads": draft_threads,
+                                  "target_threads": target_threads},
+                         description=f"draft model in its own thread, {length}, {split}")
+
+
+register_pattern(r"draft-async(?:-k(\d+))?(?:-(\d+)\+(\d+))?", _draft_async,
+                 "draft-async[-kN][-D+T]",
+                 "asynchronous drafting: the draft model drafts in its own thread while the "
+                 "model verifies; -kN fixes the draft length, -D+T the draft's and the "
+                 "model's CPU threads (default: 1 and the rest)")
 register_method("ngram", lambda: ForerunMethod("ngram", draft="ngram",
                                                description="prompt lookup, adaptive length"),
                 "prompt-lookup (n-gram) speculation: Model.generate(draft='ngram')")

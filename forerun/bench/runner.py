@@ -296,6 +296,9 @@ def run_bench(settings: BenchSettings, *, model=None, draft=None,
         progress.close()
         for m in methods:
             m.close()
+    for m in active:
+        m.conclude([r for r in rows if r["method"] == m.name])
+        status[m.name]["note"] = m.note
 
     for m in active:
         ok = [r for r in rows if r["method"] == m.name and r["status"] == "ok"]
@@ -380,7 +383,8 @@ def _run_prompt(ctx: BenchContext, methods: Sequence[BenchMethod], prompt: Promp
             wall = time.perf_counter() - start
             turn_row = {"prompt_tokens": len(ids), "new_tokens": len(out.tokens),
                         "wall_seconds": wall, "tokens": list(out.tokens)}
-            for key in ("prefill_seconds", "decode_seconds", "rounds", "drafted", "accepted"):
+            for key in ("prefill_seconds", "decode_seconds", "rounds", "drafted", "accepted",
+                        "async_tokens_per_second", "sync_tokens_per_second"):
                 if key in out.stats:
                     turn_row[key] = out.stats[key]
             row["turns"].append(turn_row)

@@ -37,6 +37,17 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="fixed draft length (default: chosen every round from measured costs)")
 
 
+def _add_async_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-async", action="store_true",
+                   help="run the draft model in a thread of its own, drafting ahead while "
+                        "the model verifies (same output; --stats says whether it paid)")
+    p.add_argument("--draft-threads", type=int, default=None,
+                   help="with --draft-async: the draft model's CPU threads (default 1)")
+    p.add_argument("--target-threads", type=int, default=None,
+                   help="with --draft-async: the model's CPU threads while the draft runs "
+                        "beside it (default: its own count less the draft's, at least 1)")
+
+
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", "-n", type=int, default=256)
     p.add_argument("--temperature", "-t", type=float, default=0.0,
@@ -59,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt ('-' reads it from standard input)")
     _add_model_options(gen)
     _add_sampling_options(gen)
+    _add_async_options(gen)
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is, without the chat template")
     gen.add_argument("--system", default=None, help="a system message for the chat template")
@@ -92,7 +104,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ..api import load
+    from ..api import async_split, load
     from ..loading.presets import DEFAULT_MODEL
 
     from ..generation.params import GenerationParams
@@ -107,10 +119,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.model is not None and not args.model.strip():
         raise ForerunError("--model is empty; give a preset, a .gguf file or a Hugging Face "
                            "folder, or leave --model out for the default")
+    draft = resolve_draft_option(args)
+    async_split(draft, args.draft_async, args.draft_threads, args.target_threads)
     model = load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
                  context_length=args.context_length, device=args.device,
                  progress=not args.quiet)
-    draft = resolve_draft_option(args)
     if args.raw:
         if args.system is not None:
             raise ForerunError("--system needs the chat template; drop --raw or --system")
@@ -123,7 +136,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stream = model.stream(**source, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, seed=args.seed, stop=args.stop, draft=draft,
-                          draft_k=args.draft_k)
+                          draft_k=args.draft_k, draft_async=args.draft_async,
+                          draft_threads=args.draft_threads,
+                          target_threads=args.target_threads)
     for delta in stream:
         if not args.json:
             sys.stdout.write(delta)
@@ -192,6 +207,8 @@ def print_stats(result, out) -> None:
                   f"accepted-length histogram: {hist}",
                   f"time: drafting {s.draft_seconds:.3f} s, verifying {s.verify_seconds:.3f} s, "
                   f"other {s.other_seconds:.3f} s"]
+        if s.asynchronous:
+            lines += _async_lines(s)
         if s.verify_group == 1:
             lines.append("verification: one position per forward (no grouping of positions "
                          "is exact on this machine's kernels; speculative decoding stays "
@@ -200,6 +217,26 @@ def print_stats(result, out) -> None:
             lines.append(f"verification: up to {s.verify_group} positions per forward "
                          f"(the largest exact group measured on this machine)")
     out.write("\n".join(lines) + "\n")
+
+
+def _async_lines(s) -> list[str]:
+    """What --stats says about asynchronous drafting: the split, the
+    overlap, the discarded drafts, and whether it paid."""
+    hidden = s.overlap_seconds / s.drafter_seconds if s.drafter_seconds > 0 else 0.0
+    lines = [f"asynchronous drafting: draft on {s.draft_threads} thread(s), model on "
+             f"{s.target_threads}; the drafter drafted for {s.drafter_seconds:.3f} s, "
+             f"{s.overlap_seconds:.3f} s of it hidden behind verification ({hidden:.0%}); "
+             f"the model waited {s.wait_seconds:.3f} s for proposals; {s.discarded} drafted "
+             f"tokens discarded (drafted from a rejected context)"]
+    if s.async_pays is not None:
+        plan = (f"synchronous drafting with k={s.sync_draft_length}" if s.sync_draft_length
+                else "plain decoding")
+        verdict = "pays" if s.async_pays else "does not pay"
+        lines.append(f"asynchronous drafting {verdict} on this machine: "
+                     f"{s.async_tokens_per_second:.2f} tokens/s over waiting and verifying, "
+                     f"against {s.sync_tokens_per_second:.2f} estimated for {plan} from "
+                     f"this machine's measured costs")
+    return lines
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -113,6 +113,7 @@ class SpeculativeDecoding(DraftAndVerify):
             target.rollback(base + 1 + n)
             committed = tokens[:n] + [extra]
             sequence.extend(committed)
+            drafter.observe(sequence, n)
             stats.record_round(drafted=len(tokens), accepted=n, draft_seconds=t1 - t0,
                                verify_seconds=t2 - t1)
             if tokens:

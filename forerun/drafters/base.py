@@ -39,6 +39,14 @@ class Drafter(Protocol):
         distribution is processed like the target's) and returns it."""
         ...
 
+    def observe(self, sequence: Sequence[int], accepted: int) -> None:
+        """The verifier's answer to the last :meth:`propose`: its first
+        ``accepted`` tokens were kept, and ``sequence`` is the committed
+        sequence now (ending with the target's own token).  Called after
+        every round, also after a round that drafted nothing (``accepted``
+        is then 0)."""
+        ...
+
     def settle(self, length: int) -> None:
         """Keep at most ``length`` committed positions of internal state."""
         ...

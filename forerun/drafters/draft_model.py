@@ -83,6 +83,9 @@ class DraftModelDrafter:
                               else 0.8 * self._step_ema + 0.2 * elapsed)
         return Draft(tokens, torch.stack(rows) if rows else None)
 
+    def observe(self, sequence: Sequence[int], accepted: int) -> None:
+        """Nothing to do: the next :meth:`propose` brings the sequence."""
+
     def settle(self, length: int) -> None:
         # Only the sequence seen at the last proposal is known to be
         # committed; anything fed after it is a draft that may have been

@@ -86,6 +86,9 @@ class NgramDrafter:
         self._lookup_seconds = time.perf_counter() - start
         return Draft(tokens, None)
 
+    def observe(self, sequence: Sequence[int], accepted: int) -> None:
+        """Nothing to do: the next :meth:`propose` indexes the sequence."""
+
     def settle(self, length: int) -> None:
         pass  # the index only holds committed tokens; begin() resets it
 

@@ -14,6 +14,13 @@ a long context.  Verifications are then cut into forwards of at most ``g``
 positions (the engine's ``verify_group``), which keeps speculative decoding
 exact by construction; ``g == 1`` means no grouping is exact and
 verification costs one forward per position.
+
+The same probe answers whether a verification may run on another thread
+count than plain decoding (asynchronous drafting gives the target part of
+the cores): with ``threads``, the groups are computed, prompt included, on
+that many threads and compared with one-by-one forwards on the decoder's
+own count.  Some kernels (torch's float32 GEMM) round differently on
+another count, and then no group, not even one position, is exact.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ MAX_GROUP = 16
 
 @dataclass(frozen=True)
 class GroupingResult:
-    """``exact_group``: the largest exact group size (1: none above one).
+    """``exact_group``: the largest exact group size (1: none above one; 0:
+    not even one position, for a probe of another thread count).
     ``first_inexact``: the smallest group size that differed (``None`` if
     every size up to ``max_group`` was exact), and ``max_difference``: the
     largest logit difference it gave.  ``contexts``: the cached lengths
@@ -58,13 +66,17 @@ class GroupingResult:
             contexts = tuple(d["contexts"])
             ints = [exact, top, *contexts] + ([] if first is None else [first])
             assert all(isinstance(v, int) and not isinstance(v, bool) for v in ints)
-            assert 1 <= exact <= top and (first is None or exact < first <= top)
+            assert 0 <= exact <= top and (first is None or exact < first <= top)
+            assert exact >= 1 or first == 1     # 0: one position already differed
             assert isinstance(diff, (int, float)) and diff == diff and diff >= 0
             return cls(exact, top, first, float(diff), contexts)
         except (AssertionError, KeyError, TypeError):
             return None
 
     def describe(self) -> str:
+        if self.exact_group == 0:
+            return (f"this thread count changes the logits (by up to "
+                    f"{self.max_difference:.3g}): no verification on it is exact")
         if self.exact_group == 1:
             return ("no grouping of verified positions is exact on this machine: each "
                     "position is verified in a forward of its own (exact, but speculative "
@@ -91,14 +103,19 @@ def _group_matches(decoder, base: int, tokens: Sequence[int], reference: torch.T
 
 
 def exact_group_size(decoder, tokens: Sequence[int], *, contexts: Sequence[int],
-                     max_group: int = MAX_GROUP) -> GroupingResult:
+                     max_group: int = MAX_GROUP, threads: int | None = None
+                     ) -> GroupingResult:
     """Measure the largest exact verification group of ``decoder``.
 
     ``tokens``: real token ids, at least ``max(contexts) + max_group`` of them.
     ``contexts``: cached lengths to probe at (each is prefilled with one
     ``last_only`` feed of ``tokens[:c]``, as a generation prefills its
-    prompt).  The decoder's ``verify_group`` is lifted while probing and
-    restored afterwards; its cache is reset.
+    prompt).  ``threads``: compute the prefill and the groups on this many
+    threads (:meth:`~forerun.decoder.Decoder.set_threads`, from the calling
+    thread), the one-by-one reference on the decoder's current count; groups
+    of one position are then probed too.  The decoder's ``verify_group`` is
+    lifted while probing and restored afterwards, as is its thread count;
+    its cache is reset.
     """
     contexts = tuple(sorted({int(c) for c in contexts if c > 0}))
     room = decoder.context_length
@@ -106,7 +123,7 @@ def exact_group_size(decoder, tokens: Sequence[int], *, contexts: Sequence[int],
     if len(tokens) < max(contexts) + max_group:
         raise ValueError(f"the probe needs {max(contexts) + max_group} tokens, "
                          f"got {len(tokens)}")
-    saved = decoder.verify_group
+    saved, own_threads = decoder.verify_group, decoder.threads
     decoder.verify_group = None
     exact = max_group
     first_bad: int | None = None
@@ -117,14 +134,24 @@ def exact_group_size(decoder, tokens: Sequence[int], *, contexts: Sequence[int],
             decoder.feed(list(tokens[:c]), last_only=True)
             probe = tokens[c:c + max_group]
             reference = torch.cat([decoder.feed([t]).logits for t in probe])
-            for size in range(2, exact + 1):
+            if threads is not None:
+                decoder.set_threads(threads)
+                decoder.reset()
+                decoder.feed(list(tokens[:c]), last_only=True)
+            for size in range(1 if threads is not None else 2, exact + 1):
                 diff = _group_matches(decoder, c, probe, reference, size)
                 if diff:
                     exact = size - 1
                     if first_bad is None or size <= first_bad:
                         first_bad, worst = size, diff
                     break
+            if threads is not None:
+                decoder.set_threads(own_threads)
+            if exact == 0:
+                break
     finally:
         decoder.verify_group = saved
+        if decoder.threads != own_threads:
+            decoder.set_threads(own_threads)
         decoder.reset()
     return GroupingResult(exact, max_group, first_bad, worst, contexts)

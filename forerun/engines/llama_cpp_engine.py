@@ -357,6 +357,22 @@ class LlamaCppDecoder:
                 "extra_buffers": self._model.extra_buffers,
                 "llama_cpp": getattr(self._lc, "__version__", "?"), **options}
 
+    @property
+    def threads(self) -> int:
+        """The context's thread count for a forward (``n_threads``)."""
+        return self.options["n_threads"]
+
+    def set_threads(self, n: int) -> None:
+        """Set the context's ``n_threads`` and ``n_threads_batch`` to ``n``
+        (``llama_set_n_threads``), whichever thread feeds it.  llama.cpp
+        gives each calling thread its own OpenMP team, so two decoders fed
+        from two threads run side by side on their own counts."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"a thread count must be a positive integer, got {n!r}")
+        self._check_open()
+        self._lc.llama_set_n_threads(self._ctx, n, n)
+        self.options.update(n_threads=n, n_threads_batch=n)
+
     # -- forward -----------------------------------------------------------
     def _tokens(self, tokens: Sequence[int] | torch.Tensor) -> np.ndarray:
         self._check_open()

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from ..decoder import ForwardOutput
-from ..errors import CacheStateError, ContextLengthError, InvalidTokenError
+from ..errors import CacheStateError, ConfigError, ContextLengthError, InvalidTokenError
 from ..kv_cache import KVCache
 from .transformer import Transformer
 
@@ -18,6 +18,11 @@ from .transformer import Transformer
 # block runs the matrix kernels at full speed, small enough that a chat turn
 # reuses most of the previous prompt.
 PREFILL_BLOCK = 128
+
+
+def _check_threads(n) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"a thread count must be a positive integer, got {n!r}")
 
 
 class TorchDecoder:
@@ -81,6 +86,20 @@ class TorchDecoder:
                 "dtype": str(self.model.dtype).removeprefix("torch."),
                 "weights": self.model.weights_format,
                 "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+    @property
+    def threads(self) -> int:
+        """The calling thread's torch intra-op thread count."""
+        return torch.get_num_threads()
+
+    def set_threads(self, n: int) -> None:
+        """``torch.set_num_threads(n)`` for the calling thread.  Under
+        OpenMP (torch's CPU backend) the count is per OS thread: another
+        thread keeps its own.  torch also makes ``n`` the count that threads
+        which have not run a parallel operation yet start with, so a caller
+        that sets it temporarily sets it back when done."""
+        _check_threads(n)
+        torch.set_num_threads(n)
 
     # -- forward -----------------------------------------------------------
     def _tokens(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:

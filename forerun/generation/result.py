@@ -6,6 +6,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FINISH_REASONS = ("stop", "length", "cancelled")
+# The statistics only asynchronous drafting has.
+ASYNC_FIELDS = ("draft_threads", "target_threads", "wait_seconds", "drafter_seconds",
+                "overlap_seconds", "discarded", "async_tokens_per_second",
+                "sync_tokens_per_second", "sync_draft_length")
 
 
 @dataclass
@@ -34,6 +38,24 @@ class GenerationStats:
     # The most positions the target verified per forward (its engine's
     # measured exact group; None: not limited).
     verify_group: int | None = None
+    # Asynchronous drafting (draft_async=True; None or zero otherwise): the
+    # thread split; the time the verifier waited for proposals (for this
+    # method also counted as draft_seconds); the drafter thread's time on
+    # draft steps, and the part of it hidden behind verification
+    # (drafter_seconds - wait_seconds); drafted tokens dropped unverified
+    # because their context was rejected.  The verdict: tokens per second
+    # over waiting and verifying, against the best synchronous drafting
+    # would reach at the same acceptance by this machine's measured costs
+    # (sync_draft_length 0: plain steps).
+    draft_threads: int | None = None
+    target_threads: int | None = None
+    wait_seconds: float = 0.0
+    drafter_seconds: float = 0.0
+    overlap_seconds: float = 0.0
+    discarded: int = 0
+    async_tokens_per_second: float | None = None
+    sync_tokens_per_second: float | None = None
+    sync_draft_length: int | None = None
 
     def record_round(self, *, drafted: int, accepted: int, draft_seconds: float,
                      verify_seconds: float) -> None:
@@ -66,6 +88,19 @@ class GenerationStats:
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
     @property
+    def asynchronous(self) -> bool:
+        """Whether the draft model drafted in a thread of its own."""
+        return self.target_threads is not None
+
+    @property
+    def async_pays(self) -> bool | None:
+        """Whether asynchronous drafting beat the synchronous estimate
+        (``None``: not asynchronous, or nothing measured)."""
+        if self.async_tokens_per_second is None or self.sync_tokens_per_second is None:
+            return None
+        return self.async_tokens_per_second > self.sync_tokens_per_second
+
+    @property
     def other_seconds(self) -> float:
         return max(0.0, self.prefill_seconds + self.decode_seconds
                    - self.draft_seconds - self.verify_seconds)
@@ -82,6 +117,11 @@ class GenerationStats:
         else:
             for key in ("rounds", "drafted", "accepted", "accepted_histogram",
                         "draft_seconds", "verify_seconds", "verify_group"):
+                d.pop(key)
+        if self.asynchronous:
+            d["async_pays"] = self.async_pays
+        else:
+            for key in ASYNC_FIELDS:
                 d.pop(key)
         return d
 

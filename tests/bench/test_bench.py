@@ -126,6 +126,22 @@ def test_speculative_methods_match_plain(tiny):
     assert set(overall["draft"]["categories"]) == {"qa", "chat"}
 
 
+def test_asynchronous_drafting_methods_match_plain_and_say_whether_they_paid(tiny):
+    report = bench(tiny, methods=("plain", "draft-async", "draft-async-k2-1+1"))
+    assert all(i["status"] == "ok" for i in report.methods.values())
+    assert not report.mismatches()
+    for name in ("draft-async", "draft-async-k2-1+1"):
+        rows = rows_of(report, name)
+        assert rows and all(r["status"] == "ok" and r["mismatch"] is False for r in rows)
+        note = report.methods[name]["note"]
+        assert note.startswith("asynchronous drafting paid in ")
+        assert f"of {sum(len(r['turns']) for r in rows)} generations" in note
+    assert "1 thread(s)" in report.methods["draft-async-k2-1+1"]["description"]
+    for bad, message in (("draft-async-k0", "draft length"), ("draft-async-0+1", "positive")):
+        with pytest.raises(BenchError, match=message):
+            settings(methods=(bad,)).validate()
+
+
 def test_greedy_runs_are_reproducible(tiny):
     """A second greedy run gives every row the same tokens, turn by turn."""
     def tokens(report):

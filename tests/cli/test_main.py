@@ -74,3 +74,28 @@ def test_prompt_longer_than_context_is_a_clean_error(preset_gguf):
                    "a very long prompt " * 10)
     assert proc.returncode == 1
     assert "context holds 8" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft", "x", "--draft-threads", "1"], "draft_threads applies to asynchronous drafting"),
+    (["--draft", "x", "--target-threads", "2"], "target_threads applies to asynchronous"),
+    (["--draft", "ngram", "--draft-async"], "draft_async needs a draft model"),
+    (["--draft", "none", "--draft-async"], "draft_async needs a draft model"),
+    (["--draft", "x", "--draft-async", "--draft-threads", "0"], "draft_threads must be a positive"),
+])
+def test_async_options_are_checked_before_loading(args, message, capsys):
+    assert main(["generate", "--model", "/nonexistent", *args, "hi"]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "neither a preset" not in err
+
+
+@pytest.mark.real_model
+def test_generate_with_asynchronous_drafting_says_whether_it_paid(preset_gguf, capsys):
+    preset_gguf("smollm2-135m")
+    assert main(["generate", "-m", "smollm2-135m", "-d", "smollm2-135m", "--draft-async",
+                 "--draft-k", "2", "-n", "8", "--raw", "--stats", "-q", "--weights", "q8",
+                 "The capital of France is"]) == 0
+    err = capsys.readouterr().err
+    assert "method: draft-async" in err
+    assert "asynchronous drafting: draft on 1 thread(s)" in err
+    assert "asynchronous drafting pays" in err or "asynchronous drafting does not pay" in err

@@ -263,6 +263,9 @@ class FixedRuleDrafter:
             last, pos = token, pos + 1
         return Draft(tokens, None)
 
+    def observe(self, sequence, accepted):
+        pass
+
     def settle(self, length):
         pass
 

@@ -584,3 +584,23 @@ def test_speculative_is_lossless_past_256_positions_with_threads(llama_model):
                              draft=draft, draft_k=k)
         assert_same_tokens(model, ids, plain.tokens, out.tokens, f"draft {draft}, k={k}")
         assert out.stats.drafted > 0
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@needs_llama_cpp
+def test_asynchronous_drafting_is_lossless_on_a_thread_each(llama_model):
+    """The 1.5B verifies on one thread while the 0.5B drafts on the other
+    (the default split of two): greedy output is plain decoding's on two
+    threads, and both models have their two threads back afterwards."""
+    target, draft = llama_model("qwen2.5-coder-1.5b"), llama_model("qwen2.5-coder-0.5b")
+    for text in SD_PROMPTS[:2]:
+        ids = chat(target, text)
+        plain = target.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS)
+        for k in (3, None):
+            out = target.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, draft=draft,
+                                  draft_k=k, draft_async=True)
+            assert_same_tokens(target, ids, plain.tokens, out.tokens,
+                               f"asynchronous 1.5B + 0.5B, k={k}, on {text[:30]!r}")
+            assert (out.stats.draft_threads, out.stats.target_threads) == (1, 1)
+    assert target.decoder.threads == draft.decoder.threads == THREADS

@@ -70,6 +70,23 @@ def test_draft_model_greedy_is_lossless(pair):
 
 
 @pytest.mark.slow
+def test_asynchronous_draft_model_greedy_is_lossless(pair):
+    """The draft drafting in its own thread: plain decoding's tokens."""
+    import threading
+
+    target, draft = pair
+    for text in CHAT_PROMPTS[:2]:
+        ids = target.encode_prompt(messages=messages(text))
+        plain = target.generate(prompt_ids=ids, max_new_tokens=32)
+        for k in (3, None):
+            out = target.generate(prompt_ids=ids, max_new_tokens=32, draft=draft, draft_k=k,
+                                  draft_async=True)
+            assert_identical(target, ids, plain, out, f"async k={k} on {text[:30]!r}")
+            assert out.stats.asynchronous and out.stats.accepted <= out.stats.drafted
+    assert not [t for t in threading.enumerate() if t.name == "forerun-drafter"]
+
+
+@pytest.mark.slow
 def test_draft_model_agrees_often_on_code(pair):
     """Not a speed claim: the pair really is a draft/target pair."""
     target, draft = pair
