@@ -76,7 +76,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import forerun
-    from forerun.engines.llama_cpp_engine import DEFAULT_BATCH, reference_llama
+    from forerun.bench.llama_cpp_reference import reference_llama
+    from forerun.engines.llama_cpp_engine import DEFAULT_BATCH
     from forerun.loading.load import resolve_spec
 
     threads = args.threads or torch.get_num_threads()

@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 # first use, so that `forerun` on the command line can answer Ctrl-C (and
 # --help) cleanly while it starts.
 _LAZY = {"load": "api", "Model": "api", "GenerationStream": "api",
-         "GenerationResult": "generation.result", "GenerationStats": "generation.result"}
+         "GenerationResult": "generation.result", "GenerationStats": "stats"}
 
 
 def __getattr__(name: str):

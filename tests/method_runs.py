@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from forerun.generation.result import GenerationStats
+from forerun.stats import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 
 

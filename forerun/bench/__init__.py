@@ -13,15 +13,18 @@ Python use::
     write_reports(report, "bench-out/x")
 
 New methods plug in with one :func:`register_method` entry (see
-:mod:`forerun.bench.methods`).
+:mod:`forerun.bench.registry`).
 """
 
+from . import methods, peers  # noqa: F401  (they register their methods)
 from .errors import BenchError, MethodUnavailable
-from .methods import (BenchMethod, ForerunMethod, MethodOutput, available_methods,
-                      make_method, register_method, register_pattern)
+from .method import BenchMethod, MethodOutput
+from .methods import ForerunMethod
 from .prompts import DEFAULT_PROMPTS, Prompt, load_prompts, select_prompts
+from .registry import available_methods, make_method, register_method, register_pattern
 from .report import print_report, write_reports
-from .runner import BenchReport, BenchSettings, run_bench
+from .runner import BenchSettings, run_bench
+from .summary import BenchReport
 
 __all__ = [
     "BenchError", "BenchMethod", "BenchReport", "BenchSettings", "DEFAULT_PROMPTS",

@@ -102,7 +102,7 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from .methods import available_methods
+    from .registry import available_methods
     from .prompts import load_prompts, select_prompts
     from .report import print_report, write_reports
     from .runner import run_bench

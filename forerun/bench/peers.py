@@ -18,7 +18,8 @@ import importlib
 from typing import Sequence
 
 from .errors import MethodUnavailable
-from .methods import PEER_GROUPS, BenchContext, BenchMethod, MethodOutput, register_method
+from .method import BenchContext, BenchMethod, MethodOutput
+from .registry import PEER_GROUPS, register_method
 
 
 def _require(module: str, package: str, flag: str):
@@ -117,7 +118,7 @@ class LlamaCppMethod(BenchMethod):
     loop over ``Llama.generate``.
 
     It is set up exactly like forerun's llama.cpp engine
-    (:func:`~forerun.engines.llama_cpp_engine.reference_llama`): the same
+    (:func:`~forerun.bench.llama_cpp_reference.reference_llama`): the same
     threads, micro-batch size, flash attention and weight buffers, so that
     with ``--engine llama.cpp`` the two rows differ only by forerun's
     protocol and decoding loop.  When the run's model is on the torch engine,
@@ -136,7 +137,8 @@ class LlamaCppMethod(BenchMethod):
 
     def setup(self, ctx: BenchContext) -> None:
         _require("llama_cpp", "llama-cpp-python", "--peer-llama-cpp")
-        from ..engines.llama_cpp_engine import CACHE_TYPES, reference_llama
+        from ..engines.llama_cpp_engine import CACHE_TYPES
+        from .llama_cpp_reference import reference_llama
 
         path = ctx.source_file("model")
         if path.is_dir() or path.suffix.lower() != ".gguf":

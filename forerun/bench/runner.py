@@ -15,17 +15,17 @@ import platform
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import ForerunError
+from ..stats import acceptance_rate, mean_accepted_tokens
 from .errors import BenchError, MethodUnavailable
-from .methods import PEER_GROUPS, BenchContext, BenchMethod, make_method
+from .method import BenchContext, BenchMethod
 from .prompts import Prompt, categories_of, load_prompts, select_prompts
-
-PLAIN = "plain"
-
+from .registry import PEER_GROUPS, make_method
+from .summary import PLAIN, BenchReport, summarize
 
 @dataclass
 class BenchSettings:
@@ -78,26 +78,6 @@ class BenchSettings:
             raise BenchError(f"context_length must be positive, got {self.context_length}")
         for name in self.method_names():
             make_method(name)   # raises on unknown names
-
-
-@dataclass
-class BenchReport:
-    """Everything a run measured; :mod:`forerun.bench.report` renders it."""
-
-    settings: dict[str, Any]
-    machine: dict[str, Any]
-    methods: dict[str, dict[str, Any]]      # name -> status, message, engine, ...
-    categories: list[str]
-    rows: list[dict[str, Any]]              # one per temperature x prompt x method
-    summary: dict[str, Any] = field(default_factory=dict)
-    notes: dict[str, str] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def mismatches(self) -> list[dict[str, Any]]:
-        """Rows whose greedy tokens differ from their engine's plain decoding."""
-        return [r for r in self.rows if r.get("mismatch")]
 
 
 NOTES = {
@@ -322,8 +302,6 @@ def run_bench(settings: BenchSettings, *, model=None, draft=None,
         machine["llama_cpp_python"] = _package_version("llama-cpp-python")
     report = BenchReport(settings=settings_dict, machine=machine, methods=status,
                          categories=categories_of(prompts), rows=rows, notes=dict(NOTES))
-    from .report import summarize
-
     report.summary = summarize(report)
     return report
 
@@ -437,8 +415,8 @@ def _finish_row(row: dict[str, Any]) -> None:
     drafted = sum(t.get("drafted", 0) for t in turns)
     accepted = sum(t.get("accepted", 0) for t in turns)
     row["rounds"], row["drafted"], row["accepted"] = rounds, drafted, accepted
-    row["mean_accepted_tokens"] = (accepted + rounds) / rounds if rounds else None
-    row["acceptance_rate"] = accepted / drafted if drafted else None
+    row["mean_accepted_tokens"] = mean_accepted_tokens(accepted, rounds)
+    row["acceptance_rate"] = acceptance_rate(accepted, drafted)
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

@@ -34,7 +34,7 @@ from typing import Iterator
 
 from ..decoder import Decoder
 from ..drafters.async_draft import AsyncDraftModelDrafter
-from ..generation.result import GenerationStats
+from ..stats import GenerationStats
 from ..sampling import TokenSampler
 from .draft_length import VerifyCosts, best_draft_length, expected_tokens
 from .speculative import SpeculativeDecoding

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, Protocol
 
 from ..decoder import Decoder
-from ..generation.result import GenerationStats
+from ..stats import GenerationStats
 from ..sampling import TokenSampler
 
 

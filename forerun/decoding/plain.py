@@ -7,7 +7,7 @@ import time
 from typing import Iterator
 
 from ..decoder import Decoder
-from ..generation.result import GenerationStats
+from ..stats import GenerationStats
 from ..sampling import TokenSampler
 from .finite import finite
 from .prefill import prefill

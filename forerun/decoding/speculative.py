@@ -18,7 +18,7 @@ import torch
 from ..decoder import Decoder
 from ..drafters.base import Drafter
 from ..errors import ConfigError
-from ..generation.result import GenerationStats
+from ..stats import GenerationStats
 from ..sampling import TokenSampler
 from .acceptance import accept_greedy, accept_sampled
 from .base import DraftAndVerify

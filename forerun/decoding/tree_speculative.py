@@ -37,7 +37,7 @@ import torch
 
 from ..decoder import Decoder
 from ..errors import ConfigError
-from ..generation.result import GenerationStats
+from ..stats import GenerationStats
 from ..sampling import TokenSampler
 from .base import DraftAndVerify
 from .finite import finite

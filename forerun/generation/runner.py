@@ -13,7 +13,8 @@ from ..errors import ContextLengthError, GenerationConfigError
 from ..sampling import TokenSampler
 from .output import Output
 from .params import GenerationParams
-from .result import GenerationResult, GenerationStats
+from ..stats import GenerationStats
+from .result import GenerationResult
 
 CancelCheck = Callable[[], bool]
 

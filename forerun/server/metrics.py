@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..generation.result import GenerationResult
+from ..stats import acceptance_rate
 
 
 class Metrics:
@@ -75,7 +76,7 @@ class Metrics:
             self.accepted.inc(s.accepted)
             self._drafted += s.drafted
             self._accepted += s.accepted
-            self.acceptance_rate.set(self._accepted / self._drafted)
+            self.acceptance_rate.set(acceptance_rate(self._accepted, self._drafted))
         if ttft is not None:
             self.ttft.observe(ttft)
 

@@ -57,7 +57,7 @@ def prompt_file(tmp_path):
 def registry(monkeypatch):
     """A private copy of the method registry: methods registered in a test
     vanish after it."""
-    from forerun.bench import methods
+    from forerun.bench import registry
 
-    monkeypatch.setattr(methods, "REGISTRY", dict(methods.REGISTRY))
-    return methods.register_method
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    return registry.register_method

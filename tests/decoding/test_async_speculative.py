@@ -30,7 +30,7 @@ from forerun.decoding.async_speculative import AsyncSpeculativeDecoding
 from forerun.drafters import async_draft as async_module
 from forerun.drafters.async_draft import AsyncDraftModelDrafter
 from forerun.errors import DrafterError
-from forerun.generation.result import GenerationStats
+from forerun.stats import GenerationStats
 
 from decoding.test_speculative_greedy import PROMPTS, N_NEW, decoder, generate, reference
 from decoding.test_speculative_sampling import (DRAFTS, TARGET, TEMPERATURE, TOP_P,

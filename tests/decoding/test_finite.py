@@ -21,7 +21,7 @@ from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.ngram import NgramDrafter
 from forerun.errors import ForerunError, NonFiniteLogitsError
-from forerun.generation.result import GenerationStats
+from forerun.stats import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 from tiny_models import forerun_decoder, hf_model, tiny_tokenizer_json
 

@@ -13,7 +13,7 @@ from forerun.decoding.tree import TreeShape
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.ngram import NgramDrafter
 from forerun.errors import CacheStateError
-from forerun.generation.result import GenerationStats
+from forerun.stats import GenerationStats
 from forerun.prefix_reuse import PrefixReuse, reusable_length
 from forerun.sampling import SamplingParams, TokenSampler
 from method_runs import FeedLog, run_method

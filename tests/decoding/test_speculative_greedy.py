@@ -12,7 +12,7 @@ from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.errors import ContextLengthError
-from forerun.generation.result import GenerationStats
+from forerun.stats import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 
 from method_runs import FeedLog

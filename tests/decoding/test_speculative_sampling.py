@@ -21,7 +21,7 @@ from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.drafters.base import Draft
 from forerun.drafters.draft_model import DraftModelDrafter
-from forerun.generation.result import GenerationStats
+from forerun.stats import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 
 from method_runs import run_method

@@ -13,7 +13,7 @@ from forerun.decoding.tree import (RankAcceptance, TreePolicy, TreeShape, grow_t
 from forerun.decoding.tree_acceptance import accept_tree_greedy
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.errors import ConfigError
-from forerun.generation.result import GenerationStats
+from forerun.stats import GenerationStats
 
 from method_runs import FeedLog, greedy_tokens
 from tiny_models import VOCAB, forerun_decoder, hf_model

@@ -19,7 +19,7 @@ import torch
 from forerun.decoding import tree_speculative as tree_module
 from forerun.decoding.tree import TreeShape
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
-from forerun.generation.result import GenerationStats
+from forerun.stats import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 
 from method_runs import run_method

@@ -14,7 +14,7 @@ from forerun.decoding.async_speculative import AsyncSpeculativeDecoding
 from forerun.decoding.plain import PlainDecoding
 from forerun.drafters.async_draft import AsyncDraftModelDrafter
 from forerun.errors import DrafterError
-from forerun.generation.result import GenerationStats
+from forerun.stats import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 
 from method_runs import greedy_tokens, run_method

@@ -8,7 +8,7 @@ import torch
 
 from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.drafters.draft_model import DraftModelDrafter
-from forerun.generation.result import GenerationStats
+from forerun.stats import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 
 from table_decoders import CountingDecoder, TableDecoder, single_thread  # noqa: F401 (autouse)

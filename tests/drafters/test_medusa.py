@@ -16,7 +16,7 @@ from forerun.decoding.tree import TreeShape
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.medusa import MedusaDrafter, MedusaHeads, shipped_heads_path
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
-from forerun.generation.result import GenerationStats
+from forerun.stats import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 from forerun.training.medusa import TrainSettings, train_medusa
 

@@ -58,7 +58,7 @@ def llama_model(preset_gguf):
 def reference(preset_gguf):
     """``reference(name, vocab_only=False)``: llama-cpp-python's own ``Llama``
     on the same GGUF, set up like the engine."""
-    from forerun.engines.llama_cpp_engine import reference_llama
+    from forerun.bench.llama_cpp_reference import reference_llama
 
     def get(name, vocab_only=False):
         key = (name, vocab_only)
