@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -167,7 +166,8 @@ class Model:
         ``stop_token_ids`` token, a ``stop`` string (cut from the text), after
         ``max_new_tokens``, or when ``cancel`` (a callable or Event) turns true.
 
-        ``draft`` turns on speculative decoding: a :class:`Model` (or a preset
+        ``draft`` turns on speculative decoding (``None`` or ``"none"``: plain
+        decoding; :mod:`forerun.drafters.registry`): a :class:`Model` (or a preset
         name or path, loaded once and kept) sharing this model's tokenizer,
         ``"ngram"`` for prompt lookup (no draft model), ``"medusa"`` for the
         Medusa heads forerun ships for this preset (``"medusa:PATH"`` for
@@ -197,8 +197,9 @@ class Model:
         drafting, ``None`` for synchronous.  A new method is built holding
         this model (building may load a draft model and measure this one)."""
         from .decoding.plain import PlainDecoding
+        from .drafters.registry import draft_kind
 
-        if draft is None:
+        if draft_kind(draft) == "none":
             if draft_k is not None:
                 raise GenerationConfigError("draft_k needs a draft (draft=...)")
             return PlainDecoding(self.decoder), []
@@ -253,8 +254,9 @@ class Model:
     def _build_speculative(self, draft, draft_k: int | None):
         from .decoding.speculative import SpeculativeDecoding
         from .drafters.medusa import medusa_drafter
+        from .drafters.registry import chain_drafter, draft_kind
 
-        if _draft_kind(draft) == "medusa":
+        if draft_kind(draft) == "medusa":
             # Medusa heads draft a tree; draft_k fixes its node count.
             from .decoding.tree_speculative import TreeSpeculativeDecoding
 
@@ -263,7 +265,7 @@ class Model:
                                              nodes=draft_k)
             method.cost_store = cost_store(self, "+tree")
             return method
-        drafter = self._drafter(draft)
+        drafter = chain_drafter(draft, self._draft_decoder)
         self.verification_grouping()
         method = SpeculativeDecoding(self.decoder, drafter, k=draft_k)
         method.cost_store = cost_store(self)
@@ -321,42 +323,12 @@ class Model:
             ids += self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
         return ids[:n]
 
-    def _drafter(self, draft):
-        """A Drafter for ``draft``: 'ngram' (prompt lookup), a Drafter object,
-        or a draft model (a Model, preset name or path)."""
-        from .drafters.draft_model import DraftModelDrafter
-
-        kind = _draft_kind(draft)
-        if kind == "ngram":
-            from .drafters.ngram import NgramDrafter
-            return NgramDrafter()
-        if kind == "drafter":
-            return draft
-        return DraftModelDrafter(self._draft_decoder(draft))
-
     def _draft_decoder(self, draft):
         """The decoder a draft model (a Model, preset name or path) drafts
         with: its own, or a fork of this model's when it drafts for itself."""
-        from .errors import TokenizerError
+        from .drafters.registry import load_draft_model
 
-        if not isinstance(draft, Model):
-            # The draft runs on the target's engine (and, for torch, its dtype).
-            # The draft runs on the target's engine, in its weight format.
-            settings = self.decoder.settings
-            options = ({"weights": settings["weights"]} if settings["engine"] == "torch"
-                       else {})
-            draft = load(draft, engine=settings["engine"],
-                         context_length=self.decoder.context_length,
-                         device=self.decoder.device, **options)
-        if draft.tokenizer.fingerprint() != self.tokenizer.fingerprint():
-            raise TokenizerError(
-                f"draft model {draft.name} uses a different tokenizer from {self.name}; "
-                f"speculative decoding needs a draft with the same vocabulary")
-        if draft.decoder.context_length < self.decoder.context_length:
-            raise ConfigError(
-                f"the draft's context ({draft.decoder.context_length}) is shorter than the "
-                f"target's ({self.decoder.context_length}); load it with the same "
-                f"context_length")
+        draft = load_draft_model(self, draft)
         self.drafts.append(draft)   # keep the draft model alive with its method
         # A model drafting for itself needs a cache of its own.
         return draft.decoder.fork() if draft.decoder is self.decoder else draft.decoder
@@ -380,27 +352,14 @@ def async_split(draft, draft_async, draft_threads, target_threads
                                         f"draft_async=True (--draft-async)")
     if not draft_async:
         return None
-    if draft is None or _draft_kind(draft) != "model":
+    from .drafters.registry import draft_kind
+
+    if draft_kind(draft) != "model":
         raise GenerationConfigError(
             f"draft_async needs a draft model (a Model, preset or path sharing the "
             f"tokenizer), got draft={draft!r}: prompt lookup and Medusa heads cost little "
             f"to draft and have no model to run in a thread of its own")
     return draft_threads, target_threads
-
-
-def _draft_kind(draft) -> str:
-    """What a ``draft=`` value names: ``"ngram"`` (prompt lookup),
-    ``"medusa"`` (heads, or a tree drafter), ``"drafter"`` (a Drafter
-    object) or ``"model"`` (a Model, preset name or path)."""
-    from .drafters.medusa import is_medusa_spec
-
-    if isinstance(draft, str) and draft == "ngram":
-        return "ngram"
-    if is_medusa_spec(draft):
-        return "medusa"
-    if hasattr(draft, "propose"):
-        return "drafter"
-    return "model"
 
 
 def cost_store(model: "Model", tag: str = "") -> "CalibrationStore":

@@ -68,16 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
 
 
-def _default_draft(args: argparse.Namespace) -> str | None:
-    from ..loading.presets import DEFAULT_MODEL, PRESETS
-
-    if args.draft is not None:
-        return None if args.draft.lower() == "none" else args.draft
-    preset = PRESETS.get(args.model or DEFAULT_MODEL)
-    return preset.default_draft if preset is not None else None
-
-
 def settings_from_args(args: argparse.Namespace):
+    from ..drafters.registry import default_draft
     from ..loading.presets import DEFAULT_MODEL
     from .errors import BenchError
     from .runner import BenchSettings
@@ -92,7 +84,8 @@ def settings_from_args(args: argparse.Namespace):
     if not methods:
         raise BenchError("--methods is empty")
     return BenchSettings(
-        model=args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights, draft=_default_draft(args), prompts=args.prompts,
+        model=args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
+        draft=default_draft(args.model, args.draft), prompts=args.prompts,
         methods=tuple(methods), categories=tuple(_split([args.categories])) or None,
         limit=args.limit, max_new_tokens=args.max_new_tokens,
         temperatures=tuple(dict.fromkeys(temps)), seed=args.seed, warmup=args.warmup,
@@ -102,8 +95,8 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from .registry import available_methods
     from .prompts import load_prompts, select_prompts
+    from .registry import available_methods
     from .report import print_report, write_reports
     from .runner import run_bench
 

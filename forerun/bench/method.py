@@ -81,25 +81,17 @@ class BenchContext:
         return self.model.decoder.context_length
 
     def draft_model(self):
-        """The draft :class:`~forerun.Model`, loaded once on first use with
-        the target's context length, device and dtype."""
+        """The draft :class:`~forerun.Model`, loaded once on first use on
+        the target's engine, weight format, device and context length."""
         if self._draft_model is None:
             if self.draft_source is None:
                 raise BenchError(
                     f"no draft model: {self.model.name} has no default draft; "
                     f"pass --draft PRESET|PATH (a model sharing its tokenizer)")
-            from ..api import load
+            from ..drafters.registry import load_draft_model
 
-            decoder = self.model.decoder
-            options = {}
-            engine = getattr(decoder, "engine", None)
-            if engine is not None:
-                options["engine"] = engine   # the draft runs on the target's engine
-            weights = decoder.settings.get("weights")
-            if weights is not None:   # the draft in the target's weight format
-                options["weights"] = weights
-            self._draft_model = load(self.draft_source, context_length=decoder.context_length,
-                                     device=decoder.device, progress=self.progress, **options)
+            self._draft_model = load_draft_model(self.model, self.draft_source,
+                                                 progress=self.progress)
         return self._draft_model
 
     def source_file(self, which: str = "model") -> Path:

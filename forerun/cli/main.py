@@ -31,8 +31,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "folder sharing the model's tokenizer, 'ngram' (prompt lookup), "
                         "'medusa' (the preset's shipped Medusa heads; 'medusa:FILE' for "
                         "others), or 'none' for plain decoding "
-                        "(default: the preset's own draft when --model is not given, "
-                        "i.e. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
+                        "(default: the preset's own draft, qwen2.5-coder-0.5b for "
+                        "qwen2.5-coder-1.5b; none for a path)")
     p.add_argument("--draft-k", type=int, default=None,
                    help="fixed draft length (default: chosen every round from measured costs)")
 
@@ -173,21 +173,15 @@ def read_prompt(arg: str) -> str:
 
 
 def resolve_draft_option(args: argparse.Namespace) -> str | None:
-    """The draft to use: --draft, else the default preset's own draft when
-    no --model was given; 'none' turns speculation off."""
-    from ..loading.presets import DEFAULT_MODEL, get_preset
+    """The draft to use (:func:`~forerun.drafters.registry.default_draft`):
+    --draft, else the preset's own draft; 'none' turns speculation off."""
+    from ..drafters.registry import default_draft
 
-    if args.draft is not None:
-        if args.draft.lower() == "none":
-            if args.draft_k is not None:
-                raise ForerunError("--draft-k needs a draft; drop --draft none or --draft-k")
-            return None
-        return args.draft
-    if args.model is None:
-        return get_preset(DEFAULT_MODEL).default_draft
-    if args.draft_k is not None:
-        raise ForerunError("--draft-k needs a draft: add --draft PRESET|PATH")
-    return None
+    draft = default_draft(args.model, args.draft)
+    if draft is None and args.draft_k is not None:
+        raise ForerunError("--draft-k needs a draft: add --draft PRESET|PATH|ngram|medusa "
+                           "(or drop --draft-k)")
+    return draft
 
 
 def print_stats(result, out) -> None:

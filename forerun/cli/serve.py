@@ -87,17 +87,6 @@ def _check_options(args: argparse.Namespace) -> None:
         raise ConfigError("--api-key is empty; give a key or leave the option out")
 
 
-def default_draft(args: argparse.Namespace) -> str | None:
-    """--draft, else the preset's own draft (none for a path or a preset
-    without one); 'none' turns speculation off."""
-    from ..loading.presets import DEFAULT_MODEL, PRESETS
-
-    if args.draft is not None:
-        return None if args.draft.lower() == "none" else args.draft
-    preset = PRESETS.get(args.model or DEFAULT_MODEL)
-    return preset.default_draft if preset is not None else None
-
-
 def _build_service(args: argparse.Namespace):
     """Load the model (and its draft model), and assemble the server's parts."""
     import forerun
@@ -105,24 +94,21 @@ def _build_service(args: argparse.Namespace):
     from ..server.app import Service
     from ..server.metrics import Metrics
     from ..server.prefix_cache import PrefixCache
-    from ..server.translate import BUILTIN_DRAFTS, Translator
+    from ..drafters.registry import default_draft, draft_kind, load_draft_model
+    from ..server.translate import Translator
     from ..server.worker import EngineWorker
 
     name = args.model or DEFAULT_MODEL
     model = forerun.load(name, engine=args.engine, weights=args.weights,
                          context_length=args.context_length,
                          device=args.device, progress=not args.quiet)
-    draft = default_draft(args)
+    draft = default_draft(args.model, args.draft)
     if draft is None and args.draft_k is not None:
         raise ConfigError("--draft-k needs a draft: add --draft PRESET|PATH|ngram")
     drafts = {}
-    if draft is not None and draft not in BUILTIN_DRAFTS and not draft.startswith("medusa:"):
-        # A draft model runs on the target's engine, with its context.
-        # ... in the target's weight format (what "auto" resolved to for it).
-        loaded = forerun.load(draft, engine=args.engine,
-                              weights=model.decoder.settings.get("weights", "auto"),
-                              context_length=model.decoder.context_length,
-                              device=args.device, progress=not args.quiet)
+    if draft_kind(draft) == "model":
+        # On the target's engine, in its weight format, with its context.
+        loaded = load_draft_model(model, draft, progress=not args.quiet)
         drafts = {draft: loaded}
         if loaded.name != draft:
             drafts[loaded.name] = loaded

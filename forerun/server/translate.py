@@ -13,14 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..drafters.registry import BUILTIN_DRAFTS, NO_DRAFT
 from ..errors import ForerunError
 from .errors import APIError, bad_request, from_forerun_error, not_found
 from .schemas import ChatCompletionRequest, CompletionRequest, _Generation
 
 MAX_STOP_STRINGS = 16
-# Request values of speculative.draft that are not a loaded draft model.
-NO_DRAFT = "none"
-BUILTIN_DRAFTS = ("ngram", "medusa")
 
 
 @dataclass

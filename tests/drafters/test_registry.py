@@ -1,0 +1,94 @@
+"""One set of rules for what a ``draft=`` value names, shared by the API,
+``forerun generate``, ``forerun serve`` and ``forerun bench``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import forerun
+from forerun.drafters.medusa import MedusaHeads
+from forerun.drafters.ngram import NgramDrafter
+from forerun.drafters.registry import (check_draft_model, default_draft, draft_kind,
+                                       load_draft_model)
+from forerun.errors import ConfigError, GenerationConfigError, TokenizerError
+from tiny_models import hf_model, tiny_tokenizer_json
+
+
+@pytest.mark.parametrize("value, kind", [
+    (None, "none"), ("none", "none"), ("None", "none"),
+    ("ngram", "ngram"),
+    ("medusa", "medusa"), ("medusa:/some/heads.safetensors", "medusa"),
+    (NgramDrafter(), "drafter"),
+    ("qwen2.5-coder-0.5b", "model"), ("path/to/draft.gguf", "model"),
+    (Path("some/folder"), "model"),
+])
+def test_draft_kind(value, kind):
+    assert draft_kind(value) == kind
+
+
+def test_medusa_heads_object_is_medusa():
+    heads = MedusaHeads.__new__(MedusaHeads)
+    assert draft_kind(heads) == "medusa"
+
+
+@pytest.mark.parametrize("model, draft, expected", [
+    (None, None, "qwen2.5-coder-0.5b"),                   # the default preset's own draft
+    ("qwen2.5-coder-1.5b", None, "qwen2.5-coder-0.5b"),   # a preset named: the same rule
+    ("qwen2.5-coder-0.5b", None, None),                   # a preset without a draft
+    ("smollm2-135m", None, None),
+    ("path/to/model.gguf", None, None),                   # a path: no default
+    (None, "none", None), ("qwen2.5-coder-1.5b", "NONE", None),
+    (None, "ngram", "ngram"), ("path/to/model.gguf", "medusa:h", "medusa:h"),
+    ("qwen2.5-coder-1.5b", "other.gguf", "other.gguf"),
+])
+def test_default_draft_is_one_rule(model, draft, expected):
+    assert default_draft(model, draft) == expected
+
+
+def _model(name, fingerprint, context):
+    return SimpleNamespace(name=name, tokenizer=SimpleNamespace(fingerprint=lambda: fingerprint),
+                           decoder=SimpleNamespace(context_length=context))
+
+
+def test_check_draft_model_refuses_another_tokenizer_and_a_shorter_context():
+    target = _model("target", "abc", 64)
+    check_draft_model(target, _model("draft", "abc", 64))
+    check_draft_model(target, _model("draft", "abc", 128))
+    with pytest.raises(TokenizerError, match="different tokenizer"):
+        check_draft_model(target, _model("draft", "xyz", 64))
+    with pytest.raises(ConfigError, match=r"draft's context \(32\) is shorter.*\(64\)"):
+        check_draft_model(target, _model("draft", "abc", 32))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folders = []
+    for seed in (5, 6):
+        folder = tmp_path_factory.mktemp(f"d{seed}")
+        hf_model("qwen2", seed=seed).save_pretrained(folder, safe_serialization=True)
+        tiny_tokenizer_json(folder)
+        folders.append(folder)
+    target = forerun.load(folders[0], context_length=64, device="cpu", weights="float32",
+                          progress=False)
+    return target, folders[1]
+
+
+def test_a_draft_path_loads_like_the_target(tiny):
+    target, draft_folder = tiny
+    draft = load_draft_model(target, draft_folder)
+    assert draft.decoder.context_length == target.decoder.context_length
+    assert draft.decoder.settings["weights"] == target.decoder.settings["weights"]
+    assert draft.decoder.settings["engine"] == target.decoder.settings["engine"]
+
+
+def test_api_draft_none_is_plain_decoding(tiny):
+    target, _ = tiny
+    plain = target.generate(prompt_ids=[1, 2, 3], max_new_tokens=8, ignore_eos=True)
+    none = target.generate(prompt_ids=[1, 2, 3], max_new_tokens=8, ignore_eos=True,
+                           draft="none")
+    assert none.tokens == plain.tokens and none.stats.method == plain.stats.method
+    with pytest.raises(GenerationConfigError, match="draft_k needs a draft"):
+        target.generate(prompt_ids=[1, 2, 3], max_new_tokens=2, draft="none", draft_k=2)
