@@ -329,6 +329,9 @@ class Model:
         from .drafters.registry import load_draft_model
 
         draft = load_draft_model(self, draft)
+        if draft.decoder is self.decoder and not draft.decoder.capabilities.fork:
+            raise ConfigError(f"{self.name} can't draft for itself: the {self.decoder.engine} "
+                              f"engine can't give it a second cache (capabilities.fork)")
         self.drafts.append(draft)   # keep the draft model alive with its method
         # A model drafting for itself needs a cache of its own.
         return draft.decoder.fork() if draft.decoder is self.decoder else draft.decoder
@@ -554,11 +557,6 @@ def choose_weights(name: str, config, device: torch.device):
         choice = FormatChoice(choose_format(ms), ms)
         store.save(choice.to_dict())
     return choice
-
-
-def default_device() -> torch.device:
-    """CUDA, then MPS, then the CPU."""
-    return resolve_device(None)
 
 
 def _source(files, spec) -> str:

@@ -26,6 +26,34 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do beyond the core of the protocol.  Methods check
+    these flags (``decoder.capabilities.hidden_states``), never probe for
+    attributes, and refuse with a clear error what the engine can't do.
+
+    ``hidden_states``: ``return_hidden=True`` works in :meth:`Decoder.feed`
+    and :meth:`Decoder.forward`.
+    ``tree_masks``: :meth:`Decoder.forward` takes any attention mask and
+    position ids (without it, only the causal mask over consecutive
+    positions: a chain).
+    ``slot_compaction``: ``keep_slots(slots, start)`` moves cache slots
+    ``slots`` to contiguous slots from ``start`` and drops the rest (tree
+    verification keeps its accepted path with it).
+    ``network``: ``decoder.model`` is forerun's
+    :class:`~forerun.engines.transformer.Transformer`, whose output layer
+    (``lm_head``) Medusa heads draft and train through.
+    ``fork``: ``fork()`` gives a second decoder over the same weights with an
+    empty cache of its own (a model drafting for itself).
+    """
+
+    hidden_states: bool = False
+    tree_masks: bool = False
+    slot_compaction: bool = False
+    network: bool = False
+    fork: bool = False
+
+
 @dataclass
 class ForwardOutput:
     """What a forward pass returns.
@@ -72,8 +100,19 @@ class Decoder(Protocol):
         ...
 
     @property
-    def has_hidden_states(self) -> bool:
-        """Whether ``return_hidden=True`` is supported."""
+    def engine(self) -> str:
+        """The engine's name (``"torch"``, ``"llama.cpp"``)."""
+        ...
+
+    @property
+    def device(self) -> torch.device | str:
+        """Where the logits this decoder returns live."""
+        ...
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the engine can do beyond this protocol's core (hidden states,
+        tree masks, slot compaction, its network, forks)."""
         ...
 
     #: The most positions one forward of :meth:`feed` or :meth:`forward`
@@ -144,6 +183,9 @@ class Decoder(Protocol):
         ``[i, j]`` is True where fed token ``i`` may attend to cache slot
         ``j`` (slots ``length + k`` are the fed tokens themselves).  Every row
         must allow at least one slot.  On return ``length`` has grown by ``T``.
+        Without ``capabilities.tree_masks`` only the causal mask over
+        consecutive positions is accepted (anything else raises
+        :class:`~forerun.errors.UnsupportedOperationError`).
         """
         ...
 

@@ -17,7 +17,7 @@ from typing import Sequence
 import pytest
 import torch
 
-from forerun.decoder import ForwardOutput
+from forerun.decoder import Capabilities, ForwardOutput
 from forerun.errors import CacheStateError, ContextLengthError, InvalidTokenError
 from forerun.sampling import SamplingParams, probabilities
 
@@ -77,9 +77,10 @@ class TableDecoder:
     def committed_length(self) -> int:
         return self._committed
 
-    @property
-    def has_hidden_states(self) -> bool:
-        return False
+    engine = "table"
+    device = torch.device("cpu")
+    # A tree forward is a lookup per row; no hidden states, no slot moves.
+    capabilities = Capabilities(tree_masks=True)
 
     # Table lookups do not depend on grouping.
     verify_group = None
@@ -216,8 +217,8 @@ class CountingDecoder:
         return self.inner.committed_length
 
     @property
-    def has_hidden_states(self) -> bool:
-        return self.inner.has_hidden_states
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
 
     @property
     def fed_tokens(self) -> int:

@@ -67,7 +67,7 @@ class TransformersMethod(BenchMethod):
                 args, kwargs = (str(path.parent),), {"gguf_file": path.name}
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 *args, dtype=torch.float32, **kwargs).eval()
-            ctx.shared[key] = model.to(getattr(ctx.model.decoder, "device", "cpu"))
+            ctx.shared[key] = model.to(ctx.model.decoder.device)
         return ctx.shared[key]
 
     def setup(self, ctx: BenchContext) -> None:
@@ -84,7 +84,7 @@ class TransformersMethod(BenchMethod):
                  temperature: float, seed: int) -> MethodOutput:
         import torch
 
-        device = getattr(ctx.model.decoder, "device", "cpu")
+        device = ctx.model.decoder.device
         x = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
         if temperature > 0:
             torch.manual_seed(seed)
@@ -146,12 +146,13 @@ class LlamaCppMethod(BenchMethod):
         key = "llama.cpp:model"
         if key not in ctx.shared:
             decoder = ctx.model.decoder
-            options = dict(getattr(decoder, "options", None) or {}) \
-                if getattr(decoder, "engine", None) == "llama.cpp" else {}
+            # The engine's settings when the model runs on llama.cpp, else
+            # llama.cpp's defaults as the engine would pick them.
+            options = decoder.settings if decoder.engine == "llama.cpp" else {}
             settings = {k: options[k] for k in ("n_threads", "n_batch", "n_ubatch", "flash_attn",
                                                 "cache_type_k", "cache_type_v")
                         if k in options}
-            extra = getattr(getattr(decoder, "_model", None), "extra_buffers", None)
+            extra = options.get("extra_buffers")
             ctx.shared[key] = reference_llama(path, context_length=ctx.context_length,
                                               extra_buffers=extra, **settings)
         self._llm = ctx.shared[key]

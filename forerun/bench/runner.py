@@ -122,11 +122,10 @@ def machine_info(model=None) -> dict[str, Any]:
     }
     if model is not None:
         decoder = model.decoder
-        info["engine"] = getattr(decoder, "engine", "torch")
-        info["device"] = str(getattr(decoder, "device", "cpu"))
-        dtype = getattr(getattr(decoder, "model", None), "dtype", None)
-        if dtype is not None:
-            info["dtype"] = str(dtype).removeprefix("torch.")
+        info["engine"] = decoder.engine
+        info["device"] = str(decoder.device)
+        if "dtype" in decoder.settings:
+            info["dtype"] = decoder.settings["dtype"]
     return info
 
 

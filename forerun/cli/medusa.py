@@ -85,8 +85,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ForerunError("--off-path-weight must lie in 0..1")
     model = load(args.model, context_length=args.seq_len, device=args.device,
                  progress=not args.quiet)
-    if not getattr(model.decoder, "has_hidden_states", False) or not hasattr(
-            model.decoder, "model"):
+    caps = model.decoder.capabilities
+    if not (caps.hidden_states and caps.network):
         raise ForerunError("training Medusa heads needs forerun's torch engine "
                            "(hidden states and the LM head)")
 

@@ -126,5 +126,5 @@ def _build_service(args: argparse.Namespace):
     worker_ref.append(worker)
     service = Service(translator, worker, metrics, api_key=args.api_key,
                       created=int(time.time()))
-    engine = getattr(model.decoder, "engine", args.engine)
+    engine = model.decoder.engine
     return service, f"{model.name} ({engine}, draft: {draft or 'none'})"

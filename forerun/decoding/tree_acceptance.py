@@ -53,10 +53,6 @@ def accept_tree_greedy(shape: TreeShape, tokens: Sequence[int], logits: torch.Te
         node = nxt
 
 
-def _uniform(generator: torch.Generator) -> float:
-    return float(torch.rand((), generator=generator, device=generator.device))
-
-
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs.to(generator.device), 1, generator=generator))
 

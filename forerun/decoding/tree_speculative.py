@@ -101,9 +101,13 @@ class TreeSpeculativeDecoding(DraftAndVerify):
                               f"1..{MAX_TREE_NODES}, got {nodes!r}")
         if not 1 <= max_nodes <= MAX_TREE_NODES:
             raise ConfigError(f"max_nodes must lie in 1..{MAX_TREE_NODES}, got {max_nodes}")
-        if drafter.needs_hidden and not target.has_hidden_states:
+        caps = target.capabilities
+        if drafter.needs_hidden and not caps.hidden_states:
             raise ConfigError(f"the {drafter.name} drafter needs the target's hidden states, "
-                              f"which this engine does not provide")
+                              f"which the {target.engine} engine does not provide")
+        if not caps.tree_masks:
+            raise ConfigError(f"tree verification needs tree attention masks, which the "
+                              f"{target.engine} engine does not take; use the torch engine")
         self.target = target
         self.drafter = drafter
         self.name = name or drafter.name
@@ -168,8 +172,8 @@ class TreeSpeculativeDecoding(DraftAndVerify):
         sequence.append(first)
         yield [first]
         vocab = target.vocab_size
-        keep_slots = getattr(target, "keep_slots", None)
-        device = getattr(target, "device", "cpu")
+        keep_slots = target.keep_slots if target.capabilities.slot_compaction else None
+        device = target.device
         while True:
             room = target.context_length - target.length - 1
             shape = self._shape(room, hidden is not None)

@@ -472,7 +472,7 @@ def medusa_drafter(model, draft) -> "MedusaDrafter":
     if hasattr(draft, "candidates"):
         return draft
     decoder = model.decoder
-    if not getattr(decoder, "has_hidden_states", False) or not hasattr(decoder, "model"):
+    if not (decoder.capabilities.hidden_states and decoder.capabilities.network):
         raise ConfigError(f"Medusa needs forerun's torch engine (the target's hidden states "
                           f"and LM head); {model.name} runs on another engine")
     if isinstance(draft, MedusaHeads):

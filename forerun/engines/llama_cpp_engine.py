@@ -52,10 +52,11 @@ import numpy as np
 import torch
 
 from ..cache_positions import CachePositions
-from ..decoder import ForwardOutput
+from ..decoder import Capabilities, ForwardOutput
 from ..errors import (CacheStateError, ConfigError, EngineError,
                       EngineUnavailableError, InvalidTokenError, ModelFormatError,
                       ModelNotFoundError, UnsupportedOperationError)
+from .base import EngineDecoder
 
 INSTALL_HINT = "pip install 'forerun[llama]'"
 DEFAULT_BATCH = 512
@@ -174,7 +175,7 @@ class _LlamaModel:
             pass
 
 
-class LlamaCppDecoder:
+class LlamaCppDecoder(EngineDecoder):
     """Implements the Decoder protocol over a llama.cpp context; see
     :mod:`forerun.decoder` for the contract of each method.
 
@@ -197,6 +198,8 @@ class LlamaCppDecoder:
 
     engine = "llama.cpp"
     device = "cpu"
+    # No hidden states, and one sequence id per token: no tree masks yet.
+    capabilities = Capabilities(fork=True)
 
     def __init__(self, path: str | Path, *, context_length: int | None = None,
                  eos_token_ids: Sequence[int] = (), n_threads: int | None = None,
@@ -327,26 +330,6 @@ class LlamaCppDecoder:
         return self._vocab
 
     @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos
-
-    @property
-    def context_length(self) -> int:
-        return self._positions.capacity
-
-    @property
-    def length(self) -> int:
-        return self._positions.length
-
-    @property
-    def committed_length(self) -> int:
-        return self._positions.committed
-
-    @property
-    def has_hidden_states(self) -> bool:
-        return False
-
-    @property
     def settings(self) -> dict:
         """Everything that decides which kernels run (and so the numerics
         and the costs): the engine options, the weight buffers, llama.cpp's
@@ -395,7 +378,7 @@ class LlamaCppDecoder:
         if return_hidden:
             raise UnsupportedOperationError(
                 "the llama.cpp engine does not expose hidden states "
-                "(has_hidden_states is False); use the torch engine for methods that need them")
+                "(capabilities.hidden_states is False); use the torch engine for methods that need them")
 
     def _decode(self, ids: np.ndarray, last_only: bool) -> torch.Tensor:
         lc, ctx, vocab = self._lc, self._ctx, self._vocab
@@ -479,31 +462,17 @@ class LlamaCppDecoder:
                                   f"from its KV memory")
         self._positions.rollback(length)
 
-    def commit(self, length: int | None = None) -> None:
-        self._positions.commit(length)
-
     def reset(self) -> None:
         self._check_open()
         self._lc.llama_memory_clear(self._mem, False)
         self._positions.reset()
 
     # -- exact prefix reuse: forerun.prefix_reuse.PrefixReuse ----------------
-    #: Whether a prefill keeps the cached blocks it can (off: every prompt is
-    #: prefilled whole, in the same blocks).
-    reuse_prefixes = False
-
     @property
     def prefill_block(self) -> int:
         """A prompt is prefilled in blocks of ``n_batch`` positions, aligned
         to its multiples: the batches llama.cpp itself splits a prompt into."""
         return self._n_batch
-
-    @property
-    def prefilled_tokens(self) -> tuple[int, ...]:
-        return self._positions.prefilled
-
-    def mark_prefilled(self, tokens: Sequence[int]) -> None:
-        self._positions.mark_prefilled(tokens, self._n_batch)
 
     def keep_prefix(self, length: int) -> None:
         self._check_open()

@@ -4,14 +4,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from ..decoder import ForwardOutput
+from ..decoder import Capabilities, ForwardOutput
 from ..errors import CacheStateError, ConfigError, ContextLengthError, InvalidTokenError
 from ..kv_cache import KVCache
+from .base import EngineDecoder
 from .transformer import Transformer
 
 # Positions per prefill block (see forerun.prefix_reuse): large enough that a
@@ -25,20 +25,20 @@ def _check_threads(n) -> None:
         raise ConfigError(f"a thread count must be a positive integer, got {n!r}")
 
 
-class TorchDecoder:
+class TorchDecoder(EngineDecoder):
     """Implements the Decoder protocol; see :mod:`forerun.decoder` for the
     contract of each method."""
 
     engine = "torch"
+    capabilities = Capabilities(hidden_states=True, tree_masks=True, slot_compaction=True,
+                                network=True, fork=True)
 
     def __init__(self, model: Transformer, context_length: int,
                  eos_token_ids: Sequence[int] = ()) -> None:
         self.model = model
         self.cache: KVCache = model.new_cache(context_length)
+        self._positions = self.cache
         self._eos = tuple(int(e) for e in eos_token_ids)
-        # The most positions one forward computes when every position's
-        # logits are returned (None: no limit).  Set from a measurement of
-        # this machine's kernels (forerun.engines.grouping_probe).
         self.verify_group: int | None = None
 
     def fork(self) -> "TorchDecoder":
@@ -52,26 +52,6 @@ class TorchDecoder:
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos
-
-    @property
-    def context_length(self) -> int:
-        return self.cache.capacity
-
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
-    @property
-    def committed_length(self) -> int:
-        return self.cache.committed
-
-    @property
-    def has_hidden_states(self) -> bool:
-        return True
 
     @property
     def device(self) -> torch.device:
@@ -170,9 +150,6 @@ class TorchDecoder:
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
 
-    def commit(self, length: int | None = None) -> None:
-        self.cache.commit(length)
-
     def reset(self) -> None:
         self.cache.reset()
 
@@ -181,29 +158,8 @@ class TorchDecoder:
         rest (tree verification keeps its accepted path with this)."""
         self.cache.move(torch.as_tensor(slots, dtype=torch.long), start)
 
-    def save_cache(self, path: str | Path) -> None:
-        """Write the cache to a file that :meth:`load_cache` reads back."""
-        self.cache.save(path)
-
-    def load_cache(self, path: str | Path) -> None:
-        """Restore a cache written by :meth:`save_cache` for this model."""
-        payload, _ = KVCache.load_payload(path)
-        self.cache.restore(payload)
-
     # -- exact prefix reuse: forerun.prefix_reuse.PrefixReuse ----------------
-    #: Prompts are prefilled in blocks of this many positions, aligned to its
-    #: multiples (forerun.decoding.prefill); whole blocks are reusable.
     prefill_block = PREFILL_BLOCK
-    #: Whether a prefill keeps the cached blocks it can (off: every prompt is
-    #: prefilled whole, in the same blocks).
-    reuse_prefixes = False
-
-    @property
-    def prefilled_tokens(self) -> tuple[int, ...]:
-        return self.cache.prefilled
-
-    def mark_prefilled(self, tokens: Sequence[int]) -> None:
-        self.cache.mark_prefilled(tokens, self.prefill_block)
 
     def keep_prefix(self, length: int) -> None:
         self.cache.keep_prefix(length)

@@ -89,7 +89,7 @@ def run_generation(method: DecodingMethod, tokenizer, prompt_ids: Sequence[int],
     output = Output(tokenizer, max_new_tokens=params.max_new_tokens,
                     stop_token_ids=stop_ids, stop=params.stop)
     stats = GenerationStats(prompt_tokens=len(prompt), method=method.name)
-    sampler = TokenSampler(params.sampling, params.seed, getattr(target, "device", "cpu"))
+    sampler = TokenSampler(params.sampling, params.seed, target.device)
 
     start = time.perf_counter()
     rounds = method.run(prompt, sampler, stats)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .cache_entry import CacheEntry, check, ensure
+from .cache_entry import CacheEntry, ensure
 from .gguf_file import GGUFFile
 
 CONVERTER_VERSION = "2"
@@ -30,10 +30,6 @@ def converted_entry(gguf_path: Path, digest: str | None = None) -> CacheEntry:
     return CacheEntry(cache_dir() / "converted" / digest[:32],
                       f"the converted weights of {gguf_path.name}",
                       version=CONVERTER_VERSION)
-
-
-def is_converted(gguf_path: Path, digest: str | None = None) -> bool:
-    return check(converted_entry(gguf_path, digest)) is None
 
 
 def convert_gguf(gguf_path: Path, *, progress: bool = True, digest: str | None = None) -> Path:

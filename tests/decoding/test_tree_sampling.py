@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from forerun.decoder import Capabilities
 from forerun.decoding import tree_speculative as tree_module
 from forerun.decoding.tree import TreeShape
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
@@ -52,6 +53,8 @@ DRAFT = TARGET * 0.5 + _table(11, 1.0)
 
 class KeepSlotsTable(TableDecoder):
     """A TableDecoder with forerun's compaction (keep_slots)."""
+
+    capabilities = Capabilities(tree_masks=True, slot_compaction=True)
 
     def keep_slots(self, slots, start):
         slots = [int(s) for s in torch.as_tensor(slots).reshape(-1).tolist()]

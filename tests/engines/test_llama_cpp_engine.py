@@ -183,7 +183,7 @@ def test_facts(smollm):
     d = smollm.decoder
     assert d.vocab_size == smollm.config.vocab_size == 49152
     assert d.context_length == CONTEXT
-    assert d.has_hidden_states is False
+    assert d.capabilities.hidden_states is False and d.capabilities.tree_masks is False
     assert d.device == "cpu"
     assert d.eos_token_ids == smollm.config.eos_token_ids
     assert isinstance(d, forerun.decoder.Decoder)

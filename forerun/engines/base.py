@@ -1,0 +1,66 @@
+"""What forerun's engines share: the part of the
+:class:`~forerun.decoder.Decoder` protocol that a ledger of cache positions
+answers, the same for every engine.
+
+An engine sets ``self._positions`` (a
+:class:`~forerun.cache_positions.CachePositions`; the PyTorch engine's
+:class:`~forerun.kv_cache.KVCache` is one), ``self._eos`` and
+``self.verify_group``, declares its ``engine`` name and ``capabilities``,
+and implements the forwards and what rolling its own memory back takes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..cache_positions import CachePositions
+from ..decoder import Capabilities
+
+
+class EngineDecoder:
+    """The shared facts of an engine's decoder; see :mod:`forerun.decoder`
+    for each contract."""
+
+    engine: str = "?"
+    capabilities: Capabilities = Capabilities()
+    _positions: CachePositions
+    _eos: tuple[int, ...]
+    #: The most positions one forward computes when every position's logits
+    #: are returned (``None``: no limit); set from a measurement of this
+    #: machine's kernels (:mod:`forerun.engines.grouping_probe`).
+    verify_group: int | None = None
+
+    # -- facts -------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def context_length(self) -> int:
+        return self._positions.capacity
+
+    @property
+    def length(self) -> int:
+        return self._positions.length
+
+    @property
+    def committed_length(self) -> int:
+        return self._positions.committed
+
+    def commit(self, length: int | None = None) -> None:
+        self._positions.commit(length)
+
+    # -- exact prefix reuse: forerun.prefix_reuse.PrefixReuse ----------------
+    #: Whether a prefill keeps the cached blocks it can (off: every prompt is
+    #: prefilled whole, in the same blocks).
+    reuse_prefixes = False
+    #: Prompts are prefilled in blocks of this many positions, aligned to its
+    #: multiples (:mod:`forerun.decoding.prefill`); whole blocks are reusable.
+    prefill_block: int
+
+    @property
+    def prefilled_tokens(self) -> tuple[int, ...]:
+        return self._positions.prefilled
+
+    def mark_prefilled(self, tokens: Sequence[int]) -> None:
+        self._positions.mark_prefilled(tokens, self.prefill_block)
