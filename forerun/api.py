@@ -113,8 +113,9 @@ class Model:
                stop: Sequence[str] | str = (), stop_token_ids: Sequence[int] = (),
                ignore_eos: bool = False, cancel=None, draft=None,
                draft_k: int | None = None, draft_async: bool = False,
-               draft_threads: int | None = None,
-               target_threads: int | None = None) -> "GenerationStream":
+               draft_threads: int | None = None, target_threads: int | None = None,
+               draft_tree: bool = False, tree_nodes: int | None = None
+               ) -> "GenerationStream":
         """Like :meth:`generate`, but returns an iterator of text deltas; its
         ``result`` attribute holds the :class:`GenerationResult` once the
         iteration has ended.
@@ -141,7 +142,8 @@ class Model:
             raise GenerationConfigError(f"draft_k must be a positive integer (or None to "
                                         f"choose it every round), got {draft_k!r}")
         split = async_split(draft, draft_async, draft_threads, target_threads)
-        method, drafts = self._method(draft, draft_k, split)
+        tree = tree_options(draft, draft_k, draft_tree, tree_nodes, split)
+        method, drafts = self._method(draft, draft_k, split, tree)
         return GenerationStream(self._run(method, drafts, ids, params, cancel))
 
     def _run(self, method, drafts: list["Model"], ids: list[int], params: GenerationParams,
@@ -184,6 +186,14 @@ class Model:
         CPU threads (default 1) while this model runs on ``target_threads``
         (default: its own count less the draft's, at least 1).  The output is
         the same as synchronous drafting's; the stats say whether it paid.
+
+        ``draft_tree=True`` has a draft model draft a token tree by its own
+        probabilities, verified in one forward with a tree attention mask
+        (:mod:`forerun.drafters.draft_model_tree`; the torch engine); its node
+        budget is chosen every round from measured costs, or fixed by
+        ``tree_nodes`` (which also implies ``draft_tree``).  With Medusa
+        heads, ``tree_nodes`` fixes the tree's node count.  ``draft_k``
+        keeps meaning a chain of that length.
         """
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
@@ -191,11 +201,14 @@ class Model:
         return stream.result
 
     def _method(self, draft=None, draft_k: int | None = None,
-                split: tuple[int | None, int | None] | None = None):
+                split: tuple[int | None, int | None] | None = None,
+                tree: int | bool = False):
         """The decoding method for ``draft``, and the draft models it uses.
         ``split``: ``(draft_threads, target_threads)`` for asynchronous
-        drafting, ``None`` for synchronous.  A new method is built holding
-        this model (building may load a draft model and measure this one)."""
+        drafting, ``None`` for synchronous.  ``tree``: what
+        :func:`tree_options` made of the tree arguments.  A new method is
+        built holding this model (building may load a draft model and
+        measure this one)."""
         from .decoding.plain import PlainDecoding
         from .drafters.registry import draft_kind
 
@@ -203,15 +216,20 @@ class Model:
             if draft_k is not None:
                 raise GenerationConfigError("draft_k needs a draft (draft=...)")
             return PlainDecoding(self.decoder), []
-        key = (draft if isinstance(draft, str) else id(draft), draft_k, split)
+        key = (draft if isinstance(draft, str) else id(draft), draft_k, split, tree)
         built = self._methods.get(key)
         if built is None:
             with Holds([self._lock]):
                 built = self._methods.get(key)
                 if built is None:
                     known = len(self.drafts)
-                    method = (self._build_speculative(draft, draft_k) if split is None
-                              else self._build_async(draft, draft_k, *split))
+                    nodes = None if isinstance(tree, bool) else tree
+                    if split is not None:
+                        method = self._build_async(draft, draft_k, *split)
+                    elif tree is not False and draft_kind(draft) == "model":
+                        method = self._build_draft_tree(draft, nodes)
+                    else:   # a chain, or Medusa's tree (nodes: its node count)
+                        method = self._build_speculative(draft, nodes or draft_k)
                     built = self._methods[key] = (method, self.drafts[known:])
         return built
 
@@ -249,6 +267,20 @@ class Model:
         method.cost_store = cost_store(self, f"+async-{draft_threads}+{target_threads}")
         method.reference_store = cost_store(self)
         method.measure_reference(self._probe_tokens(1)[0])
+        return method
+
+    def _build_draft_tree(self, draft, nodes: int | None):
+        """A draft model drafting trees (EAGLE-2 style), ``nodes`` fixed or
+        chosen every round."""
+        from .decoding.draft_tree_planner import DraftTreePlanner
+        from .decoding.speculative import SpeculativeDecoding
+        from .drafters.draft_model_tree import DraftModelTreeDrafter
+
+        drafter = DraftModelTreeDrafter(self._draft_decoder(draft))
+        self.verification_grouping()
+        method = SpeculativeDecoding(self.decoder, planner=DraftTreePlanner(drafter,
+                                                                            nodes=nodes))
+        method.cost_store = cost_store(self, "+draft-tree")
         return method
 
     def _build_speculative(self, draft, draft_k: int | None):
@@ -363,6 +395,40 @@ def async_split(draft, draft_async, draft_threads, target_threads
             f"tokenizer), got draft={draft!r}: prompt lookup and Medusa heads cost little "
             f"to draft and have no model to run in a thread of its own")
     return draft_threads, target_threads
+
+
+def tree_options(draft, draft_k, draft_tree, tree_nodes, split) -> int | bool:
+    """What the tree arguments of :meth:`Model.stream` ask for: ``False``
+    (no tree, or the drafter's own tree), ``True`` (a draft-model tree of
+    a chosen size) or a node count; every wrong combination is a
+    GenerationConfigError."""
+    from .drafters.registry import draft_kind
+
+    if not isinstance(draft_tree, bool):
+        raise GenerationConfigError(f"draft_tree must be True or False, got {draft_tree!r}")
+    if tree_nodes is not None and (not isinstance(tree_nodes, int)
+                                   or isinstance(tree_nodes, bool) or tree_nodes < 1):
+        raise GenerationConfigError(f"tree_nodes must be a positive integer, got "
+                                    f"{tree_nodes!r}")
+    if not draft_tree and tree_nodes is None:
+        return False
+    kind = draft_kind(draft)
+    if kind == "medusa" and not draft_tree:
+        if draft_k is not None:
+            raise GenerationConfigError("give the Medusa tree's node count once: tree_nodes "
+                                        "(--tree-nodes) or draft_k (--draft-k)")
+        return tree_nodes
+    if kind != "model":
+        raise GenerationConfigError(
+            f"draft_tree/tree_nodes need a draft model (a Model, preset or path) or Medusa "
+            f"heads, got draft={draft!r}")
+    if draft_k is not None:
+        raise GenerationConfigError("draft_k drafts a chain of that length; for a tree give "
+                                    "tree_nodes (--tree-nodes) instead")
+    if split is not None:
+        raise GenerationConfigError("asynchronous drafting drafts chains; drop draft_async "
+                                    "or draft_tree/tree_nodes")
+    return True if tree_nodes is None else tree_nodes
 
 
 def cost_store(model: "Model", tag: str = "") -> "CalibrationStore":

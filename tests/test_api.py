@@ -94,6 +94,8 @@ GENERATE_ARGS = {
     "draft_async": (st.booleans(), st.sampled_from([1, 0, "yes", None])),
     "draft_threads": (st.integers(1, 2), st.integers(-1, 0)),
     "target_threads": (st.integers(1, 2), st.integers(-1, 0)),
+    "draft_tree": (st.booleans(), st.sampled_from([1, 0, "yes", None])),
+    "tree_nodes": (st.integers(1, 12), st.integers(-1, 0)),
 }
 SOURCES = ("prompt", "messages", "prompt_ids")
 # Given unless hostile: the default max_new_tokens (256) overflows the

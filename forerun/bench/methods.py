@@ -93,6 +93,16 @@ def _ngram_k(match: re.Match) -> BenchMethod:
                          description=f"prompt lookup, draft length fixed at {k}")
 
 
+def _draft_tree(match: re.Match) -> BenchMethod:
+    nodes = int(match.group(1)) if match.group(1) else None
+    if nodes is not None and not 1 <= nodes <= 64:
+        raise BenchError(f"{match.group(0)}: the node budget must lie in 1..64")
+    size = f"{nodes} nodes" if nodes else "node budget chosen per round"
+    return ForerunMethod(match.group(0), use_draft_model=True,
+                         options={"draft_tree": True, "tree_nodes": nodes},
+                         description=f"draft model drafting a tree, {size}")
+
+
 def _draft_async(match: re.Match) -> BenchMethod:
     k, draft_threads, target_threads = (int(g) if g else None for g in match.groups())
     if k is not None and not 1 <= k <= 16:
@@ -115,6 +125,9 @@ register_method("draft", lambda: ForerunMethod("draft", use_draft_model=True,
                 "speculative decoding with the draft model, adaptive draft length")
 register_pattern(r"draft-k(\d+)", _draft_k, "draft-kN",
                  "speculative decoding with the draft model, draft length fixed at N")
+register_pattern(r"draft-tree(?:-n(\d+))?", _draft_tree, "draft-tree[-nN]",
+                 "the draft model drafts a token tree by its own probabilities (EAGLE-2 "
+                 "style), verified in one forward; -nN fixes its node budget (torch engine)")
 register_pattern(r"draft-async(?:-k(\d+))?(?:-(\d+)\+(\d+))?", _draft_async,
                  "draft-async[-kN][-D+T]",
                  "asynchronous drafting: the draft model drafts in its own thread while the "

@@ -37,6 +37,16 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="fixed draft length (default: chosen every round from measured costs)")
 
 
+def _add_tree_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-tree", action="store_true",
+                   help="the draft model drafts a token tree by its own probabilities, "
+                        "verified in one forward (torch engine); its node budget is chosen "
+                        "every round from measured costs")
+    p.add_argument("--tree-nodes", type=int, default=None,
+                   help="a fixed node budget for the draft tree (implies --draft-tree), or "
+                        "the node count of a Medusa tree")
+
+
 def _add_async_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-async", action="store_true",
                    help="run the draft model in a thread of its own, drafting ahead while "
@@ -71,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(gen)
     _add_sampling_options(gen)
     _add_async_options(gen)
+    _add_tree_options(gen)
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is, without the chat template")
     gen.add_argument("--system", default=None, help="a system message for the chat template")
@@ -104,7 +115,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ..api import async_split, load
+    from ..api import async_split, load, tree_options
     from ..loading.presets import DEFAULT_MODEL
 
     from ..generation.params import GenerationParams
@@ -120,7 +131,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ForerunError("--model is empty; give a preset, a .gguf file or a Hugging Face "
                            "folder, or leave --model out for the default")
     draft = resolve_draft_option(args)
-    async_split(draft, args.draft_async, args.draft_threads, args.target_threads)
+    split = async_split(draft, args.draft_async, args.draft_threads, args.target_threads)
+    tree_options(draft, args.draft_k, args.draft_tree, args.tree_nodes, split)
     model = load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
                  context_length=args.context_length, device=args.device,
                  progress=not args.quiet)
@@ -138,7 +150,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           min_p=args.min_p, seed=args.seed, stop=args.stop, draft=draft,
                           draft_k=args.draft_k, draft_async=args.draft_async,
                           draft_threads=args.draft_threads,
-                          target_threads=args.target_threads)
+                          target_threads=args.target_threads, draft_tree=args.draft_tree,
+                          tree_nodes=args.tree_nodes)
     for delta in stream:
         if not args.json:
             sys.stdout.write(delta)

@@ -35,9 +35,9 @@ class DecodingMethod(Protocol):
 
 
 class DraftAndVerify:
-    """What speculative methods share: a ``target``, a ``drafter`` with a
-    ``settle(length)``, and a ``policy`` whose measured verification
-    ``costs`` persist in ``cost_store`` (a
+    """What speculative methods share: a ``target``, a ``planner`` (a
+    drafter and its policy) with a ``settle(length)``, and the ``policy``
+    whose measured verification ``costs`` persist in ``cost_store`` (a
     :class:`~forerun.calibration.CalibrationStore`) once calibrated
     (``_calibrated``)."""
 
@@ -62,6 +62,6 @@ class DraftAndVerify:
         keep the verification costs refined by this generation."""
         if self.target.length > length:
             self.target.rollback(length)
-        self.drafter.settle(length)
+        self.planner.settle(length)
         if self.cost_store is not None and self._calibrated:
             self.cost_store.save(self.policy.costs.seconds)

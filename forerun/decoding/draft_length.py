@@ -11,9 +11,16 @@ decoding step; it is chosen when drafting does not pay.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Sequence
+
+import torch
 
 from ..decoder import Decoder
+from ..errors import ConfigError
+from ..sampling import TokenSampler
+from .draft_tree import DraftTree
+
+MAX_DRAFT_LENGTH = 16
 
 
 class VerifyCosts:
@@ -136,3 +143,56 @@ class AdaptiveDraftLength:
         else:
             self._plain_streak = 0
         return k
+
+
+class ChainPlanner:
+    """A chain :class:`~forerun.drafters.base.Drafter` (a draft model,
+    prompt lookup) with the adaptive draft length: the
+    :class:`~forerun.decoding.speculative.Planner` of chain speculation.
+
+    ``k``: a fixed draft length, or ``None`` to choose it every round from
+    measured costs, up to ``max_k``.
+    """
+
+    needs_hidden = False
+    drafts_trees = False
+
+    def __init__(self, drafter, *, k: int | None = None, max_k: int = 8) -> None:
+        if k is not None and not (isinstance(k, int) and 1 <= k <= MAX_DRAFT_LENGTH):
+            raise ConfigError(f"draft length k must be an integer in 1..{MAX_DRAFT_LENGTH}, "
+                              f"got {k!r}")
+        if not 1 <= max_k <= MAX_DRAFT_LENGTH:
+            raise ConfigError(f"max_k must lie in 1..{MAX_DRAFT_LENGTH}, got {max_k}")
+        self.drafter = drafter
+        self.name = drafter.name
+        self.fixed_k = k
+        self.policy = AdaptiveDraftLength(max_k)
+
+    def needs_calibration(self) -> bool:
+        return self.fixed_k is None
+
+    def calibrate(self, target: Decoder, token: int) -> None:
+        self.policy.costs.calibrate(target, token)
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.drafter.begin(prompt_ids)
+
+    def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
+              sampler: TokenSampler) -> DraftTree:
+        k = self.fixed_k if self.fixed_k is not None else \
+            self.policy.choose(self.drafter.step_seconds())
+        k = max(0, min(k, room))
+        if not k:
+            return DraftTree.chain(sequence[-1], [])
+        draft = self.drafter.propose(sequence, k, sampler)
+        return DraftTree.chain(sequence[-1], draft.tokens, draft.probs)
+
+    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
+        accepted = len(path) - 1
+        self.drafter.observe(sequence, accepted)
+        if tree.num_nodes:
+            self.policy.acceptance.update(tree.num_nodes, accepted)
+
+    def settle(self, length: int) -> None:
+        self.drafter.settle(length)
+

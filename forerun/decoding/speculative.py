@@ -1,123 +1,224 @@
-"""Speculative decoding: a drafter proposes, the target verifies all
-proposals in one forward, and an acceptance rule keeps the output exactly
-the target's.
+"""Speculative decoding: the one verification loop, for chains and trees and
+every drafter.
 
-Invariant between rounds: the target's cache holds every committed token but
-the last one, which is fed at the head of the next verification together
-with the drafts (``k + 1`` positions).  Rejected positions are rolled back in
-O(1); nothing the cache holds is fed again.
+A drafter proposes a draft tree (a chain is a tree with one child per node;
+:mod:`forerun.decoding.draft_tree`); the target verifies the whole tree in
+one forward, and an acceptance rule keeps the output exactly the target's
+(:mod:`forerun.decoding.tree_acceptance`).  What differs between drafters
+lives in their *planner*: the drafter together with the policy that sizes
+its draft each round from measured costs and acceptance.
+
+* :class:`~forerun.decoding.draft_length.ChainPlanner`: a chain drafter (a
+  draft model, prompt lookup) and the adaptive draft length;
+* :class:`~forerun.decoding.tree.RankTreePlanner`: a drafter of ranked
+  candidates per depth (Medusa heads) and the best tree of rank paths;
+* :class:`~forerun.decoding.draft_tree_planner.DraftTreePlanner`: a draft
+  model that drafts a tree by its own probabilities (EAGLE-2 style).
+
+A round, with ``L`` positions cached (every committed token but the last,
+the *root*):
+
+1. the planner drafts a tree that fits the room left in the context;
+2. the nodes whose tokens the target can take (a draft vocabulary may be
+   wider) are fed in one forward at positions ``L + depth``: a plain causal
+   feed for a chain, a tree attention mask otherwise (the engine must have
+   ``capabilities.tree_masks``);
+3. acceptance: greedy, lossless sampling over siblings, or (only when asked)
+   Medusa's lossy typical acceptance;
+4. the accepted path is kept: a path of the first fed slots is an O(1)
+   rollback; any other path is compacted to the contiguous slots ``L, L+1,
+   ..`` with ``keep_slots`` (a copy of the path's length), or, on an engine
+   without slot compaction, re-fed (the path only, never the prefix);
+5. the planner learns from the round (acceptance, costs) and the drafter
+   from the committed sequence.
+
+Statistics: ``rounds`` counts verifications; ``drafted`` counts the tree's
+*depth* per round (the most drafted tokens a round can accept: ``k`` for a
+chain, so ``acceptance_rate`` compares across shapes); ``accepted`` counts
+accepted drafted tokens.  ``nodes_verified`` on the method counts the
+drafted nodes fed.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Iterator, Protocol, Sequence
 
 import torch
 
 from ..decoder import Decoder
 from ..drafters.base import Drafter
 from ..errors import ConfigError
-from ..stats import GenerationStats
 from ..sampling import TokenSampler
-from .acceptance import accept_greedy, accept_sampled
+from ..stats import GenerationStats
 from .base import DraftAndVerify
-from .draft_length import AdaptiveDraftLength
+from .draft_length import MAX_DRAFT_LENGTH, ChainPlanner
+from .draft_tree import DraftTree
 from .finite import finite
 from .prefill import prefill
+from .tree_acceptance import accept_tree_greedy, accept_tree_sampled, accept_tree_typical
 
-MAX_DRAFT_LENGTH = 16
+__all__ = ["MAX_DRAFT_LENGTH", "Planner", "SpeculativeDecoding"]
+
+
+class Planner(Protocol):
+    """A drafter with the policy that sizes its drafts."""
+
+    name: str
+    #: whether :meth:`draft` needs the target's hidden state of the token
+    #: before the root (Medusa heads)
+    needs_hidden: bool
+    #: whether it drafts trees (else only chains)
+    drafts_trees: bool
+    #: the policy; its ``costs`` (a
+    #: :class:`~forerun.decoding.draft_length.VerifyCosts`) are kept per machine
+    policy: object
+
+    def needs_calibration(self) -> bool:
+        """Whether the policy chooses sizes from measured costs."""
+        ...
+
+    def calibrate(self, target: Decoder, token: int) -> None:
+        """Measure the target's verification costs (then roll back)."""
+        ...
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        """A new generation starts from ``prompt_ids``."""
+        ...
+
+    def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
+              sampler: TokenSampler) -> DraftTree:
+        """The tree of this round, of at most ``room`` drafted nodes, rooted
+        at ``sequence[-1]`` (no nodes: a plain step)."""
+        ...
+
+    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
+        """The verdict on ``tree``: ``path`` was accepted and ``sequence``
+        is the committed sequence now."""
+        ...
+
+    def settle(self, length: int) -> None:
+        """Keep at most ``length`` committed positions of drafting state."""
+        ...
 
 
 class SpeculativeDecoding(DraftAndVerify):
-    """Draft-then-verify decoding over any :class:`~forerun.drafters.base.Drafter`.
+    """Draft-then-verify decoding (see the module docstring).
 
-    ``k``: a fixed draft length, or ``None`` to choose it every round from
-    measured costs (:mod:`forerun.decoding.draft_length`), up to ``max_k``.
+    With a chain ``drafter`` (:class:`~forerun.drafters.base.Drafter`):
+    ``k`` fixes the draft length, else it is chosen every round from measured
+    costs, up to ``max_k``.  Any other drafting comes as a ``planner``.
+    ``lossy_typical``: Medusa's typical acceptance when sampling, which is
+    **not** lossless (see :mod:`~forerun.decoding.tree_acceptance`).
     """
 
-    def __init__(self, target: Decoder, drafter: Drafter, *, k: int | None = None,
-                 max_k: int = 8, name: str | None = None) -> None:
-        if k is not None and not (isinstance(k, int) and 1 <= k <= MAX_DRAFT_LENGTH):
-            raise ConfigError(f"draft length k must be an integer in 1..{MAX_DRAFT_LENGTH}, got {k!r}")
-        if not 1 <= max_k <= MAX_DRAFT_LENGTH:
-            raise ConfigError(f"max_k must lie in 1..{MAX_DRAFT_LENGTH}, got {max_k}")
+    def __init__(self, target: Decoder, drafter: Drafter | None = None, *,
+                 k: int | None = None, max_k: int = 8, name: str | None = None,
+                 planner: Planner | None = None, lossy_typical: bool = False,
+                 typical_threshold: float = 0.09, typical_alpha: float = 0.3) -> None:
+        if planner is None:
+            if drafter is None:
+                raise ConfigError("speculative decoding needs a drafter or a planner")
+            planner = ChainPlanner(drafter, k=k, max_k=max_k)
+        caps = target.capabilities
+        if planner.needs_hidden and not caps.hidden_states:
+            raise ConfigError(f"the {planner.name} drafter needs the target's hidden states, "
+                              f"which the {target.engine} engine does not provide")
+        if planner.drafts_trees and not caps.tree_masks:
+            raise ConfigError(f"{planner.name} drafts trees, whose verification needs tree "
+                              f"attention masks, which the {target.engine} engine does not "
+                              f"take; use the torch engine, or draft a chain")
         self.target = target
+        self.planner = planner
         self.drafter = drafter
-        self.fixed_k = k
-        self.name = name or drafter.name
-        self.policy = AdaptiveDraftLength(max_k)
+        self.policy = planner.policy
+        self.name = name or planner.name
+        self.lossy_typical = lossy_typical
+        self.typical_threshold = typical_threshold
+        self.typical_alpha = typical_alpha
         self._calibrated = False
         self.cost_store = None   # optional: persists calibration (see api)
+        self.nodes_verified = 0
 
     def _calibrate(self, token: int) -> None:
-        if self._calibrated or self.fixed_k is not None:
+        if self._calibrated or not self.planner.needs_calibration():
             return
-        self._use_stored_or_measure(lambda: self.policy.costs.calibrate(self.target, token))
-
-    def _draft_length(self, room: int) -> int:
-        if self.fixed_k is not None:
-            k = self.fixed_k
-        else:
-            k = self.policy.choose(self.drafter.step_seconds())
-        return max(0, min(k, room))
+        self._use_stored_or_measure(lambda: self.planner.calibrate(self.target, token))
 
     def run(self, prompt_ids: list[int], sampler: TokenSampler,
             stats: GenerationStats) -> Iterator[list[int]]:
-        target, drafter = self.target, self.drafter
-        drafter.begin(prompt_ids)
+        target, planner = self.target, self.planner
+        want_hidden = bool(planner.needs_hidden)
+        planner.begin(prompt_ids)
         sequence = list(prompt_ids)
         start = time.perf_counter()
         # The prefill is plain decoding's (an engine may compute a prefill
         # with other kernels than a verification), and its logits give the
         # first token.
-        logits = finite(prefill(target, sequence).logits[-1])
+        out = prefill(target, sequence, return_hidden=want_hidden)
+        hidden = out.hidden[-1] if want_hidden else None
         self._calibrate(sequence[-1])
         stats.prefill_seconds = time.perf_counter() - start
         stats.verify_group = target.verify_group
-        first = sampler.pick(logits)
+        first = sampler.pick(finite(out.logits[-1]))
         sequence.append(first)
         yield [first]
         vocab = target.vocab_size
         while True:
             room = target.context_length - target.length - 1
-            k = self._draft_length(room)
             t0 = time.perf_counter()
-            draft = drafter.propose(sequence, k, sampler) if k else None
-            tokens = draft.tokens if draft else []
-            draft_probs = draft.probs if draft else None
-            # A draft vocabulary wider than the target's can't be fed past its
-            # first out-of-range token.  That draft has target probability 0,
-            # so it is always rejected; but a sampled one must still go to the
-            # acceptance rule, whose rejection draws from norm(max(0, p - q))
-            # there (drawing from p instead would not be lossless).
-            cut = next((i for i, t in enumerate(tokens) if t >= vocab), None)
-            if cut is not None:
-                keep = cut + 1 if draft_probs is not None else cut
-                tokens = tokens[:keep]
-                draft_probs = None if draft_probs is None else draft_probs[:keep]
-            fed = tokens if cut is None else tokens[:cut]
+            tree = planner.draft(sequence, hidden, room, sampler)
+            fed = tree.feedable(vocab)
+            tokens = [tree.tokens[i] for i in fed]
             t1 = time.perf_counter()
             base = target.length
-            logits = finite(target.feed([sequence[-1]] + fed).logits)
-            t2 = time.perf_counter()
-            if sampler.greedy:
-                n, extra = accept_greedy(fed, logits)
+            shape = tree.shape if len(fed) == tree.shape.size else tree.subtree(fed)
+            if shape.is_chain:
+                out = target.feed(tokens, return_hidden=want_hidden)
             else:
-                target_probs = sampler.probs(logits)
-                if len(fed) < len(tokens):
-                    # The row after the out-of-range draft is never read.
-                    target_probs = torch.cat([target_probs, target_probs[-1:]])
-                n, extra = accept_sampled(tokens, draft_probs, target_probs,
-                                          sampler.generator)
-            target.rollback(base + 1 + n)
-            committed = tokens[:n] + [extra]
+                out = target.forward(tokens, shape.positions(base, target.device),
+                                     shape.attention_mask(base, target.device),
+                                     return_hidden=want_hidden)
+            t2 = time.perf_counter()
+            logits = finite(out.logits)
+            row = {node: i for i, node in enumerate(fed)}
+            path, extra = self._accept(tree, row, logits, sampler)
+            rows = [row[node] for node in path]
+            n = len(path)
+            if rows == list(range(n)):
+                target.rollback(base + n)        # a prefix of the fed slots
+                hidden = out.hidden[rows[-1]] if want_hidden else None
+            elif target.capabilities.slot_compaction:
+                target.keep_slots(torch.tensor([base + r for r in rows], dtype=torch.long),
+                                  base)
+                hidden = out.hidden[rows[-1]] if want_hidden else None
+            else:
+                target.rollback(base)
+                again = target.feed([tree.tokens[i] for i in path], return_hidden=want_hidden)
+                hidden = again.hidden[-1] if want_hidden else None
+            committed = [tree.tokens[i] for i in path[1:]] + [int(extra)]
             sequence.extend(committed)
-            drafter.observe(sequence, n)
-            stats.record_round(drafted=len(tokens), accepted=n, draft_seconds=t1 - t0,
-                               verify_seconds=t2 - t1)
-            if tokens:
-                self.policy.acceptance.update(len(tokens), n)
-            self.policy.costs.observe(len(fed) + 1, t2 - t1)
+            planner.learn(sequence, tree, path)
+            stats.record_round(drafted=tree.depth if tree.num_nodes else 0, accepted=n - 1,
+                               draft_seconds=t1 - t0, verify_seconds=t2 - t1)
+            self.nodes_verified += len(fed) - 1
+            self.policy.costs.observe(len(fed), t2 - t1)
             yield committed
 
+    def _accept(self, tree: DraftTree, row: dict[int, int], logits: torch.Tensor,
+                sampler: TokenSampler) -> tuple[list[int], int]:
+        if sampler.greedy:
+            choice = logits.argmax(dim=-1).tolist()
+            return accept_tree_greedy(tree, lambda i: choice[row[i]])
+
+        # The processed distribution of a node's row, on demand: the walk
+        # usually reads only a few rows, and with a large vocabulary each
+        # costs a sort.
+        def probs_of(i: int) -> torch.Tensor:
+            return sampler.probs(logits[row[i]])
+
+        if self.lossy_typical:
+            return accept_tree_typical(tree, probs_of, sampler.generator,
+                                       threshold=self.typical_threshold,
+                                       alpha=self.typical_alpha)
+        return accept_tree_sampled(tree, probs_of, sampler.generator)

@@ -1,9 +1,11 @@
-"""Draft trees: their shape, the buffers tree verification needs, and the
-choice of a tree for the hardware.
+"""Trees of rank paths (Medusa's heads), and the choice of such a tree for
+the hardware.
 
 Shape
 -----
-A tree is identified by the *rank paths* of its nodes (Medusa's "choices"):
+Medusa's heads propose ranked candidates per depth, independent of the
+parent: a tree is then identified by the *rank paths* of its nodes
+(Medusa's "choices"):
 node ``(r1, r2, .., rd)`` sits at depth ``d`` and holds the ``rd``-th
 candidate for depth ``d`` of the drafter, below node ``(r1, .., r(d-1))``.
 The root ``()`` is the last committed token (fed at the head of every
@@ -12,10 +14,10 @@ breadth-first order (by depth, then rank path), so a parent always precedes
 its children and every root-to-node path is strictly ascending, which is what
 :meth:`~forerun.kv_cache.KVCache.move` needs to compact an accepted path.
 
-Everything verification needs is computed once per shape and reused
-(:func:`tree_shape` caches shapes, like Medusa's buffers): the ancestor mask
-of the tree, the depth of each node (its position id is ``length + depth``),
-each node's children in rank order, and the leaves' paths.
+A :class:`TreeShape` is a
+:class:`~forerun.decoding.draft_tree.TreeTopology` (parents, mask, depths:
+what verification feeds) that also knows its rank paths; :func:`tree_shape`
+builds each once.
 
 Choosing the tree on a CPU
 --------------------------
@@ -60,25 +62,28 @@ from __future__ import annotations
 
 import heapq
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
 from ..errors import ConfigError
+from ..sampling import TokenSampler
 from .draft_length import VerifyCosts
+from .draft_tree import DraftTree, TreeTopology
+
+MAX_TREE_NODES = 64
 
 RankPath = tuple[int, ...]
 
 
-class TreeShape:
-    """The shape of a draft tree; see the module docstring.
+class TreeShape(TreeTopology):
+    """A tree of rank paths (Medusa's "choices"); see the module docstring.
 
     ``paths[i]``: rank path of node ``i`` (node 0 is the root, ``()``).
-    ``parents[i]``: its parent's index (``-1`` for the root).  ``depths[i]``:
-    ``len(paths[i])``.  ``children[i]``: child indices in rank order.
-    ``tree_mask``: bool ``[size, size]``, ``[i, j]`` True when node ``j`` is
-    ``i`` or one of its ancestors.  ``leaf_paths``: node indices from the
-    root to each leaf.
+    ``ranks[i]``: its rank among its siblings.  ``widths[d]``: candidates
+    needed at depth ``d + 1``.  ``leaf_paths``: node indices from the root
+    to each leaf.  The topology (parents, depths, mask) is
+    :class:`~forerun.decoding.draft_tree.TreeTopology`'s.
     """
 
     def __init__(self, paths: Iterable[Sequence[int]]) -> None:
@@ -93,77 +98,19 @@ class TreeShape:
                 found.add(path[:d])
         nodes: list[RankPath] = [()] + sorted(found, key=lambda p: (len(p), p))
         index = {p: i for i, p in enumerate(nodes)}
+        super().__init__([-1] + [index[p[:-1]] for p in nodes[1:]])
         self.paths = nodes
         self.key = tuple(nodes[1:])
-        self.parents = [-1] + [index[p[:-1]] for p in nodes[1:]]
-        self.depths = [len(p) for p in nodes]
         self.ranks = [-1] + [p[-1] for p in nodes[1:]]
-        self.children: list[list[int]] = [[] for _ in nodes]
-        for i in range(1, len(nodes)):
-            self.children[self.parents[i]].append(i)
-        self.depth = max(self.depths)
         #: candidates needed per depth: 1 + the largest rank used there
         self.widths = [0] * self.depth
         for p in nodes[1:]:
             self.widths[len(p) - 1] = max(self.widths[len(p) - 1], p[-1] + 1)
-        mask = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
-        for i in range(len(nodes)):
-            j = i
-            while j >= 0:
-                mask[i, j] = True
-                j = self.parents[j]
-        self.tree_mask = mask
-        self.depth_ids = torch.tensor(self.depths, dtype=torch.long)
         self.leaves = [i for i in range(len(nodes)) if not self.children[i]]
         self.leaf_paths = [self.path_nodes(i) for i in self.leaves]
-        self._on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    # -- facts -------------------------------------------------------------
-    @property
-    def size(self) -> int:
-        """Positions a verification feeds: the root plus every node."""
-        return len(self.paths)
-
-    @property
-    def num_nodes(self) -> int:
-        """Drafted nodes (the root excluded)."""
-        return len(self.paths) - 1
-
-    @property
-    def is_chain(self) -> bool:
-        return all(len(c) <= 1 for c in self.children)
-
-    def path_nodes(self, node: int) -> list[int]:
-        """Node indices from the root to ``node``, both included."""
-        out = []
-        while node >= 0:
-            out.append(node)
-            node = self.parents[node]
-        return out[::-1]
 
     def __repr__(self) -> str:
         return f"TreeShape({list(self.key)})"
-
-    # -- what verification feeds ------------------------------------------
-    def _buffers(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        key = str(device)
-        if key not in self._on_device:
-            self._on_device[key] = (self.tree_mask.to(device), self.depth_ids.to(device))
-        return self._on_device[key]
-
-    def attention_mask(self, prefix: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Bool ``[size, prefix + size]`` in the Decoder.forward convention:
-        every node sees the whole cached prefix, itself and its ancestors."""
-        tree, _ = self._buffers(device)
-        if prefix == 0:
-            return tree
-        return torch.cat([torch.ones(self.size, prefix, dtype=torch.bool, device=device),
-                          tree], dim=1)
-
-    def positions(self, start: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Position ids: ``start + depth`` (siblings share a position)."""
-        _, depths = self._buffers(device)
-        return depths + start
 
     def tokens(self, root: int, candidates: Sequence[Sequence[int]]) -> list[int]:
         """Token of every node: the root, then ``candidates[d - 1][r]`` for a
@@ -355,3 +302,117 @@ class TreePolicy:
                 best = min(best, time.perf_counter() - start)
                 decoder.rollback(base)
             self.costs.seconds[t] = best
+
+
+# -- drafters of ranked candidates ------------------------------------------------
+
+class RankDrafter(Protocol):
+    """Proposes ranked candidates per depth, independent of the parent
+    (Medusa heads)."""
+
+    name: str
+    #: whether :meth:`candidates` needs the target's hidden state
+    needs_hidden: bool
+    max_depth: int
+    max_width: int
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        ...
+
+    def rank_accuracy(self) -> list[list[float]] | None:
+        """Prior hit rate of each depth's rank-r candidate, ``[depth][rank]``."""
+        ...
+
+    def candidates(self, sequence: Sequence[int], hidden: torch.Tensor | None, depth: int,
+                   width: int, sampler: TokenSampler) -> list[list[int]]:
+        """Up to ``width`` ranked candidates for each of the ``depth``
+        positions after ``sequence``.  ``hidden``: the target's final hidden
+        state of ``sequence[-2]`` (the input of Medusa heads).  Candidates
+        must not depend on the target's verdict, and siblings should be
+        distinct."""
+        ...
+
+    def settle(self, length: int) -> None:
+        ...
+
+    def step_seconds(self, depth: int) -> float:
+        """Seconds to draft a tree of this depth."""
+        ...
+
+
+class RankTreePlanner:
+    """A :class:`RankDrafter` with :class:`TreePolicy`: the
+    :class:`~forerun.decoding.speculative.Planner` of Medusa heads.
+
+    ``tree``: a fixed shape (a :class:`TreeShape` or rank paths) instead of
+    choosing one per round; ``nodes``: a fixed node count (the best tree of
+    that size by the measured accuracies).
+    """
+
+    drafts_trees = True
+
+    def __init__(self, drafter: RankDrafter, *,
+                 tree: TreeShape | Sequence[Sequence[int]] | None = None,
+                 nodes: int | None = None, max_nodes: int = 16) -> None:
+        if nodes is not None and not (isinstance(nodes, int) and 1 <= nodes <= MAX_TREE_NODES):
+            raise ConfigError(f"the tree's node count must be an integer in "
+                              f"1..{MAX_TREE_NODES}, got {nodes!r}")
+        if not 1 <= max_nodes <= MAX_TREE_NODES:
+            raise ConfigError(f"max_nodes must lie in 1..{MAX_TREE_NODES}, got {max_nodes}")
+        self.drafter = drafter
+        self.name = drafter.name
+        self.needs_hidden = bool(drafter.needs_hidden)
+        self.fixed_tree = None if tree is None else tree_shape(tree)
+        if self.fixed_tree is not None and self.fixed_tree.depth > drafter.max_depth:
+            raise ConfigError(f"the tree is {self.fixed_tree.depth} deep but the drafter "
+                              f"proposes at most {drafter.max_depth} positions")
+        self.policy = TreePolicy(drafter.max_depth, drafter.max_width,
+                                 max_nodes=max(max_nodes, nodes or 0),
+                                 prior=drafter.rank_accuracy(), nodes=nodes)
+
+    def needs_calibration(self) -> bool:
+        return self.fixed_tree is None and not self.policy.fixed_nodes
+
+    def calibrate(self, target, token: int) -> None:
+        self.policy.calibrate(target, token)
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.drafter.begin(prompt_ids)
+
+    def _shape(self, room: int, have_hidden: bool) -> TreeShape:
+        if room <= 0 or (self.needs_hidden and not have_hidden):
+            return tree_shape([])
+        if self.fixed_tree is not None:
+            shape = self.fixed_tree
+            # Breadth-first order: any prefix of the nodes is a tree.
+            return shape if shape.num_nodes <= room else tree_shape(shape.key[:room])
+        return self.policy.choose(self.drafter.step_seconds, room)
+
+    @staticmethod
+    def _fit(shape: TreeShape, candidates: list[list[int]]) -> TreeShape:
+        """Drop the nodes the drafter gave no candidate for, and their
+        subtrees."""
+        if len(candidates) >= shape.depth and all(
+                len(candidates[d]) >= w for d, w in enumerate(shape.widths)):
+            return shape
+        return tree_shape([p for p in shape.key
+                           if all(d < len(candidates) and r < len(candidates[d])
+                                  for d, r in enumerate(p))])
+
+    def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
+              sampler: TokenSampler) -> DraftTree:
+        shape = self._shape(room, hidden is not None)
+        candidates: list[list[int]] = []
+        if shape.num_nodes:
+            candidates = self.drafter.candidates(sequence, hidden, shape.depth,
+                                                 max(shape.widths), sampler)
+            shape = self._fit(shape, candidates)
+        return DraftTree(shape, shape.tokens(sequence[-1], candidates))
+
+    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
+        if tree.num_nodes:
+            self.policy.acceptance.update(tree.shape, path)
+
+    def settle(self, length: int) -> None:
+        self.drafter.settle(length)
+

@@ -1,24 +1,34 @@
-"""Acceptance rules for a verified draft tree.
+"""Acceptance rules for a verified draft tree (a chain is a tree too).
 
 Each rule walks the tree from the root and returns the accepted path (node
 indices from the root, the root included) and the one token the target adds
-after it.  Row ``i`` of the target's logits is the distribution of the token
-that follows node ``i``.
+after it.  The target's distribution after node ``i`` is read only for the
+nodes the walk reaches.
 
 * :func:`accept_tree_greedy`: at each node, follow the child whose token is
   the target's argmax; stop where none is.  The output is token-identical to
   plain greedy decoding.
-* :func:`accept_tree_sampled`: lossless sampling over sibling candidates
-  (SpecInfer's multi-step speculative sampling, Miao et al. 2024, with
-  deterministic candidates).  At a node with target distribution ``p``, the
-  children are tried in rank order: child ``x`` is accepted with probability
-  ``r(x) / sum(r)`` where ``r`` is the residual, initially ``p``; after each
-  rejection ``r(x) = 0``.  If every child is rejected the added token is
-  drawn from ``r``.  Each candidate is a point mass, so this is the rule
-  ``accept x with probability min(1, r(x) / q(x))``, ``r <- norm(max(0, r -
-  q))`` with ``q = delta_x``, and its output has exactly the distribution
-  ``p``: the walk is the same as drawing ``y ~ p`` and following the child
-  whose token is ``y`` if there is one.
+* :func:`accept_tree_sampled`: lossless sampling over the children of a
+  node, tried in order, with a residual ``r`` that starts as the target's
+  distribution ``p`` and is updated after each rejected child:
+
+  - a *deterministic* child ``x`` (a point mass) is accepted with
+    probability ``r(x)``; on rejection ``r <- norm(r without x)``.  This is
+    SpecInfer's multi-step speculative sampling (Miao et al. 2024): the walk
+    is the same as drawing ``y ~ p`` and following the child whose token is
+    ``y``, if there is one;
+  - children *sampled without replacement* from the draft distribution
+    ``q``: the ``i``-th was drawn from ``q_i``, which is ``q`` without the
+    earlier siblings, renormalised.  Child ``x`` is accepted with
+    probability ``min(1, r(x) / q_i(x))``; on rejection ``r <- norm(max(0,
+    r - q_i))``.  This is recursive rejection sampling (Jeon et al. 2024,
+    "Recursive Speculative Decoding"), which generalises the multi-draft
+    rule of SpecInfer and of Chen et al. 2023 to draws without replacement;
+    with one child it is speculative sampling (Leviathan et al. 2023, Chen
+    et al. 2023).
+
+  If every child is rejected, the added token is drawn from ``r``.  Either
+  way the output has exactly the target's distribution.
 * :func:`accept_tree_typical`: Medusa's *typical acceptance* (Cai et al.
   2024): a candidate passes when ``p(x) > min(threshold, alpha * exp(-H(p)))``;
   the longest passing path wins (ties: the most likely one) and the added
@@ -30,23 +40,23 @@ that follows node ``i``.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-from .tree import TreeShape
+from .draft_tree import DraftTree
 
 ProbsOf = Callable[[int], torch.Tensor]
 
 
-def accept_tree_greedy(shape: TreeShape, tokens: Sequence[int], logits: torch.Tensor
+def accept_tree_greedy(tree: DraftTree, argmax_of: Callable[[int], int]
                        ) -> tuple[list[int], int]:
-    """``logits``: ``[shape.size, V]``, one row per node."""
-    choice = logits.argmax(dim=-1).tolist()
+    """``argmax_of(i)``: the target's argmax after node ``i``."""
+    children, tokens = tree.shape.children, tree.tokens
     node, path = 0, [0]
     while True:
-        want = int(choice[node])
-        nxt = next((c for c in shape.children[node] if tokens[c] == want), None)
+        want = int(argmax_of(node))
+        nxt = next((c for c in children[node] if tokens[c] == want), None)
         if nxt is None:
             return path, want
         path.append(nxt)
@@ -57,51 +67,95 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs.to(generator.device), 1, generator=generator))
 
 
-def accept_tree_sampled(shape: TreeShape, tokens: Sequence[int], probs_of: ProbsOf,
-                        generator: torch.Generator) -> tuple[list[int], int]:
+def _pad(probs: torch.Tensor, width: int) -> torch.Tensor:
+    if probs.shape[-1] == width:
+        return probs
+    return torch.nn.functional.pad(probs, (0, width - probs.shape[-1]))
+
+
+def accept_tree_sampled(tree: DraftTree, probs_of: ProbsOf, generator: torch.Generator
+                        ) -> tuple[list[int], int]:
     """``probs_of(i)``: the target's processed ``[V]`` distribution after
     node ``i`` (computed only for the nodes the walk reaches)."""
     node, path = 0, [0]
     while True:
         p = probs_of(node).float()
-        kids = shape.children[node]
+        kids = tree.shape.children[node]
         if not kids:
             return path, _draw(p, generator)
-        width = p.numel()
-        xs = [tokens[c] for c in kids]
-        inside = [x for x in xs if 0 <= x < width]
-        mass = dict(zip(inside, p[inside].tolist())) if inside else {}
-        uniforms = torch.rand(len(kids), generator=generator,
-                              device=generator.device).tolist()
-        total = float(p.sum())
-        zeroed: list[int] = []
-        chosen = None
-        for c, x, u in zip(kids, xs, uniforms):
-            px = mass.get(x, 0.0)
-            if u * total < px:
-                chosen = c
-                break
-            if px > 0:                      # reject x: r <- r without x
-                total -= px
-                mass[x] = 0.0
-                zeroed.append(x)
+        q = tree.sibling_probs.get(node)
+        uniforms = torch.rand(len(kids), generator=generator, device=generator.device).tolist()
+        if q is None:
+            chosen, residual = _walk_point_masses(tree, kids, p, uniforms)
+        else:
+            chosen, residual = _walk_sampled(tree, kids, p, q, uniforms)
         if chosen is None:
-            residual = p
-            if zeroed:
-                residual = p.clone()
-                residual[zeroed] = 0.0
-                if float(residual.sum()) <= 0:   # rounding: p had no other mass
-                    residual = p
             return path, _draw(residual, generator)
         path.append(chosen)
         node = chosen
 
 
-def accept_tree_typical(shape: TreeShape, tokens: Sequence[int], probs_of: ProbsOf,
-                        generator: torch.Generator, *, threshold: float = 0.09,
-                        alpha: float = 0.3) -> tuple[list[int], int]:
+def _walk_point_masses(tree: DraftTree, kids: list[int], p: torch.Tensor,
+                       uniforms: list[float]) -> tuple[int | None, torch.Tensor]:
+    """Deterministic children: accept ``x`` with probability ``r(x)``, else
+    take ``x`` out of ``r``."""
+    width = p.numel()
+    xs = [tree.tokens[c] for c in kids]
+    inside = [x for x in xs if 0 <= x < width]
+    mass = dict(zip(inside, p[inside].tolist())) if inside else {}
+    total = float(p.sum())
+    zeroed: list[int] = []
+    for c, x, u in zip(kids, xs, uniforms):
+        px = mass.get(x, 0.0)
+        if u * total < px:
+            return c, p
+        if px > 0:                      # reject x: r <- r without x
+            total -= px
+            mass[x] = 0.0
+            zeroed.append(x)
+    residual = p
+    if zeroed:
+        residual = p.clone()
+        residual[zeroed] = 0.0
+        if float(residual.sum()) <= 0:   # rounding: p had no other mass
+            residual = p
+    return None, residual
+
+
+def _walk_sampled(tree: DraftTree, kids: list[int], p: torch.Tensor, q: torch.Tensor,
+                  uniforms: list[float]) -> tuple[int | None, torch.Tensor]:
+    """Children drawn without replacement from ``q``: recursive rejection
+    sampling (see the module docstring).  ``q`` is used as given for the
+    first child; each later child's ``q_i`` is the previous one without the
+    rejected token, rescaled to ``q``'s total."""
+    width = max(p.numel(), q.numel())
+    r = _pad(p, width)
+    qi = _pad(q.float().to(p.device), width).clone()
+    q_total = float(qi.sum())
+    for c, u in zip(kids, uniforms):
+        x = tree.tokens[c]
+        q_sum = float(qi.sum())
+        if q_sum <= 0:
+            break
+        scaled = qi if q_sum == q_total else qi * (q_total / q_sum)
+        # u < r/q  <=>  u * q < r: no division by a zero q (such x can't be drafted).
+        if u * float(scaled[x]) < float(r[x]):
+            return c, r
+        nxt = torch.clamp(r - scaled, min=0.0)
+        total = float(nxt.sum())
+        if total > 0:                   # else r <= q_i: that rejection had probability 0
+            r = nxt / total
+        qi[x] = 0.0                     # the next sibling was drawn without x
+    head = r[:p.numel()]
+    return None, head if float(head.sum()) > 0 else p
+
+
+def accept_tree_typical(tree: DraftTree, probs_of: ProbsOf, generator: torch.Generator, *,
+                        threshold: float = 0.09, alpha: float = 0.3
+                        ) -> tuple[list[int], int]:
     """Medusa's typical acceptance (lossy; see the module docstring)."""
     cache: dict[int, tuple[torch.Tensor, float]] = {}
+    children, tokens = tree.shape.children, tree.tokens
 
     def info(i: int) -> tuple[torch.Tensor, float]:
         if i not in cache:
@@ -117,10 +171,10 @@ def accept_tree_typical(shape: TreeShape, tokens: Sequence[int], probs_of: Probs
         if len(path) > len(best_path) or (len(path) == len(best_path) and score > best_score):
             best_path, best_score = path, score
         node = path[-1]
-        if not shape.children[node]:
+        if not children[node]:
             continue
         p, cut = info(node)
-        for c in shape.children[node]:
+        for c in children[node]:
             x = tokens[c]
             px = float(p[x]) if 0 <= x < p.numel() else 0.0
             if px > cut:

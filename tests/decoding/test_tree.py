@@ -10,6 +10,7 @@ import torch
 from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.tree import (RankAcceptance, TreePolicy, TreeShape, grow_tree,
                                    tree_shape)
+from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.tree_acceptance import accept_tree_greedy
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.errors import ConfigError
@@ -125,10 +126,15 @@ def test_greedy_tree_acceptance_follows_the_argmax():
     logits[0, 5] = 1       # root -> token 5 = node 2 (rank 1)
     logits[2, 8] = 1       # node 2 -> token 8 = node 5 (1, 1)
     logits[5, 3] = 1       # leaf -> 3 is the bonus token
-    assert accept_tree_greedy(shape, tokens, logits) == ([0, 2, 5], 3)
+    tree = DraftTree(shape, tokens)
+
+    def argmax(i):
+        return int(logits[i].argmax())
+
+    assert accept_tree_greedy(tree, argmax) == ([0, 2, 5], 3)
     logits[0] = 0
     logits[0, 1] = 1       # nothing matches at the root
-    assert accept_tree_greedy(shape, tokens, logits) == ([0], 1)
+    assert accept_tree_greedy(tree, argmax) == ([0], 1)
 
 
 # -- the tree policy -------------------------------------------------------------------

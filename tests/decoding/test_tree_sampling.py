@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from forerun.decoder import Capabilities
-from forerun.decoding import tree_speculative as tree_module
+from forerun.decoding import speculative as loop_module
 from forerun.decoding.tree import TreeShape
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.stats import GenerationStats
@@ -159,9 +159,10 @@ def test_adaptive_tree_sampling_is_exact():
 
 # -- broken twins -------------------------------------------------------------------------
 
-def _no_residual_update(shape, tokens, probs_of, generator):
+def _no_residual_update(tree, probs_of, generator):
     """Each sibling is accepted with probability p(x) under the *original*
     p: later siblings are under-weighted."""
+    shape, tokens = tree.shape, tree.tokens
     node, path = 0, [0]
     while True:
         p = probs_of(node).float()
@@ -181,9 +182,10 @@ def _no_residual_update(shape, tokens, probs_of, generator):
         node = chosen
 
 
-def _final_draw_from_p(shape, tokens, probs_of, generator):
+def _final_draw_from_p(tree, probs_of, generator):
     """The right sibling rule, but when every sibling is rejected the token
     is drawn from p instead of the residual: over-weights the candidates."""
+    shape, tokens = tree.shape, tree.tokens
     node, path = 0, [0]
     while True:
         p = probs_of(node).float()
@@ -205,7 +207,7 @@ def _final_draw_from_p(shape, tokens, probs_of, generator):
 @pytest.mark.parametrize("rule", [_no_residual_update, _final_draw_from_p],
                          ids=["no_residual_update", "final_draw_from_p"])
 def test_broken_sibling_rule_is_detected(monkeypatch, rule):
-    monkeypatch.setattr(tree_module, "accept_tree_sampled", rule)
+    monkeypatch.setattr(loop_module, "accept_tree_sampled", rule)
     method = tree_method(TreeShape.from_counts([3, 2, 1]))
     counts, _ = draw_counts(method, TEMPERATURE, [1], N_BROKEN, seed=2)
     pv, detail = p_value(counts, TEMPERATURE, [1])

@@ -92,3 +92,23 @@ def test_api_draft_none_is_plain_decoding(tiny):
     assert none.tokens == plain.tokens and none.stats.method == plain.stats.method
     with pytest.raises(GenerationConfigError, match="draft_k needs a draft"):
         target.generate(prompt_ids=[1, 2, 3], max_new_tokens=2, draft="none", draft_k=2)
+
+
+def test_api_draft_tree_matches_plain_and_refuses_wrong_combinations(tiny):
+    target, draft_folder = tiny
+    plain = target.generate(prompt_ids=[1, 2, 3], max_new_tokens=12, ignore_eos=True)
+    for nodes in (None, 4):
+        out = target.generate(prompt_ids=[1, 2, 3], max_new_tokens=12, ignore_eos=True,
+                              draft=draft_folder, draft_tree=True, tree_nodes=nodes)
+        assert out.tokens == plain.tokens
+    wrong = [
+        (dict(draft="ngram", draft_tree=True), "need a draft model"),
+        (dict(draft=draft_folder, draft_tree=True, draft_k=3), "draft_k drafts a chain"),
+        (dict(draft=draft_folder, tree_nodes=3, draft_async=True), "asynchronous drafting"),
+        (dict(draft=draft_folder, tree_nodes=0), "tree_nodes must be a positive integer"),
+        (dict(draft=draft_folder, draft_tree="yes"), "draft_tree must be True or False"),
+        (dict(draft=None, draft_tree=True), "need a draft model"),
+    ]
+    for kwargs, message in wrong:
+        with pytest.raises(GenerationConfigError, match=message):
+            target.generate(prompt_ids=[1, 2, 3], max_new_tokens=2, **kwargs)

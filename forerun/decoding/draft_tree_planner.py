@@ -1,0 +1,159 @@
+"""Sizing a draft model's tree each round from measured costs and measured
+acceptance: the :class:`~forerun.decoding.speculative.Planner` of
+:class:`~forerun.drafters.draft_model_tree.DraftModelTreeDrafter`.
+
+Before drafting, the depth: about two levels past the accepted length of
+recent rounds, and none at all (a plain step) when a tree of the recent
+size, accepting what recent trees accepted, would not beat a plain step at
+the measured costs.  Like the adaptive draft length, it explores with a
+tree every few plain rounds, but only where drafting could pay at all.
+
+After drafting, the node budget (EAGLE-2's reranking): the drafted nodes
+enter best-first by cumulative draft probability ``s`` (the drafter's
+:meth:`~forerun.drafters.draft_model_tree.DraftModelTreeDrafter.select`);
+node ``i`` is accepted with probability about ``c * s_i``, where ``c``
+calibrates the draft's confidence against what the target accepted in past
+rounds.  A round of the first ``N`` nodes commits ``1 + sum c * s_i`` tokens
+on average and costs the drafting plus a verification of ``N + 1``
+positions; the planner keeps the ``N`` with the most tokens per second.
+``nodes`` fixes ``N`` instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..sampling import TokenSampler
+from .draft_length import OPTIMISTIC_ACCEPTANCE, VerifyCosts
+from .draft_tree import DraftTree
+from .tree import MAX_TREE_NODES
+
+
+class NodeBudgetPolicy:
+    """The depth before drafting and the node count after; see the module
+    docstring."""
+
+    def __init__(self, max_nodes: int = 16, max_depth: int = 8,
+                 explore_every: int = 8) -> None:
+        self.max_nodes = max_nodes
+        self.max_depth = max_depth
+        self.costs = VerifyCosts(max_nodes + 1)
+        self.explore_every = explore_every
+        self.accepted = 1.0          # decayed mean accepted drafts per round
+        self.nodes = 4.0             # decayed mean nodes verified per round
+        self._predicted = 1.0        # decayed sums behind the calibration c
+        self._actual = 1.0
+        self._plain_streak = 0
+
+    @property
+    def confidence_scale(self) -> float:
+        """``c``: accepted drafts per unit of cumulative draft probability."""
+        return min(2.0, max(0.2, self._actual / self._predicted))
+
+    def depth(self, cap: int, draft_seconds) -> int:
+        """Levels to draft (0: a plain step); ``draft_seconds(depth)``: the
+        drafter's cost."""
+        depth = max(1, min(self.max_depth, cap, math.ceil(self.accepted) + 2))
+        nodes = max(1, min(cap, round(self.nodes)))
+
+        def pays(accepted: float) -> bool:
+            tree = (1.0 + accepted) / (self.costs(nodes + 1) + draft_seconds(depth))
+            return tree > 1.0 / self.costs(1)
+
+        if pays(self.accepted):
+            self._plain_streak = 0
+            return depth
+        self._plain_streak += 1
+        if self._plain_streak >= self.explore_every:
+            self._plain_streak = 0
+            if pays(OPTIMISTIC_ACCEPTANCE * depth):
+                return depth
+        return 0
+
+    def budget(self, scores: Sequence[float], draft_seconds: float, cap: int) -> int:
+        """The node count ``N <= cap`` to verify, from the cumulative draft
+        probabilities of the nodes in the order they enter the tree."""
+        c = self.confidence_scale
+        best_n, best_rate, expected = 0, 1.0 / (self.costs(1) + draft_seconds), 1.0
+        for n, s in enumerate(scores[:cap], 1):
+            expected += min(1.0, c * s)
+            rate = expected / (self.costs(n + 1) + draft_seconds)
+            if rate > best_rate * 1.0001:
+                best_n, best_rate = n, rate
+        return best_n
+
+    def learn(self, scores: Sequence[float], accepted: int) -> None:
+        """A verified round: the nodes' cumulative draft probabilities, and
+        how many drafted tokens the target accepted."""
+        decay = 0.9
+        self.accepted = decay * self.accepted + (1 - decay) * accepted
+        self.nodes = decay * self.nodes + (1 - decay) * len(scores)
+        self._predicted = decay * self._predicted + sum(scores)
+        self._actual = decay * self._actual + accepted
+
+
+class DraftTreePlanner:
+    """A :class:`~forerun.drafters.draft_model_tree.DraftModelTreeDrafter`
+    with :class:`NodeBudgetPolicy`.  ``nodes``: a fixed node budget (the
+    best ``nodes`` drafted nodes every round) instead of the cost-based one,
+    up to ``max_nodes``."""
+
+    drafts_trees = True
+    needs_hidden = False
+
+    def __init__(self, drafter, *, nodes: int | None = None, max_nodes: int = 16,
+                 max_depth: int = 8) -> None:
+        for label, value in (("nodes", nodes), ("max_nodes", max_nodes)):
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
+                                          and 1 <= value <= MAX_TREE_NODES):
+                raise ConfigError(f"the tree's {label} must be an integer in "
+                                  f"1..{MAX_TREE_NODES}, got {value!r}")
+        self.drafter = drafter
+        self.name = drafter.name
+        self.fixed_nodes = nodes
+        self.policy = NodeBudgetPolicy(max(max_nodes, nodes or 0), max_depth)
+        self._scores: list[float] = []
+
+    def needs_calibration(self) -> bool:
+        return self.fixed_nodes is None
+
+    def calibrate(self, target, token: int) -> None:
+        self.policy.costs.calibrate(target, token)
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.drafter.begin(prompt_ids)
+        self._scores = []
+
+    def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
+              sampler: TokenSampler) -> DraftTree:
+        cap = min(room, self.fixed_nodes or self.policy.max_nodes)
+        self._scores = []
+        if cap <= 0:
+            return DraftTree.chain(sequence[-1], [])
+        if self.fixed_nodes is not None:
+            depth = max(1, min(self.policy.max_depth, cap,
+                               math.ceil(self.policy.accepted) + 2))
+        else:
+            depth = self.policy.depth(cap, self.drafter.draft_seconds)
+        if depth == 0:
+            return DraftTree.chain(sequence[-1], [])
+        nodes = self.drafter.expand(sequence, depth, sampler)
+        chosen = self.drafter.select(nodes, cap)
+        scores = [nodes.scores[i] for i in chosen[1:]]
+        n = len(scores) if self.fixed_nodes is not None else \
+            self.policy.budget(scores, self.drafter.draft_seconds(depth), cap)
+        self._scores = scores[:n]
+        return self.drafter.tree(nodes, chosen[:n + 1])
+
+    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
+        accepted = len(path) - 1
+        self.drafter.observe(sequence, accepted)
+        if tree.num_nodes:
+            self.policy.learn(self._scores, accepted)
+
+    def settle(self, length: int) -> None:
+        self.drafter.settle(length)

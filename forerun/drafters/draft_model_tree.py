@@ -1,0 +1,244 @@
+"""A draft model that drafts a token tree by its own probabilities
+(EAGLE-2's dynamic draft tree, Li et al. 2024, with a separate draft model as
+in SpecInfer and Sequoia).
+
+A round, from the committed sequence whose last token is the root:
+
+1. the draft model feeds the committed tokens it lacks (the last accepted
+   path and the target's token) and gives its distribution after the root;
+2. it expands the tree level by level, **one forward per depth**: the
+   ``beam`` best nodes of the last level (by cumulative draft probability,
+   the product of the draft's probabilities along the path) are fed
+   together with a tree attention mask over its own cache, and each gets
+   ``width`` children: its top tokens (deterministic), or, when sampling
+   with ``sample_siblings``, tokens drawn one after the other without
+   replacement from its processed distribution (kept with the tree, for the
+   acceptance rule);
+3. the planner keeps the best nodes by cumulative probability within its
+   node budget (:meth:`DraftModelTreeDrafter.select`): a node can enter only
+   after its parent and its previous sibling, so the tree stays
+   ancestor-closed and each node's children stay a prefix of their draw
+   order, which lossless acceptance of sampled siblings needs;
+4. the draft model's cache is rolled back to the committed sequence: what it
+   fed for the tree was drafts.
+
+It needs an engine whose decoder takes tree masks (forerun's torch engine).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..decoder import Decoder
+from ..decoding.draft_tree import DraftTree, topology
+from ..errors import ConfigError
+from ..sampling import TokenSampler
+
+
+@dataclass
+class DraftedNodes:
+    """Every node a round drafted, before selection.  Node 0 is the root.
+    ``scores[i]``: the cumulative draft probability of node ``i``'s path.
+    ``children[i]``: in draw order.  ``sibling_probs[i]``: the distribution
+    node ``i``'s children were drawn from (sampled siblings only)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    children: list[list[int]] = field(default_factory=list)
+    sibling_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, token: int, parent: int, score: float) -> int:
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.scores.append(float(score))
+        self.children.append([])
+        if parent >= 0:
+            self.children[parent].append(len(self.tokens) - 1)
+        return len(self.tokens) - 1
+
+
+class DraftModelTreeDrafter:
+    """Drafts trees with its own Decoder (see the module docstring).
+
+    ``width``: children per expanded node; ``beam``: nodes expanded per
+    level; ``sample_siblings``: when sampling, draw children from the draft
+    distribution instead of taking its top tokens.
+    """
+
+    name = "draft-tree"
+    needs_hidden = False
+
+    def __init__(self, decoder: Decoder, *, width: int = 4, beam: int = 4,
+                 sample_siblings: bool = True) -> None:
+        if not decoder.capabilities.tree_masks:
+            raise ConfigError(f"a draft model drafts trees with tree attention masks over its "
+                              f"own cache, which the {decoder.engine} engine does not take; "
+                              f"use the torch engine for the draft model")
+        for label, value in (("width", width), ("beam", beam)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{label} must be a positive integer, got {value!r}")
+        self.decoder = decoder
+        self.width = width
+        self.beam = beam
+        self.sample_siblings = sample_siblings
+        self._fed: list[int] = []     # committed tokens held in the draft cache
+        self._known_committed = 0
+        self._level_seconds: float | None = None
+        self._catch_up_seconds: float | None = None
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.decoder.reset()
+        self._fed = []
+        self._known_committed = 0
+
+    # -- drafting ----------------------------------------------------------------
+    def _catch_up(self, sequence: Sequence[int]) -> torch.Tensor:
+        """Feed the committed tokens the cache lacks; the draft's logits
+        after the root."""
+        n = 0
+        limit = min(len(self._fed), len(sequence))
+        while n < limit and self._fed[n] == sequence[n]:
+            n += 1
+        if n == len(sequence):          # all cached: feed the root again
+            n -= 1
+        if n < self.decoder.length:
+            self.decoder.rollback(n)
+        del self._fed[n:]
+        todo = list(sequence[n:])
+        logits = self.decoder.feed(todo, last_only=True).logits[-1]
+        self._fed.extend(todo)
+        return logits
+
+    def _children(self, logits: torch.Tensor, sampler: TokenSampler,
+                  count: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """``count`` child tokens of a node with draft ``logits``, the
+        distribution they are scored by, and (sampled siblings) the one they
+        were drawn from."""
+        if sampler.greedy or not self.sample_siblings:
+            probs = torch.softmax(logits.float(), dim=-1) if sampler.greedy \
+                else sampler.probs(logits)
+            top = torch.topk(probs, min(count, probs.numel())).indices.tolist()
+            return [t for t in top if float(probs[t]) > 0] or top[:1], probs, None
+        probs = sampler.probs(logits)
+        left = probs.clone()
+        tokens = []
+        for _ in range(count):          # without replacement, in draw order
+            if float(left.sum()) <= 0:
+                break
+            token = sampler.draw(left / left.sum())
+            tokens.append(token)
+            left[token] = 0.0
+        return tokens, probs, probs
+
+    def expand(self, sequence: Sequence[int], depth: int, sampler: TokenSampler
+               ) -> DraftedNodes:
+        """Draft ``depth`` levels below the root ``sequence[-1]``."""
+        decoder = self.decoder
+        t0 = time.perf_counter()
+        logits = self._catch_up(sequence)
+        self._known_committed = len(sequence)
+        t1 = time.perf_counter()
+        self._catch_up_seconds = _ema(self._catch_up_seconds, t1 - t0)
+        nodes = DraftedNodes()
+        nodes.add(sequence[-1], -1, 1.0)
+        committed = decoder.length       # the root's slot is committed - 1
+        slot: dict[int, int] = {0: committed - 1}
+        frontier, rows = [0], [logits]
+        for level in range(1, depth + 1):
+            new: list[int] = []
+            for node, row in zip(frontier, rows):
+                tokens, probs, drawn_from = self._children(row, sampler, self.width)
+                if drawn_from is not None:
+                    nodes.sibling_probs[node] = drawn_from
+                for t in tokens:
+                    new.append(nodes.add(t, node, nodes.scores[node] * float(probs[t])))
+            if level == depth or not new:
+                break
+            frontier = heapq.nlargest(self.beam, new, key=lambda i: nodes.scores[i])
+            frontier.sort()
+            start = time.perf_counter()
+            rows = self._forward(nodes, frontier, slot, committed, level)
+            self._level_seconds = _ema(self._level_seconds, time.perf_counter() - start)
+        decoder.rollback(committed)      # the drafts fed for the tree
+        return nodes
+
+    def _forward(self, nodes: DraftedNodes, frontier: list[int], slot: dict[int, int],
+                 committed: int, level: int) -> list[torch.Tensor]:
+        """Feed ``frontier`` (nodes of one level) in one forward, each
+        attending to the committed cache, its fed ancestors and itself."""
+        decoder = self.decoder
+        base = decoder.length
+        mask = torch.zeros(len(frontier), base + len(frontier), dtype=torch.bool)
+        mask[:, :committed] = True
+        for i, node in enumerate(frontier):
+            mask[i, base + i] = True
+            parent = nodes.parents[node]
+            while parent > 0:
+                mask[i, slot[parent]] = True
+                parent = nodes.parents[parent]
+        positions = [committed - 1 + level] * len(frontier)
+        out = decoder.forward([nodes.tokens[n] for n in frontier], positions,
+                              mask.to(decoder.device))
+        for i, node in enumerate(frontier):
+            slot[node] = base + i
+        return list(out.logits)
+
+    @staticmethod
+    def select(nodes: DraftedNodes, budget: int) -> list[int]:
+        """The best ``budget`` drafted nodes by cumulative probability, each
+        entering after its parent and its previous sibling; in the order
+        they entered (parents first, siblings in draw order)."""
+        chosen = [0]
+        heap: list[tuple[float, int]] = []
+
+        def offer(parent: int, index: int) -> None:
+            kids = nodes.children[parent]
+            if index < len(kids):
+                c = kids[index]
+                heapq.heappush(heap, (-nodes.scores[c], c))
+
+        offer(0, 0)
+        while heap and len(chosen) <= budget:
+            _, c = heapq.heappop(heap)
+            chosen.append(c)
+            parent = nodes.parents[c]
+            offer(parent, nodes.children[parent].index(c) + 1)
+            offer(c, 0)
+        return chosen
+
+    @staticmethod
+    def tree(nodes: DraftedNodes, chosen: list[int]) -> DraftTree:
+        """The :class:`DraftTree` of the ``chosen`` nodes (from :meth:`select`)."""
+        index = {n: i for i, n in enumerate(chosen)}
+        shape = topology([-1] + [index[nodes.parents[n]] for n in chosen[1:]])
+        siblings = {index[n]: q for n, q in nodes.sibling_probs.items() if n in index}
+        return DraftTree(shape, [nodes.tokens[n] for n in chosen], siblings)
+
+    # -- feedback ----------------------------------------------------------------
+    def observe(self, sequence: Sequence[int], accepted: int) -> None:
+        """Nothing to do: the next round feeds the committed tokens."""
+
+    def settle(self, length: int) -> None:
+        keep = min(length, self._known_committed, len(self._fed))
+        if keep < self.decoder.length:
+            self.decoder.rollback(max(keep, self.decoder.committed_length))
+        del self._fed[self.decoder.length:]
+
+    def draft_seconds(self, depth: int) -> float:
+        """Estimated seconds to draft ``depth`` levels: a catch-up forward
+        and ``depth - 1`` level forwards (0 before the first measurement)."""
+        if depth <= 0:
+            return 0.0
+        catch_up = self._catch_up_seconds or 0.0
+        level = self._level_seconds if self._level_seconds is not None else catch_up
+        return catch_up + (depth - 1) * level
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else 0.8 * old + 0.2 * new

@@ -1,0 +1,215 @@
+"""A draft model drafting token trees (EAGLE-2 style) through the one
+verification loop: greedy token identity with plain decoding on tiny Qwen2
+and Llama models for several node budgets; the exact target distribution
+when sampling, with siblings drawn without replacement (recursive rejection)
+or taken as the draft's top tokens, against broken twins; the selection's
+invariants; the draft cache after a round."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from forerun.decoder import Capabilities
+from forerun.decoding import tree_acceptance
+from forerun.decoding.draft_tree_planner import DraftTreePlanner, NodeBudgetPolicy
+from forerun.decoding.plain import PlainDecoding
+from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.drafters.draft_model_tree import DraftedNodes, DraftModelTreeDrafter
+from forerun.errors import ConfigError
+from forerun.sampling import SamplingParams, TokenSampler
+from forerun.stats import GenerationStats
+
+from decoding.test_speculative_greedy import decoder
+from decoding.test_tree_sampling import (COMBINED, DRAFT, N_BROKEN, N_SEQUENCES, PASS_P,
+                                         REJECT_P, TARGET, TEMPERATURE, KeepSlotsTable,
+                                         check_stats, draw_counts, p_value)
+from method_runs import greedy_tokens
+from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)
+
+N_NEW = 48
+PROMPTS = [[7], [5, 17, 99, 3, 250, 8, 41]]
+
+
+def tree_method(target, draft, *, nodes=None, width=3, beam=2, sample_siblings=True):
+    drafter = DraftModelTreeDrafter(draft, width=width, beam=beam,
+                                    sample_siblings=sample_siblings)
+    return SpeculativeDecoding(target, planner=DraftTreePlanner(drafter, nodes=nodes))
+
+
+# -- greedy: token identity -----------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("nodes", [1, 3, 8, None], ids=["n1", "n3", "n8", "adaptive"])
+def test_greedy_draft_trees_are_token_identical(arch, nodes):
+    for prompt in PROMPTS:
+        plain = greedy_tokens(PlainDecoding(decoder(arch, "self")), prompt, N_NEW)
+        method = tree_method(decoder(arch, "self"), decoder(arch, "perturbed"), nodes=nodes)
+        if nodes is None:   # trees must pay, so the policy drafts them
+            method.policy.costs.seconds = [None] + [1.0] * (len(method.policy.costs.seconds) - 1)
+            method._calibrated = True
+        stats = GenerationStats()
+        assert greedy_tokens(method, prompt, N_NEW, stats) == plain
+        assert stats.rounds and stats.drafted, "no tree was drafted"
+        assert 0 < stats.accepted < stats.drafted or nodes == 1
+        if nodes is not None and nodes > 1:
+            assert method.nodes_verified > stats.drafted, "no side branch was verified"
+
+
+def test_greedy_draft_tree_of_an_unrelated_draft_still_matches():
+    prompt = PROMPTS[1]
+    plain = greedy_tokens(PlainDecoding(decoder("qwen2", "self")), prompt, N_NEW)
+    method = tree_method(decoder("qwen2", "self"), decoder("qwen2", "other"), nodes=6)
+    assert greedy_tokens(method, prompt, N_NEW) == plain
+
+
+def test_the_draft_cache_holds_only_committed_tokens_after_a_round():
+    draft = decoder("qwen2", "perturbed")
+    drafter = DraftModelTreeDrafter(draft, width=3, beam=2)
+    sampler = TokenSampler(SamplingParams(), 0)
+    drafter.begin(PROMPTS[1])
+    nodes = drafter.expand(PROMPTS[1], 4, sampler)
+    assert draft.length == len(PROMPTS[1])
+    assert max(_depths(nodes)) == 4
+    # A later round after two accepted tokens feeds only what is new.
+    sequence = PROMPTS[1] + [nodes.tokens[1], 9]
+    drafter.expand(sequence, 2, sampler)
+    assert draft.length == len(sequence)
+
+
+def _depths(nodes: DraftedNodes) -> list[int]:
+    depths = [0] * len(nodes.tokens)
+    for i in range(1, len(nodes.tokens)):
+        depths[i] = depths[nodes.parents[i]] + 1
+    return depths
+
+
+def test_selection_is_ancestor_closed_best_first_and_keeps_sibling_order():
+    nodes = DraftedNodes()
+    nodes.add(0, -1, 1.0)
+    a = nodes.add(1, 0, 0.5)
+    b = nodes.add(2, 0, 0.3)           # drawn after a
+    c = nodes.add(3, 0, 0.6)           # drawn after b, scores higher than both
+    d = nodes.add(4, a, 0.45)
+    nodes.add(5, d, 0.44)
+    chosen = DraftModelTreeDrafter.select(nodes, 4)
+    # c can't come before b (its earlier sibling), b before a: a, d, then the
+    # deeper child of d (0.44) beats b (0.3).
+    assert chosen == [0, a, d, 5, b]
+    chosen = DraftModelTreeDrafter.select(nodes, 10)
+    assert sorted(chosen) == list(range(len(nodes.tokens)))
+    assert chosen.index(b) < chosen.index(c)
+    tree = DraftModelTreeDrafter.tree(nodes, chosen)
+    assert all(p < i for i, p in enumerate(tree.shape.parents[1:], 1))
+
+
+def test_budget_policy_prefers_plain_steps_when_verification_is_dear():
+    policy = NodeBudgetPolicy(max_nodes=8)
+    policy.costs.seconds = [None] + [1.0] * 9          # flat: every node is free
+    assert policy.budget([0.9, 0.5, 0.2, 0.1], 0.1, 8) == 4
+    policy.costs.seconds = [None] + [float(t) for t in range(1, 10)]   # linear
+    assert policy.budget([0.2, 0.1], 0.1, 8) == 0
+
+
+class ChainOnly(TableDecoder):
+    """A decoder whose forward takes only a causal chain."""
+
+    capabilities = Capabilities()
+
+
+def test_a_decoder_without_tree_masks_is_refused():
+    with pytest.raises(ConfigError, match="tree attention masks"):
+        DraftModelTreeDrafter(ChainOnly(DRAFT))
+    drafter = DraftModelTreeDrafter(TableDecoder(DRAFT))
+    with pytest.raises(ConfigError, match="tree attention masks"):
+        SpeculativeDecoding(ChainOnly(TARGET), planner=DraftTreePlanner(drafter, nodes=3))
+
+
+# -- sampling: the exact distribution --------------------------------------------------
+
+def table_tree_method(*, nodes, sample_siblings, decoder_cls=KeepSlotsTable):
+    drafter = DraftModelTreeDrafter(TableDecoder(DRAFT), width=3, beam=2,
+                                    sample_siblings=sample_siblings)
+    return SpeculativeDecoding(decoder_cls(TARGET),
+                               planner=DraftTreePlanner(drafter, nodes=nodes))
+
+
+SAMPLED_CASES = [
+    ("sampled_siblings_5", dict(nodes=5, sample_siblings=True), TEMPERATURE, [1]),
+    ("sampled_siblings_refeed", dict(nodes=8, sample_siblings=True, decoder_cls=TableDecoder),
+     COMBINED, [3, 5]),
+    ("top_siblings_5", dict(nodes=5, sample_siblings=False), TEMPERATURE, [0, 2]),
+]
+
+
+@pytest.mark.parametrize("label,kwargs,params,prompt", SAMPLED_CASES,
+                         ids=[c[0] for c in SAMPLED_CASES])
+def test_sampled_draft_trees_are_exact(label, kwargs, params, prompt):
+    method = table_tree_method(**kwargs)
+    counts, stats = draw_counts(method, params, prompt, N_SEQUENCES, seed=1)
+    check_stats(stats, N_SEQUENCES)
+    assert 0.05 < stats.acceptance_rate < 0.95, "drafts must be partly rejected"
+    assert method.nodes_verified > stats.drafted, "no side branch was verified"
+    pv, detail = p_value(counts, params, prompt)
+    assert pv > PASS_P, f"{label}: not the target's distribution ({detail}, p={pv:.3g})"
+
+
+def _no_residual_update(tree, kids, p, q, uniforms):
+    """Each sampled sibling judged against the *original* p: the residual
+    is never updated."""
+    width = max(p.numel(), q.numel())
+    r = tree_acceptance._pad(p, width)
+    qi = tree_acceptance._pad(q.float(), width).clone()
+    for c, u in zip(kids, uniforms):
+        x = tree.tokens[c]
+        if u * float(qi[x] / qi.sum()) < float(r[x]):
+            return c, p
+        qi[x] = 0.0
+    residual = torch.clamp(r - q, min=0.0)[:p.numel()]
+    return None, residual / residual.sum() if float(residual.sum()) > 0 else p
+
+
+def _siblings_drawn_with_replacement_rule(tree, kids, p, q, uniforms):
+    """The residual is updated, but every sibling is judged against q itself,
+    as if drawn with replacement, while they were drawn without."""
+    width = max(p.numel(), q.numel())
+    r = tree_acceptance._pad(p, width)
+    qq = tree_acceptance._pad(q.float(), width)
+    for c, u in zip(kids, uniforms):
+        x = tree.tokens[c]
+        if u * float(qq[x]) < float(r[x]):
+            return c, r
+        nxt = torch.clamp(r - qq, min=0.0)
+        if float(nxt.sum()) > 0:
+            r = nxt / nxt.sum()
+    return None, r[:p.numel()]
+
+
+@pytest.mark.parametrize("rule", [_no_residual_update, _siblings_drawn_with_replacement_rule],
+                         ids=["no_residual_update", "with_replacement_rule"])
+def test_broken_sampled_sibling_rules_are_detected(monkeypatch, rule):
+    monkeypatch.setattr(tree_acceptance, "_walk_sampled", rule)
+    method = table_tree_method(nodes=5, sample_siblings=True)
+    counts, _ = draw_counts(method, TEMPERATURE, [1], N_BROKEN, seed=2)
+    pv, detail = p_value(counts, TEMPERATURE, [1])
+    assert pv < REJECT_P, f"the broken rule went unnoticed ({detail}, p={pv:.3g})"
+
+
+def test_adaptive_budget_sampling_is_exact():
+    method = table_tree_method(nodes=None, sample_siblings=True)
+    method.policy.costs.seconds = [None] + [1.0 + 0.05 * t for t in range(1, 18)]
+    method._calibrated = True
+    counts, stats = draw_counts(method, TEMPERATURE, [2], N_SEQUENCES // 2, seed=3)
+    check_stats(stats, N_SEQUENCES // 2)
+    assert stats.drafted, "the policy never drafted"
+    pv, detail = p_value(counts, TEMPERATURE, [2])
+    assert pv > PASS_P, f"adaptive budget: not the target's distribution ({detail}, p={pv:.3g})"
+
+
+def test_same_seed_same_tokens():
+    a = table_tree_method(nodes=5, sample_siblings=True)
+    b = table_tree_method(nodes=5, sample_siblings=True)
+    ca, _ = draw_counts(a, TEMPERATURE, [1], 200, seed=9)
+    cb, _ = draw_counts(b, TEMPERATURE, [1], 200, seed=9)
+    assert np.array_equal(ca, cb)
