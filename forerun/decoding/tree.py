@@ -68,7 +68,7 @@ import torch
 
 from ..errors import ConfigError
 from ..sampling import TokenSampler
-from .draft_length import VerifyCosts
+from .draft_length import OPTIMISTIC_ACCEPTANCE, VerifyCosts
 from .draft_tree import DraftTree, TreeTopology
 
 MAX_TREE_NODES = 64
@@ -282,7 +282,12 @@ class TreePolicy:
             self._plain_streak += 1
             if self._plain_streak >= self.explore_every and order:
                 self._plain_streak = 0
-                best_n = 1
+                # Explore only where drafting could pay at all (as the chain
+                # policy does): a one-node tree accepted as often as a good
+                # drafter manages on easy text must beat a plain step.
+                cost = self.costs(2) + draft_seconds(len(order[0]))
+                if cost > 0 and (1.0 + OPTIMISTIC_ACCEPTANCE) / cost > rate0:
+                    best_n = 1
         else:
             self._plain_streak = 0
         return tree_shape(order[:best_n])

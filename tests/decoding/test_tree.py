@@ -176,6 +176,21 @@ def test_policy_follows_costs_and_accuracy():
     assert fixed.choose(lambda d: 0.0, room=100).num_nodes == 5
 
 
+def test_policy_explores_only_where_a_tree_could_pay():
+    """After explore_every plain rounds a one-node tree is tried, so the
+    accuracy estimate can recover, unless even a good drafter's accuracy
+    could not beat a plain step at these costs."""
+    def plain_then_explore(costs):
+        p = TreePolicy(3, 4, max_nodes=12, prior=[[0.01] * 4] * 3, explore_every=4)
+        p.costs.seconds = costs
+        return [p.choose(lambda d: 0.0, room=100).num_nodes for _ in range(8)]
+
+    cheap = [None, 1.0, 1.05, 1.5] + [2.0] * 10          # two positions cost 1.05 one
+    assert plain_then_explore(cheap) == [0, 0, 0, 1, 0, 0, 0, 1]
+    dear = [None, 1.0, 2.5, 3.0] + [4.0] * 10            # two positions cost 2.5 one
+    assert plain_then_explore(dear) == [0] * 8
+
+
 def test_rank_acceptance_learns_from_rounds():
     acc = RankAcceptance(2, 2, prior=[[0.5, 0.1], [0.5, 0.1]], weight=2.0, decay=1.0)
     shape = TreeShape([(0, 0), (1,)])     # (0,) (1,) (0,0)
