@@ -19,20 +19,14 @@ from hypothesis import strategies as st
 import forerun
 from forerun.errors import ConfigError, ForerunError, GenerationConfigError
 from forerun.generation.result import GenerationResult
-from tiny_models import VOCAB, hf_model, tiny_tokenizer_json
+from tiny_models import VOCAB, hf_folders
 
 MISSING = object()
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    out = []
-    for seed in (3, 4):
-        folder = tmp_path_factory.mktemp(f"m{seed}")
-        hf_model("qwen2", seed=seed).save_pretrained(folder, safe_serialization=True)
-        tiny_tokenizer_json(folder)
-        out.append(folder)
-    return out
+    return hf_folders(tmp_path_factory, (3, 4))
 
 
 @pytest.fixture(scope="module")

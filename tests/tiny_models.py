@@ -70,3 +70,16 @@ def tiny_tokenizer_json(path):
         "bos_token": "<s>", "eos_token": "</s>",
         "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
                          "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}"}))
+
+
+def hf_folders(tmp_path_factory, seeds, arch: str = "qwen2", prefix: str = "m") -> list:
+    """Hugging Face folders (config, safetensors, the tiny tokenizer) of
+    tiny random models, one per seed: models that share a tokenizer."""
+    out = []
+    for seed in seeds:
+        folder = tmp_path_factory.mktemp(f"{prefix}{seed}")
+        hf_model(arch, seed=seed).save_pretrained(folder, safe_serialization=True)
+        tiny_tokenizer_json(folder)
+        out.append(folder)
+    return out
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, Protocol
 
 from ..decoder import Decoder
+from ..errors import ConfigError
 from ..stats import GenerationStats
 from ..sampling import TokenSampler
 
@@ -32,6 +33,13 @@ class DecodingMethod(Protocol):
         """After the runner stopped: roll every model back so it holds at most
         ``length`` positions (prompt plus kept output), all of them valid."""
         ...
+
+
+def check_count(label: str, value, high: int) -> None:
+    """Refuse a draft size that is not an integer in ``1..high`` with a
+    :class:`~forerun.errors.ConfigError` naming ``label``."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= high):
+        raise ConfigError(f"{label} must be an integer in 1..{high}, got {value!r}")
 
 
 class DraftAndVerify:

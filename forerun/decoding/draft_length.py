@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..decoder import Decoder
-from ..errors import ConfigError
 from ..sampling import TokenSampler
+from .base import check_count
 from .draft_tree import DraftTree
 
 MAX_DRAFT_LENGTH = 16
@@ -158,11 +158,9 @@ class ChainPlanner:
     drafts_trees = False
 
     def __init__(self, drafter, *, k: int | None = None, max_k: int = 8) -> None:
-        if k is not None and not (isinstance(k, int) and 1 <= k <= MAX_DRAFT_LENGTH):
-            raise ConfigError(f"draft length k must be an integer in 1..{MAX_DRAFT_LENGTH}, "
-                              f"got {k!r}")
-        if not 1 <= max_k <= MAX_DRAFT_LENGTH:
-            raise ConfigError(f"max_k must lie in 1..{MAX_DRAFT_LENGTH}, got {max_k}")
+        if k is not None:
+            check_count("draft length k", k, MAX_DRAFT_LENGTH)
+        check_count("max_k", max_k, MAX_DRAFT_LENGTH)
         self.drafter = drafter
         self.name = drafter.name
         self.fixed_k = k

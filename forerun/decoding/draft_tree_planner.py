@@ -26,8 +26,8 @@ from typing import Sequence
 
 import torch
 
-from ..errors import ConfigError
 from ..sampling import TokenSampler
+from .base import check_count
 from .draft_length import OPTIMISTIC_ACCEPTANCE, VerifyCosts
 from .draft_tree import DraftTree
 from .tree import MAX_TREE_NODES
@@ -107,11 +107,9 @@ class DraftTreePlanner:
 
     def __init__(self, drafter, *, nodes: int | None = None, max_nodes: int = 16,
                  max_depth: int = 8) -> None:
-        for label, value in (("nodes", nodes), ("max_nodes", max_nodes)):
-            if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
-                                          and 1 <= value <= MAX_TREE_NODES):
-                raise ConfigError(f"the tree's {label} must be an integer in "
-                                  f"1..{MAX_TREE_NODES}, got {value!r}")
+        if nodes is not None:
+            check_count("the tree's node count", nodes, MAX_TREE_NODES)
+        check_count("max_nodes", max_nodes, MAX_TREE_NODES)
         self.drafter = drafter
         self.name = drafter.name
         self.fixed_nodes = nodes

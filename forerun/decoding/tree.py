@@ -68,6 +68,7 @@ import torch
 
 from ..errors import ConfigError
 from ..sampling import TokenSampler
+from .base import check_count
 from .draft_length import OPTIMISTIC_ACCEPTANCE, VerifyCosts
 from .draft_tree import DraftTree, TreeTopology
 
@@ -359,11 +360,9 @@ class RankTreePlanner:
     def __init__(self, drafter: RankDrafter, *,
                  tree: TreeShape | Sequence[Sequence[int]] | None = None,
                  nodes: int | None = None, max_nodes: int = 16) -> None:
-        if nodes is not None and not (isinstance(nodes, int) and 1 <= nodes <= MAX_TREE_NODES):
-            raise ConfigError(f"the tree's node count must be an integer in "
-                              f"1..{MAX_TREE_NODES}, got {nodes!r}")
-        if not 1 <= max_nodes <= MAX_TREE_NODES:
-            raise ConfigError(f"max_nodes must lie in 1..{MAX_TREE_NODES}, got {max_nodes}")
+        if nodes is not None:
+            check_count("the tree's node count", nodes, MAX_TREE_NODES)
+        check_count("max_nodes", max_nodes, MAX_TREE_NODES)
         self.drafter = drafter
         self.name = drafter.name
         self.needs_hidden = bool(drafter.needs_hidden)

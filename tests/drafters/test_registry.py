@@ -14,7 +14,7 @@ from forerun.drafters.ngram import NgramDrafter
 from forerun.drafters.registry import (check_draft_model, default_draft, draft_kind,
                                        load_draft_model)
 from forerun.errors import ConfigError, GenerationConfigError, TokenizerError
-from tiny_models import hf_model, tiny_tokenizer_json
+from tiny_models import hf_folders
 
 
 @pytest.mark.parametrize("value, kind", [
@@ -65,12 +65,7 @@ def test_check_draft_model_refuses_another_tokenizer_and_a_shorter_context():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folders = []
-    for seed in (5, 6):
-        folder = tmp_path_factory.mktemp(f"d{seed}")
-        hf_model("qwen2", seed=seed).save_pretrained(folder, safe_serialization=True)
-        tiny_tokenizer_json(folder)
-        folders.append(folder)
+    folders = hf_folders(tmp_path_factory, (5, 6), prefix="d")
     target = forerun.load(folders[0], context_length=64, device="cpu", weights="float32",
                           progress=False)
     return target, folders[1]

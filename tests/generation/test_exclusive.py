@@ -17,7 +17,7 @@ import pytest
 import forerun
 from forerun.errors import ForerunError, ModelBusyError
 from forerun.generation.exclusive import GenerationLock, Holds
-from tiny_models import hf_model, tiny_tokenizer_json
+from tiny_models import hf_folders
 
 PROMPTS = ["hello world", "the quick brown fox", "jumps over the lazy dog", "hello fox"]
 METHODS = [None, "ngram", "draft"]
@@ -34,10 +34,7 @@ def models(tmp_path_factory):
     loaded = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FORERUN_CACHE", str(tmp_path_factory.mktemp("cache")))
-        for seed in (3, 4):
-            folder = tmp_path_factory.mktemp(f"m{seed}")
-            hf_model("qwen2", seed=seed).save_pretrained(folder, safe_serialization=True)
-            tiny_tokenizer_json(folder)
+        for folder in hf_folders(tmp_path_factory, (3, 4)):
             loaded.append(forerun.load(folder, context_length=128, device="cpu", **FLOAT32))
     return loaded
 
