@@ -16,7 +16,8 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from ..errors import ForerunError
 
@@ -34,7 +35,7 @@ def run_command(body: Callable[[], int]) -> int:
     """Run ``body`` (a command returning its exit status) and turn every
     way it can end into an exit status, as described above."""
     _tolerant_streams()
-    restore = _raise_on_sigterm()
+    restore = _install_signal_handlers()
     try:
         if sys.stdout is None:
             raise ForerunError("standard output is closed; redirect it to a file or "
@@ -87,17 +88,69 @@ def _silence_stdout() -> None:
         pass
 
 
-def _raise_on_sigterm() -> Callable[[], None]:
-    """Make SIGTERM raise in the main thread (so ``finally`` blocks remove
-    temporaries); return the function that restores the old handler."""
+# Signals held while C extensions load (see signals_deferred): how deep, and
+# the signal that arrived meanwhile.
+_held = {"depth": 0, "pending": None}
+# Frames whose exceptions Python swallows ("Exception ignored in ..."):
+# weakref callbacks (importlib's module locks use one) and finalizers.
+_SWALLOWING = ("cb", "__del__")
+
+
+def _raise_for(signum: int) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise _Terminated()
+
+
+def _handler(signum, frame) -> None:
+    """Ctrl-C and SIGTERM: raise in the main thread, so that ``finally``
+    blocks remove temporaries, except where raising would go wrong: while
+    a C extension loads (held until it has, :func:`signals_deferred`), or in
+    a callback whose exceptions Python swallows (delivered again shortly)."""
+    if _held["depth"]:
+        _held["pending"] = signum
+        return
+    if frame is not None and frame.f_code.co_name in _SWALLOWING:
+        timer = threading.Timer(0.02, os.kill, (os.getpid(), signum))
+        timer.daemon = True
+        timer.start()
+        return
+    _raise_for(signum)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while heavy C extensions import (torch):
+    raised inside their initialisation, a KeyboardInterrupt aborts the
+    process (pybind11 turns it into a C++ exception nobody catches).  A
+    signal that arrived meanwhile is raised on leaving, a second or two
+    later at most."""
+    _held["depth"] += 1
+    try:
+        yield
+    finally:
+        _held["depth"] -= 1
+        if not _held["depth"] and _held["pending"] is not None:
+            pending, _held["pending"] = _held["pending"], None
+            _raise_for(pending)
+
+
+def _install_signal_handlers() -> Callable[[], None]:
+    """Ctrl-C and SIGTERM through :func:`_handler` in the main thread;
+    return the function that restores the old handlers."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
+                continue   # started with Ctrl-C ignored (nohup, &): keep it so
+            previous[sig] = signal.signal(sig, _handler)
+        except (ValueError, OSError):
+            pass
 
-    def handler(signum, frame):
-        raise _Terminated()
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except (ValueError, OSError):
-        return lambda: None
-    return lambda: signal.signal(signal.SIGTERM, previous)
+    return restore

@@ -274,6 +274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def dispatch(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("generate", "bench", "medusa", "serve"):
+        from .exits import signals_deferred
+
+        with signals_deferred():
+            import torch  # noqa: F401  (the long import; a signal in it is held)
     if args.command == "generate":
         return cmd_generate(args)
     if args.command == "bench":

@@ -8,7 +8,8 @@ size, accepting what recent trees accepted, would not beat a plain step at
 the measured costs.  Like the adaptive draft length, it explores with a
 tree every few plain rounds, but only where drafting could pay at all.
 
-After drafting, the node budget (EAGLE-2's reranking): the drafted nodes
+After drafting, the node budget (EAGLE-2's reranking), for top-token
+children: the drafted nodes
 enter best-first by cumulative draft probability ``s`` (the drafter's
 :meth:`~forerun.drafters.draft_model_tree.DraftModelTreeDrafter.select`);
 node ``i`` is accepted with probability about ``c * s_i``, where ``c``
@@ -16,7 +17,11 @@ calibrates the draft's confidence against what the target accepted in past
 rounds.  A round of the first ``N`` nodes commits ``1 + sum c * s_i`` tokens
 on average and costs the drafting plus a verification of ``N + 1``
 positions; the planner keeps the ``N`` with the most tokens per second.
-``nodes`` fixes ``N`` instead.
+With siblings sampled from the draft, how many siblings a node keeps must
+not depend on what was drawn there (recursive rejection would not be exact),
+so the budget is the one the previous round's drafts called for, and whole
+sibling groups enter by their parent's probability.  ``nodes`` fixes ``N``
+instead.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ class NodeBudgetPolicy:
         self._predicted = 1.0        # decayed sums behind the calibration c
         self._actual = 1.0
         self._plain_streak = 0
+        #: the node budget of the next round with sampled siblings, chosen
+        #: from the last round's drafts (see DraftTreePlanner.draft)
+        self.planned = 4
 
     @property
     def confidence_scale(self) -> float:
@@ -140,12 +148,25 @@ class DraftTreePlanner:
         if depth == 0:
             return DraftTree.chain(sequence[-1], [])
         nodes = self.drafter.expand(sequence, depth, sampler)
-        chosen = self.drafter.select(nodes, cap)
-        scores = [nodes.scores[i] for i in chosen[1:]]
-        n = len(scores) if self.fixed_nodes is not None else \
-            self.policy.budget(scores, self.drafter.draft_seconds(depth), cap)
-        self._scores = scores[:n]
-        return self.drafter.tree(nodes, chosen[:n + 1])
+        drafter, seconds = self.drafter, self.drafter.draft_seconds(depth)
+        if sampler.greedy or not drafter.sample_siblings:
+            # Top-token children: the budget may follow this round's scores.
+            chosen = drafter.select(nodes, cap)
+            scores = [nodes.scores[i] for i in chosen[1:]]
+            n = len(scores) if self.fixed_nodes is not None else \
+                self.policy.budget(scores, seconds, cap)
+            chosen = chosen[:n + 1]
+        else:
+            # Sampled siblings: the budget must not depend on what this round
+            # drew, so it is the one the last round's scores called for.
+            planned = cap if self.fixed_nodes is not None else min(cap, self.policy.planned)
+            chosen = drafter.select_groups(nodes, planned)
+            if self.fixed_nodes is None:
+                ranked = drafter.select_groups(nodes, cap)
+                self.policy.planned = max(1, self.policy.budget(
+                    [nodes.scores[i] for i in ranked[1:]], seconds, cap))
+        self._scores = [nodes.scores[i] for i in chosen[1:]]
+        return drafter.tree(nodes, chosen)
 
     def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
         accepted = len(path) - 1

@@ -17,8 +17,10 @@ A round, from the committed sequence whose last token is the root:
 3. the planner keeps the best nodes by cumulative probability within its
    node budget (:meth:`DraftModelTreeDrafter.select`): a node can enter only
    after its parent and its previous sibling, so the tree stays
-   ancestor-closed and each node's children stay a prefix of their draw
-   order, which lossless acceptance of sampled siblings needs;
+   ancestor-closed.  Sampled siblings enter in whole groups, by their
+   parent's probability (:meth:`DraftModelTreeDrafter.select_groups`): how
+   many siblings a node keeps must not depend on what was drawn there, or
+   recursive rejection would not be exact;
 4. the draft model's cache is rolled back to the committed sequence: what it
    fed for the tree was drafts.
 
@@ -49,6 +51,7 @@ class DraftedNodes:
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
     children: list[list[int]] = field(default_factory=list)
     sibling_probs: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -56,6 +59,7 @@ class DraftedNodes:
     def add(self, token: int, parent: int, score: float) -> int:
         self.tokens.append(int(token))
         self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1 if parent >= 0 else 0)
         self.scores.append(float(score))
         self.children.append([])
         if parent >= 0:
@@ -193,7 +197,12 @@ class DraftModelTreeDrafter:
     def select(nodes: DraftedNodes, budget: int) -> list[int]:
         """The best ``budget`` drafted nodes by cumulative probability, each
         entering after its parent and its previous sibling; in the order
-        they entered (parents first, siblings in draw order)."""
+        they entered (parents first, siblings in draw order).
+
+        For top-token children only: which and how many of them enter then
+        depends on their own draft probabilities, which the point-mass
+        acceptance rule allows but recursive rejection of sampled siblings
+        does not (see :meth:`select_groups`)."""
         chosen = [0]
         heap: list[tuple[float, int]] = []
 
@@ -210,6 +219,28 @@ class DraftModelTreeDrafter:
             parent = nodes.parents[c]
             offer(parent, nodes.children[parent].index(c) + 1)
             offer(c, 0)
+        return chosen
+
+    @staticmethod
+    def select_groups(nodes: DraftedNodes, budget: int) -> list[int]:
+        """At most ``budget`` drafted nodes in whole sibling groups, level by
+        level, and within a level best-first by the *parent's* cumulative
+        probability (the last group cut to a prefix of its draw order); in
+        the order they entered.
+
+        For sampled siblings: recursive rejection is exact when the number of
+        siblings kept at a node does not depend on what was drawn there.
+        Here it depends only on what was drawn at shallower levels (which
+        groups exist, and the parents' scores), never on the siblings' own
+        tokens nor on anything drafted after them."""
+        chosen = [0]
+        heap: list[tuple[int, float, int]] = [(0, -1.0, 0)] if nodes.children[0] else []
+        while heap and len(chosen) <= budget:
+            _, _, parent = heapq.heappop(heap)
+            for c in nodes.children[parent][:budget + 1 - len(chosen)]:
+                chosen.append(c)
+                if nodes.children[c]:
+                    heapq.heappush(heap, (nodes.depths[c], -nodes.scores[c], c))
         return chosen
 
     @staticmethod

@@ -186,20 +186,27 @@ def test_narrower_draft_vocabulary_is_exact():
 # -- broken twins: the test must notice a wrong residual ----------------------
 
 def _accept_then(residual):
-    """An acceptance rule with the right acceptance test whose rejection draws
-    from ``residual(p, q, x)`` instead of norm(max(0, p - q))."""
+    """The loop's acceptance rule for a chain, with the right acceptance test,
+    whose rejection draws from ``residual(p, q, x)`` instead of
+    norm(max(0, p - q))."""
 
-    def accept(draft, draft_probs, target_probs, generator):
-        for i, x in enumerate(draft):
-            p = target_probs[i]
-            q = None if draft_probs is None else draft_probs[i]
+    def accept(tree, probs_of, generator):
+        node, path = 0, [0]
+        while True:
+            p = probs_of(node)
+            kids = tree.shape.children[node]
+            if not kids:
+                return path, int(torch.multinomial(p, 1, generator=generator))
+            (child,) = kids                       # a chain: one child per node
+            x = tree.tokens[child]
+            q = tree.sibling_probs.get(node)
             q_x = 1.0 if q is None else float(q[x])
             u = float(torch.rand(1, generator=generator))
             if u * q_x < float(p[x]):
+                path.append(child)
+                node = child
                 continue
-            return i, int(torch.multinomial(residual(p, q, x), 1, generator=generator))
-        return len(draft), int(torch.multinomial(target_probs[len(draft)], 1,
-                                                 generator=generator))
+            return path, int(torch.multinomial(residual(p, q, x), 1, generator=generator))
 
     return accept
 
@@ -222,14 +229,14 @@ BROKEN_RULES = {
 def test_reference_rule_of_the_broken_twins_is_exact(monkeypatch):
     """The twins' scaffolding with the right residual passes: what breaks
     them is only their residual."""
-    monkeypatch.setattr(speculative_module, "accept_sampled", _accept_then(_right_residual))
+    monkeypatch.setattr(speculative_module, "accept_tree_sampled", _accept_then(_right_residual))
     counts, _ = draw_counts(speculative(DRAFTS["skewed"]), TEMPERATURE, [1], N_BROKEN, seed=2)
     assert_exact(counts, TEMPERATURE, [1], "reference twin")
 
 
 @pytest.mark.parametrize("rule", sorted(BROKEN_RULES))
 def test_broken_residual_is_detected(monkeypatch, rule):
-    monkeypatch.setattr(speculative_module, "accept_sampled", _accept_then(BROKEN_RULES[rule]))
+    monkeypatch.setattr(speculative_module, "accept_tree_sampled", _accept_then(BROKEN_RULES[rule]))
     counts, _ = draw_counts(speculative(DRAFTS["skewed"]), TEMPERATURE, [1], N_BROKEN, seed=2)
     assert_detected(counts, TEMPERATURE, [1], rule)
 
@@ -284,7 +291,7 @@ def test_deterministic_drafter_is_exact():
 def test_deterministic_drafter_broken_twin_is_detected(monkeypatch):
     """Rejecting a point-mass draft must draw from p without the rejected
     token; drawing from p itself over-weights the drafted tokens."""
-    monkeypatch.setattr(speculative_module, "accept_sampled",
+    monkeypatch.setattr(speculative_module, "accept_tree_sampled",
                         _accept_then(lambda p, q, x: p))
     method = SpeculativeDecoding(TableDecoder(TARGET), FixedRuleDrafter(), k=4)
     counts, _ = draw_counts(method, COMBINED, [1], N_BROKEN, seed=4)
@@ -307,7 +314,7 @@ def test_ngram_drafter_is_exact():
 def test_ngram_drafter_broken_twin_is_detected(monkeypatch):
     from forerun.drafters.ngram import NgramDrafter
 
-    monkeypatch.setattr(speculative_module, "accept_sampled",
+    monkeypatch.setattr(speculative_module, "accept_tree_sampled",
                         _accept_then(lambda p, q, x: p))
     prompt = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1]
     method = SpeculativeDecoding(TableDecoder(TARGET), NgramDrafter(1, 3), k=4)

@@ -25,7 +25,7 @@ from tiny_models import VOCAB, forerun_decoder, hf_model
 def test_shape_adds_prefixes_and_orders_breadth_first():
     shape = TreeShape([(1, 0, 2), (0,)])
     assert shape.paths == [(), (0,), (1,), (1, 0), (1, 0, 2)]
-    assert shape.parents == [-1, 0, 0, 2, 3]
+    assert list(shape.parents) == [-1, 0, 0, 2, 3]
     assert shape.depths == [0, 1, 1, 2, 3]
     assert shape.children == [[1, 2], [], [3], [4], []]
     assert shape.widths == [2, 1, 3]
