@@ -22,11 +22,18 @@ from forerun.sampling import SamplingParams, TokenSampler
 from forerun.stats import GenerationStats
 
 from decoding.test_speculative_greedy import decoder
-from decoding.test_tree_sampling import (COMBINED, DRAFT, N_BROKEN, N_SEQUENCES, PASS_P,
-                                         REJECT_P, TARGET, TEMPERATURE, KeepSlotsTable,
-                                         check_stats, draw_counts, p_value)
+from decoding.test_tree_sampling import (COMBINED, DRAFT, PASS_P, REJECT_P, TARGET,
+                                         TEMPERATURE, KeepSlotsTable, check_stats, draw_counts,
+                                         p_value)
 from method_runs import greedy_tokens
+from quick import draws
 from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)
+
+# A draft-model tree costs a few draft forwards per round: fewer draws than
+# the chain and Medusa tests (the selection bug these tests caught showed at
+# p < 1e-4 with 6,000 draws; the broken twins at p < 1e-6 with 6,000).
+N_SEQUENCES = draws(15_000, 6_000)
+N_BROKEN = draws(10_000, 6_000)
 
 N_NEW = 48
 PROMPTS = [[7], [5, 17, 99, 3, 250, 8, 41]]

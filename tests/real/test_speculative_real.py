@@ -91,10 +91,10 @@ def test_draft_model_trees_greedy_are_lossless(pair):
     """The draft model drafting trees (EAGLE-2 style): plain decoding's
     tokens for several node budgets, and side branches really verified."""
     target, draft = pair
-    for text in CHAT_PROMPTS[:3]:
+    for text in CHAT_PROMPTS[:2]:
         ids = target.encode_prompt(messages=messages(text))
         plain = target.generate(prompt_ids=ids, max_new_tokens=48)
-        for nodes in (2, 6, 12, None):
+        for nodes in (2, 8, None):
             out = target.generate(prompt_ids=ids, max_new_tokens=48, draft=draft,
                                   draft_tree=True, tree_nodes=nodes)
             assert_identical(target, ids, plain, out, f"tree nodes={nodes} on {text[:30]!r}")
