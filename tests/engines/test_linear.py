@@ -259,4 +259,6 @@ def test_real_model_greedy_speculation_is_plain_decoding(preset_gguf, fmt):
         out = model.generate(prompt_ids=ids, max_new_tokens=40, ignore_eos=True,
                              draft=draft, draft_k=k)
         assert out.tokens == plain.tokens, (draft, k)
-        assert out.stats.drafted > 0
+        # A fixed draft length always drafts; the adaptive one may take plain
+        # steps where this machine's measured costs say drafting won't pay.
+        assert out.stats.drafted > 0 or k is None, (draft, k)
