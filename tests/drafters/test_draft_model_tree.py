@@ -32,8 +32,8 @@ from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fi
 # A draft-model tree costs a few draft forwards per round: fewer draws than
 # the chain and Medusa tests (the selection bug these tests caught showed at
 # p < 1e-4 with 6,000 draws; the broken twins at p < 1e-6 with 6,000).
-N_SEQUENCES = draws(15_000, 6_000)
-N_BROKEN = draws(10_000, 6_000)
+N_SEQUENCES = draws(10_000, 6_000)
+N_BROKEN = draws(8_000, 6_000)
 
 N_NEW = 48
 PROMPTS = [[7], [5, 17, 99, 3, 250, 8, 41]]
