@@ -62,10 +62,14 @@ class NodeBudgetPolicy:
         """``c``: accepted drafts per unit of cumulative draft probability."""
         return min(2.0, max(0.2, self._actual / self._predicted))
 
+    def natural_depth(self, cap: int) -> int:
+        """About two levels past the recent accepted length, within ``cap``."""
+        return max(1, min(self.max_depth, cap, math.ceil(self.accepted) + 2))
+
     def depth(self, cap: int, draft_seconds) -> int:
         """Levels to draft (0: a plain step); ``draft_seconds(depth)``: the
         drafter's cost."""
-        depth = max(1, min(self.max_depth, cap, math.ceil(self.accepted) + 2))
+        depth = self.natural_depth(cap)
         nodes = max(1, min(cap, round(self.nodes)))
 
         def pays(accepted: float) -> bool:
@@ -141,8 +145,7 @@ class DraftTreePlanner:
         if cap <= 0:
             return DraftTree.chain(sequence[-1], [])
         if self.fixed_nodes is not None:
-            depth = max(1, min(self.policy.max_depth, cap,
-                               math.ceil(self.policy.accepted) + 2))
+            depth = self.policy.natural_depth(cap)
         else:
             depth = self.policy.depth(cap, self.drafter.draft_seconds)
         if depth == 0:

@@ -18,9 +18,6 @@ from .tree import MAX_TREE_NODES, RankDrafter, RankTreePlanner, TreeShape
 
 __all__ = ["MAX_TREE_NODES", "RankDrafter", "TreeSpeculativeDecoding"]
 
-# The name the protocol had before drafters of any tree shared one loop.
-TreeDrafter = RankDrafter
-
 
 class TreeSpeculativeDecoding(SpeculativeDecoding):
     """Draft-tree-then-verify decoding over a :class:`RankDrafter`.
@@ -41,4 +38,3 @@ class TreeSpeculativeDecoding(SpeculativeDecoding):
         super().__init__(target, name=name, planner=planner, lossy_typical=lossy_typical,
                          typical_threshold=typical_threshold, typical_alpha=typical_alpha)
         self.drafter = drafter
-        self.fixed_tree = planner.fixed_tree
