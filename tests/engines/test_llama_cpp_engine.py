@@ -583,7 +583,9 @@ def test_speculative_is_lossless_past_256_positions_with_threads(llama_model):
         out = model.generate(prompt_ids=ids, max_new_tokens=48, ignore_eos=True,
                              draft=draft, draft_k=k)
         assert_same_tokens(model, ids, plain.tokens, out.tokens, f"draft {draft}, k={k}")
-        assert out.stats.drafted > 0
+        # The adaptive length may rightly take plain steps all the way, where
+        # the measured costs say a draft cannot pay; a fixed k always drafts.
+        assert out.stats.drafted > 0 or k is None, (draft, k)
 
 
 @pytest.mark.real_model
