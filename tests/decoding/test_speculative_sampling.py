@@ -33,7 +33,7 @@ from quick import draws  # noqa: E402
 
 V = 6
 N_TOKENS = 3
-N_SEQUENCES = draws(50_000, 5_000)   # per exactness test
+N_SEQUENCES = draws(30_000, 5_000)   # per exactness test
 N_EXTRA = draws(15_000, 3_000)       # per test of a variant (vocabulary widths, k = 2)
 N_BROKEN = 5_000           # a broken twin is caught with far fewer draws (p < 1e-100)
 PASS_P = 1e-3

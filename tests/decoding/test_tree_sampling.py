@@ -31,7 +31,7 @@ from quick import draws  # noqa: E402
 
 V = 6
 N_TOKENS = 3
-N_SEQUENCES = draws(50_000, 6_000)
+N_SEQUENCES = draws(30_000, 6_000)
 N_BROKEN = draws(20_000, 6_000)
 PASS_P = 1e-3
 REJECT_P = 1e-6
