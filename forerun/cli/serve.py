@@ -15,13 +15,14 @@ DEFAULT_PREFIX_CACHE_MB = 1024
 
 
 def add_parser(sub) -> None:
-    from .main import _add_model_options
+    from .main import _add_model_options, _add_tree_options
 
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (needs: pip install 'forerun[server]')",
         description="Serve a model over OpenAI's API (/v1/chat/completions, /v1/completions, "
                     "/v1/models), with speculative decoding and an exact prefix cache.")
     _add_model_options(p)
+    _add_tree_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
                    "127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -94,6 +95,7 @@ def _build_service(args: argparse.Namespace):
     from ..server.app import Service
     from ..server.metrics import Metrics
     from ..server.prefix_cache import PrefixCache
+    from ..api import tree_options
     from ..drafters.registry import default_draft, draft_kind, load_draft_model
     from ..server.translate import Translator
     from ..server.worker import EngineWorker
@@ -105,6 +107,7 @@ def _build_service(args: argparse.Namespace):
     draft = default_draft(args.model, args.draft)
     if draft is None and args.draft_k is not None:
         raise ConfigError("--draft-k needs a draft: add --draft PRESET|PATH|ngram")
+    tree_options(draft, args.draft_k, args.draft_tree, args.tree_nodes, None)
     drafts = {}
     if draft_kind(draft) == "model":
         # On the target's engine, in its weight format, with its context.
@@ -113,7 +116,9 @@ def _build_service(args: argparse.Namespace):
         if loaded.name != draft:
             drafts[loaded.name] = loaded
     ids = [model.name] + ([name] if name != model.name else [])
-    translator = Translator(model, ids, drafts, draft, args.draft_k)
+    translator = Translator(model, ids, drafts, draft,
+                            {"draft_k": args.draft_k, "draft_tree": args.draft_tree,
+                             "tree_nodes": args.tree_nodes})
     # Check the default drafter now, not on the first request.
     model.generate(prompt_ids=[0], max_new_tokens=1, **translator.default_options())
     prefix_cache = PrefixCache(model.decoder, limit_bytes=int(args.prefix_cache_mb * 2 ** 20),
@@ -127,4 +132,6 @@ def _build_service(args: argparse.Namespace):
     service = Service(translator, worker, metrics, api_key=args.api_key,
                       created=int(time.time()))
     engine = model.decoder.engine
-    return service, f"{model.name} ({engine}, draft: {draft or 'none'})"
+    shape = (f", trees of {args.tree_nodes} nodes" if args.tree_nodes else
+             ", trees" if args.draft_tree else f", k={args.draft_k}" if args.draft_k else "")
+    return service, f"{model.name} ({engine}, draft: {draft or 'none'}{shape})"

@@ -27,12 +27,17 @@ class Speculative(BaseModel):
     """forerun's extension: the drafter of this request.  ``draft``:
     ``"none"`` (plain decoding), ``"ngram"`` (prompt lookup), ``"medusa"``
     (the preset's Medusa heads), or the name of a draft model the server
-    loaded; ``draft_k``: a fixed draft length (default: adaptive)."""
+    loaded; ``draft_k``: a fixed draft length (default: adaptive);
+    ``draft_tree``: the draft model drafts a token tree (its node budget
+    adaptive); ``tree_nodes``: a fixed node budget for that tree, or the
+    node count of a Medusa tree."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     draft: str | None = None
     draft_k: int | None = Field(default=None, ge=1, le=64)
+    draft_tree: bool | None = None
+    tree_nodes: int | None = Field(default=None, ge=1)
 
 
 class StreamOptions(_Body):

@@ -42,21 +42,22 @@ class Translator:
     ``drafts``: the draft models loaded at start, by name.  ``default_draft``:
     what a request without ``speculative.draft`` uses (``None``: plain
     decoding; ``"ngram"``, ``"medusa"``, ``"medusa:PATH"`` or a key of
-    ``drafts``), with ``default_draft_k`` unless the request sets
-    ``speculative.draft_k``.
+    ``drafts``), shaped by ``default_shape`` (``draft_k``, ``draft_tree``,
+    ``tree_nodes``) unless the request shapes its drafter itself.
     """
 
     def __init__(self, model, model_ids: list[str], drafts: dict[str, Any],
-                 default_draft: str | None, default_draft_k: int | None = None) -> None:
+                 default_draft: str | None, default_shape: dict[str, Any] | None = None
+                 ) -> None:
         self.model = model
         self.model_ids = model_ids
         self.drafts = drafts
         self.default_draft = default_draft
-        self.default_draft_k = default_draft_k
+        self.default_shape = _shape(**(default_shape or {}))
 
     def default_options(self) -> dict[str, Any]:
         """The drafter arguments of a request that does not choose one."""
-        return self._resolve(self.default_draft, self.default_draft_k)
+        return self._resolve(self.default_draft, self.default_shape)
 
     # -- the two endpoints ---------------------------------------------------
     def chat(self, req: ChatCompletionRequest) -> GenerationSpec:
@@ -175,26 +176,62 @@ class Translator:
                                                  and req.stream_options.include_usage))
 
     def _drafter(self, req: _Generation) -> dict[str, Any]:
+        """The request's drafter.  A request that shapes it (``draft_k``,
+        ``draft_tree`` or ``tree_nodes``) takes none of the server's shape;
+        one that names only a drafter gets that drafter's own defaults."""
         spec = req.speculative
-        if spec is None or spec.draft is None:
-            k = spec.draft_k if spec is not None and spec.draft_k is not None \
-                else self.default_draft_k
-            return self._resolve(self.default_draft, k)
-        return self._resolve(spec.draft, spec.draft_k)
+        name = self.default_draft if spec is None or spec.draft is None else spec.draft
+        if spec is not None and (spec.draft_k is not None or spec.draft_tree is not None
+                                 or spec.tree_nodes is not None):
+            shape = _shape(spec.draft_k, spec.draft_tree, spec.tree_nodes)
+        elif spec is None or spec.draft is None:
+            shape = self.default_shape
+        else:
+            shape = _shape()
+        return self._resolve(name, shape)
 
-    def _resolve(self, name: str | None, draft_k: int | None) -> dict[str, Any]:
+    def _resolve(self, name: str | None, shape: dict[str, Any]) -> dict[str, Any]:
         if name is None or name == NO_DRAFT:
-            if draft_k is not None:
-                raise bad_request("speculative.draft_k needs a drafter; drop it or choose "
-                                  "speculative.draft", param="speculative.draft_k")
+            for field_name, value in shape.items():
+                if value not in (None, False):
+                    raise bad_request(f"speculative.{field_name} needs a drafter; drop it or "
+                                      f"choose speculative.draft",
+                                      param=f"speculative.{field_name}")
             return {"draft": None}
         if name in self.drafts:
-            return {"draft": self.drafts[name], "draft_k": draft_k}
-        if name in BUILTIN_DRAFTS or (name == self.default_draft and name.startswith("medusa:")):
-            return {"draft": name, "draft_k": draft_k}
-        raise bad_request(f"unknown drafter {name!r}; choose one of "
-                          f"{', '.join(map(repr, self.draft_names()))}",
-                          param="speculative.draft")
+            draft = self.drafts[name]
+        elif name in BUILTIN_DRAFTS or (name == self.default_draft
+                                        and name.startswith("medusa:")):
+            draft = name
+        else:
+            raise bad_request(f"unknown drafter {name!r}; choose one of "
+                              f"{', '.join(map(repr, self.draft_names()))}",
+                              param="speculative.draft")
+        _check_shape(draft, shape)
+        return {"draft": draft, **shape}
+
+
+def _shape(draft_k: int | None = None, draft_tree: bool | None = None,
+           tree_nodes: int | None = None) -> dict[str, Any]:
+    return {"draft_k": draft_k, "draft_tree": bool(draft_tree), "tree_nodes": tree_nodes}
+
+
+def _check_shape(draft, shape: dict[str, Any]) -> None:
+    """400 for a drafter shape the drafter cannot take (a tree of n-grams,
+    a chain length and a tree at once, too many nodes)."""
+    from ..api import tree_options
+    from ..decoding.tree import MAX_TREE_NODES
+
+    nodes = shape["tree_nodes"]
+    param = "speculative.tree_nodes" if nodes is not None else "speculative.draft_tree"
+    if nodes is not None and nodes > MAX_TREE_NODES:
+        raise bad_request(f"speculative.tree_nodes is at most {MAX_TREE_NODES}, got {nodes}",
+                          param=param)
+    try:
+        tree_options(draft, shape["draft_k"], shape["draft_tree"], nodes, None)
+    except ForerunError as exc:
+        raise bad_request(str(exc).replace("--tree-nodes", "speculative.tree_nodes")
+                          .replace("--draft-k", "speculative.draft_k"), param=param) from None
 
 
 def _text_of(content: str | list[dict] | None, index: int) -> str:

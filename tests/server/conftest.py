@@ -4,8 +4,9 @@ client and with raw HTTP.
 
 The servers run the real preset ``smollm2-135m`` and are shared by the
 whole session: ``server`` (torch, prompt lookup by default, an API key, the
-prefix cache with a small bound) and ``cold_server`` (the same without any
-prefix reuse and with a queue of one).
+prefix cache with a small bound), ``cold_server`` (the same without any
+prefix reuse and with a queue of one) and ``draft_server`` (the model as
+its own draft model, drafting trees by default).
 """
 
 from __future__ import annotations
@@ -153,6 +154,15 @@ def _start(preset_gguf, *args: str) -> LiveServer:
 def server(preset_gguf):
     srv = _start(preset_gguf, "--draft", "ngram", "--max-queue", "40",
                  "--prefix-cache-mb", str(PREFIX_CACHE_MB))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def draft_server(preset_gguf):
+    """The model drafting for itself (a second copy loaded as its draft
+    model), with a draft-model tree as the server's default shape."""
+    srv = _start(preset_gguf, "--draft", MODEL, "--draft-tree", "--max-queue", "4")
     yield srv
     srv.stop()
 

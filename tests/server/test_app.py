@@ -128,6 +128,26 @@ def test_per_request_drafter(server):
     assert err.value.body["param"] == "speculative.draft_k"
 
 
+def test_per_request_draft_trees_and_chains(draft_server):
+    """A server whose default is a draft-model tree: the tree, a fixed node
+    budget, a chain and plain decoding all give the same greedy text, each
+    by the method the request asked for."""
+    client = draft_server.client()
+    runs = {name: greedy(client, CHAT, max_tokens=24, extra_body={"speculative": spec})
+            for name, spec in [("default", {}), ("nodes", {"tree_nodes": 4}),
+                               ("chain", {"draft_k": 2}), ("plain", {"draft": "none"})]}
+    assert len({text_of(r) for r in runs.values()}) == 1, {n: text_of(r)
+                                                          for n, r in runs.items()}
+    stats = {name: r.model_extra["forerun"] for name, r in runs.items()}
+    assert stats["default"]["method"] == stats["nodes"]["method"] == "draft-tree"
+    assert stats["chain"]["method"] == "draft" and stats["plain"]["method"] == "plain"
+    for name in ("nodes", "chain"):      # fixed shapes draft every round they can
+        assert stats[name]["drafted"] > 0 and stats[name]["accepted"] > 0, name
+    with pytest.raises(openai.BadRequestError) as err:
+        greedy(client, CHAT, extra_body={"speculative": {"draft": "ngram", "tree_nodes": 4}})
+    assert err.value.body["param"] == "speculative.tree_nodes"
+
+
 def test_deltas_never_split_a_character(server):
     """The whole response's text is the generation's, decoded at once: a
     character split across deltas would make the streamed text differ."""
