@@ -53,6 +53,9 @@ class NodeBudgetPolicy:
         self._predicted = 1.0        # decayed sums behind the calibration c
         self._actual = 1.0
         self._plain_streak = 0
+        #: whether the last :meth:`depth` drafts only to explore: its round
+        #: verifies at least one node, or the estimates could never recover
+        self.exploring = False
         #: the node budget of the next round with sampled siblings, chosen
         #: from the last round's drafts (see DraftTreePlanner.draft)
         self.planned = 4
@@ -76,6 +79,7 @@ class NodeBudgetPolicy:
             tree = (1.0 + accepted) / (self.costs(nodes + 1) + draft_seconds(depth))
             return tree > 1.0 / self.costs(1)
 
+        self.exploring = False
         if pays(self.accepted):
             self._plain_streak = 0
             return depth
@@ -83,12 +87,14 @@ class NodeBudgetPolicy:
         if self._plain_streak >= self.explore_every:
             self._plain_streak = 0
             if pays(OPTIMISTIC_ACCEPTANCE * depth):
+                self.exploring = True
                 return depth
         return 0
 
     def budget(self, scores: Sequence[float], draft_seconds: float, cap: int) -> int:
         """The node count ``N <= cap`` to verify, from the cumulative draft
-        probabilities of the nodes in the order they enter the tree."""
+        probabilities of the nodes in the order they enter the tree; at
+        least one node in an exploring round."""
         c = self.confidence_scale
         best_n, best_rate, expected = 0, 1.0 / (self.costs(1) + draft_seconds), 1.0
         for n, s in enumerate(scores[:cap], 1):
@@ -96,7 +102,7 @@ class NodeBudgetPolicy:
             rate = expected / (self.costs(n + 1) + draft_seconds)
             if rate > best_rate * 1.0001:
                 best_n, best_rate = n, rate
-        return best_n
+        return max(best_n, min(1, len(scores), cap)) if self.exploring else best_n
 
     def learn(self, scores: Sequence[float], accepted: int) -> None:
         """A verified round: the nodes' cumulative draft probabilities, and
@@ -127,6 +133,7 @@ class DraftTreePlanner:
         self.fixed_nodes = nodes
         self.policy = NodeBudgetPolicy(max(max_nodes, nodes or 0), max_depth)
         self._scores: list[float] = []
+        self._drafted = False
 
     def needs_calibration(self) -> bool:
         return self.fixed_nodes is None
@@ -142,6 +149,7 @@ class DraftTreePlanner:
               sampler: TokenSampler) -> DraftTree:
         cap = min(room, self.fixed_nodes or self.policy.max_nodes)
         self._scores = []
+        self._drafted = False
         if cap <= 0:
             return DraftTree.chain(sequence[-1], [])
         if self.fixed_nodes is not None:
@@ -150,6 +158,7 @@ class DraftTreePlanner:
             depth = self.policy.depth(cap, self.drafter.draft_seconds)
         if depth == 0:
             return DraftTree.chain(sequence[-1], [])
+        self._drafted = True
         nodes = self.drafter.expand(sequence, depth, sampler)
         drafter, seconds = self.drafter, self.drafter.draft_seconds(depth)
         if sampler.greedy or not drafter.sample_siblings:
@@ -174,7 +183,9 @@ class DraftTreePlanner:
     def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
         accepted = len(path) - 1
         self.drafter.observe(sequence, accepted)
-        if tree.num_nodes:
+        if self._drafted:
+            # Also a round whose budget kept no node: the draft time was
+            # spent for nothing, which the estimates must learn.
             self.policy.learn(self._scores, accepted)
 
     def settle(self, length: int) -> None:

@@ -137,6 +137,37 @@ def test_budget_policy_prefers_plain_steps_when_verification_is_dear():
     assert policy.budget([0.2, 0.1], 0.1, 8) == 0
 
 
+def test_an_exploring_round_verifies_a_node_where_the_budget_would_keep_none():
+    policy = NodeBudgetPolicy(max_nodes=8, explore_every=2)
+    policy.costs.seconds = [None] + [1 + 0.5 * n for n in range(9)]
+    policy._actual, policy._predicted = 0.01, 1.0      # c = 0.2: drafts look poor
+    assert policy.depth(8, lambda d: 0.0) == 0 and not policy.exploring
+    assert policy.depth(8, lambda d: 0.0) > 0 and policy.exploring
+    assert policy.budget([0.9, 0.5], 0.0, 8) == 1
+    assert policy.depth(8, lambda d: 0.0) == 0
+    assert policy.budget([0.9, 0.5], 0.0, 8) == 0
+
+
+def test_the_adaptive_budget_recovers_from_poor_estimates():
+    """Where the estimates say a tree would not pay (the calibration ``c``
+    at its floor, verification dear), exploring rounds still verify a node
+    and the estimates learn from them, so drafting resumes where the draft
+    is good; on ``forerun bench`` the adaptive tree once never drafted again
+    after its first generation."""
+    prompt = PROMPTS[1]
+    plain = greedy_tokens(PlainDecoding(decoder("qwen2", "self")), prompt, N_NEW)
+    method = tree_method(decoder("qwen2", "self"), decoder("qwen2", "self"))
+    policy = method.policy
+    policy.costs.seconds = [None] + [1 + 0.5 * n for n in range(len(policy.costs.seconds) - 1)]
+    policy.costs.observe = lambda positions, seconds: None    # these costs, not timings
+    policy._actual, policy._predicted = 0.01, 1.0
+    method._calibrated = True
+    stats = GenerationStats()
+    assert greedy_tokens(method, prompt, N_NEW, stats) == plain
+    assert stats.drafted > 0 and stats.accepted == stats.drafted   # the draft is the model
+    assert policy.confidence_scale > 0.5
+
+
 class ChainOnly(TableDecoder):
     """A decoder whose forward takes only a causal chain."""
 
