@@ -167,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--turns", type=int, default=6, help="turns of the multi-turn chat")
+    p.add_argument("--chat-category", default=None,
+                   help="start the multi-turn chat with the first prompt of this category "
+                        "(default: the first prompt; 'summarization' gives a long one)")
+    p.add_argument("--multi-turn-only", action="store_true",
+                   help="measure only the multi-turn chat, with and without the cache")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -174,18 +179,25 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from forerun.bench.prompts import load_prompts
 
-    prompts = [q.turns[0] for q in load_prompts()]
+    questions = load_prompts()
+    prompts = [q.turns[0] for q in questions]
+    chat_first = next((q.turns[0] for q in questions if q.category == args.chat_category),
+                      None) if args.chat_category else prompts[0]
+    if chat_first is None:
+        p.error(f"no prompt of category {args.chat_category!r}")
     common = ["-m", args.model, "--engine", args.engine, "--context-length",
               str(args.context_length), "--max-queue", str(max(levels) + 4)]
     draft = ["--draft", args.draft] if args.draft else []
     report: dict = {"model": args.model, "engine": args.engine, "draft": args.draft or "default",
                     "max_tokens": args.max_tokens, "throughput": {}, "multi_turn": {}}
 
-    for label, extra in (("draft", draft), ("none", ["--draft", "none"])):
+    runs = (("draft", draft),) if args.multi_turn_only else (("draft", draft),
+                                                               ("none", ["--draft", "none"]))
+    for label, extra in runs:
         server = Server(common + extra, label)
         try:
             rows = []
-            for clients in levels:
+            for clients in ([] if args.multi_turn_only else levels):
                 r = throughput(server, prompts, clients, args.requests, args.max_tokens)
                 rows.append(r)
                 print(f"[{label}] {clients:>2} clients: {r['requests_per_minute']:7.1f} req/min "
@@ -193,23 +205,25 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['ttft_median'] or 0:.2f} s", flush=True)
             report["throughput"][label] = rows
             if label == "draft":
-                report["multi_turn"]["cache"] = multi_turn(server, prompts[0], args.turns,
+                report["multi_turn"]["cache"] = multi_turn(server, chat_first, args.turns,
                                                            args.max_tokens)
         finally:
             server.stop()
     server = Server(common + draft + ["--no-prefix-cache"], "no-cache")
     try:
-        report["multi_turn"]["no_cache"] = multi_turn(server, prompts[0], args.turns,
+        report["multi_turn"]["no_cache"] = multi_turn(server, chat_first, args.turns,
                                                       args.max_tokens)
     finally:
         server.stop()
 
-    print("\n| clients | draft req/min | draft tok/s | none req/min | none tok/s | speedup |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for d, n in zip(report["throughput"]["draft"], report["throughput"]["none"]):
-        print(f"| {d['clients']} | {d['requests_per_minute']:.1f} | {d['tokens_per_second']:.2f} "
-              f"| {n['requests_per_minute']:.1f} | {n['tokens_per_second']:.2f} "
-              f"| {d['tokens_per_second'] / n['tokens_per_second']:.2f}x |")
+    if not args.multi_turn_only:
+        print("\n| clients | draft req/min | draft tok/s | none req/min | none tok/s | speedup |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for d, n in zip(report["throughput"]["draft"], report["throughput"]["none"]):
+            print(f"| {d['clients']} | {d['requests_per_minute']:.1f} "
+                  f"| {d['tokens_per_second']:.2f} | {n['requests_per_minute']:.1f} "
+                  f"| {n['tokens_per_second']:.2f} "
+                  f"| {d['tokens_per_second'] / n['tokens_per_second']:.2f}x |")
     print("\n| turn | prompt tokens | reused | TTFT with cache | TTFT without | same text |")
     print("|---:|---:|---:|---:|---:|:---:|")
     for w, c in zip(report["multi_turn"]["cache"], report["multi_turn"]["no_cache"]):
