@@ -102,9 +102,9 @@ class DraftModelTreeDrafter:
         self._known_committed = 0
 
     # -- drafting ----------------------------------------------------------------
-    def _catch_up(self, sequence: Sequence[int]) -> torch.Tensor:
+    def _catch_up(self, sequence: Sequence[int]) -> tuple[torch.Tensor, int]:
         """Feed the committed tokens the cache lacks; the draft's logits
-        after the root."""
+        after the root, and how many tokens were fed."""
         n = 0
         limit = min(len(self._fed), len(sequence))
         while n < limit and self._fed[n] == sequence[n]:
@@ -117,7 +117,7 @@ class DraftModelTreeDrafter:
         todo = list(sequence[n:])
         logits = self.decoder.feed(todo, last_only=True).logits[-1]
         self._fed.extend(todo)
-        return logits
+        return logits, len(todo)
 
     def _children(self, logits: torch.Tensor, sampler: TokenSampler,
                   count: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
@@ -145,10 +145,14 @@ class DraftModelTreeDrafter:
         """Draft ``depth`` levels below the root ``sequence[-1]``."""
         decoder = self.decoder
         t0 = time.perf_counter()
-        logits = self._catch_up(sequence)
+        logits, fed = self._catch_up(sequence)
         self._known_committed = len(sequence)
         t1 = time.perf_counter()
-        self._catch_up_seconds = _ema(self._catch_up_seconds, t1 - t0)
+        # A catch-up on a long run of committed tokens (the prompt, or the
+        # tokens of plain steps) is not what a round of drafting costs: timed,
+        # it made the policy believe trees never pay, and stop drafting them.
+        if fed <= STEADY_CATCH_UP:
+            self._catch_up_seconds = _ema(self._catch_up_seconds, t1 - t0)
         nodes = DraftedNodes()
         nodes.add(sequence[-1], -1, 1.0)
         committed = decoder.length       # the root's slot is committed - 1
@@ -263,12 +267,19 @@ class DraftModelTreeDrafter:
 
     def draft_seconds(self, depth: int) -> float:
         """Estimated seconds to draft ``depth`` levels: a catch-up forward
-        and ``depth - 1`` level forwards (0 before the first measurement)."""
+        and ``depth - 1`` level forwards, each taken for the other until it
+        is measured (0 before the first measurement)."""
         if depth <= 0:
             return 0.0
-        catch_up = self._catch_up_seconds or 0.0
-        level = self._level_seconds if self._level_seconds is not None else catch_up
+        catch_up, level = self._catch_up_seconds, self._level_seconds
+        catch_up = catch_up if catch_up is not None else (level or 0.0)
+        level = level if level is not None else catch_up
         return catch_up + (depth - 1) * level
+
+
+# The most tokens a catch-up feeds in steady drafting: a round's accepted
+# path (at most the deepest tree, 8 levels) and its bonus token.
+STEADY_CATCH_UP = 9
 
 
 def _ema(old: float | None, new: float) -> float:

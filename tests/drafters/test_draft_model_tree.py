@@ -16,7 +16,8 @@ from forerun.decoding import tree_acceptance
 from forerun.decoding.draft_tree_planner import DraftTreePlanner, NodeBudgetPolicy
 from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.speculative import SpeculativeDecoding
-from forerun.drafters.draft_model_tree import DraftedNodes, DraftModelTreeDrafter
+from forerun.drafters.draft_model_tree import (STEADY_CATCH_UP, DraftedNodes,
+                                               DraftModelTreeDrafter)
 from forerun.errors import ConfigError
 from forerun.sampling import SamplingParams, TokenSampler
 from forerun.stats import GenerationStats
@@ -83,6 +84,21 @@ def test_the_draft_cache_holds_only_committed_tokens_after_a_round():
     sequence = PROMPTS[1] + [nodes.tokens[1], 9]
     drafter.expand(sequence, 2, sampler)
     assert draft.length == len(sequence)
+
+
+def test_catching_up_on_a_prompt_is_not_a_rounds_drafting_cost():
+    """The draft's cost estimate leaves out a catch-up on many committed
+    tokens (the prompt, or a run of plain steps): timed, it once made the
+    policy believe that trees never pay."""
+    drafter = DraftModelTreeDrafter(decoder("qwen2", "perturbed"), width=3, beam=2)
+    sampler = TokenSampler(SamplingParams(), 0)
+    prompt = [(7 * i + 3) % 300 for i in range(STEADY_CATCH_UP + 8)]
+    drafter.begin(prompt)
+    nodes = drafter.expand(prompt, 3, sampler)
+    assert drafter._catch_up_seconds is None and drafter._level_seconds is not None
+    assert drafter.draft_seconds(3) == 3 * drafter._level_seconds   # a level for a catch-up
+    drafter.expand(prompt + [nodes.tokens[1], 9], 3, sampler)    # a round's catch-up: timed
+    assert drafter._catch_up_seconds is not None
 
 
 def _depths(nodes: DraftedNodes) -> list[int]:
