@@ -29,37 +29,55 @@ STORE_VERSION = 1
 ENGINE_NUMERICS_VERSION = 3
 
 
+# The instruction-set extensions that decide which CPU kernels are fast
+# (bf16 and int8 matmuls, llama.cpp's quantized dot products), as Linux names
+# them in /proc/cpuinfo: x86 "flags", ARM "Features".
+KERNEL_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni",
+                   "amx_bf16", "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve")
+
+
+CPUINFO = "/proc/cpuinfo"
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags, from ``/proc/cpuinfo`` (empty
+    where there is none)."""
+    model, flags = "", set()
+    try:
+        with open(CPUINFO, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model", "cpu model", "Hardware") and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
 @lru_cache(maxsize=1)
 def machine_fingerprint() -> str:
     """The CPU model and its feature flags (Linux ``/proc/cpuinfo``, else
     :func:`platform.processor`), hashed: kernels are chosen by these."""
-    model, flags = "", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "Model", "cpu model") and not model:
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = " ".join(sorted(value.split()))
-    except OSError:
-        pass
-    text = f"{model or platform.processor()}|{flags}|{platform.machine()}|{os.cpu_count()}"
+    model, flags = _cpuinfo()
+    text = (f"{model or platform.processor()}|{' '.join(sorted(flags))}|{platform.machine()}"
+            f"|{os.cpu_count()}")
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def cpu_name() -> str:
-    """A readable CPU model name, for reports."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """A readable CPU model name with the kernel-relevant extensions it has,
+    for reports: ``AMD EPYC [avx2 fma]``.  The model name alone does not
+    tell machines apart here (one "AMD EPYC" has AVX512-BF16, another only
+    AVX2), and every figure depends on which."""
+    model, flags = _cpuinfo()
+    model = model or platform.processor() or platform.machine() or "unknown"
+    have = [f for f in KERNEL_FEATURES if f in flags]
+    if not flags:
+        return model
+    return f"{model} [{' '.join(have) or 'no SIMD extensions forerun knows'}]"
 
 
 class CalibrationStore:

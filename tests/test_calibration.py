@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from forerun.calibration import CalibrationStore, machine_fingerprint, valid_costs
+import forerun.calibration as calibration
+from forerun.calibration import CalibrationStore, cpu_name, machine_fingerprint, valid_costs
 from forerun.engines.grouping_probe import GroupingResult
 
 
@@ -79,3 +80,28 @@ def test_an_unwritable_cache_costs_a_warning_not_the_answer(cache):
         assert store.save([None, 0.1]) is False
     assert store.save([None, 0.1]) is False      # warned once
     assert store.load(valid_costs(2)) is None
+
+
+def _fake_cpuinfo(monkeypatch, tmp_path, flags: str) -> None:
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n\n"
+                    f"processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(calibration, "CPUINFO", str(path))
+    machine_fingerprint.cache_clear()
+
+
+def test_two_cpus_of_one_name_are_told_apart_by_their_kernel_extensions(monkeypatch, tmp_path):
+    """Two machines here both call themselves "AMD EPYC"; one has
+    AVX512-BF16, the other AVX2 only.  Reports and stored measurements must
+    not confuse them."""
+    try:
+        _fake_cpuinfo(monkeypatch, tmp_path, "fpu sse2 avx fma avx2 avx512f avx512_bf16 avx512_vnni")
+        wide, wide_print = cpu_name(), machine_fingerprint()
+        machine_fingerprint.cache_clear()
+        _fake_cpuinfo(monkeypatch, tmp_path, "fpu sse2 avx fma avx2")
+        narrow, narrow_print = cpu_name(), machine_fingerprint()
+    finally:
+        machine_fingerprint.cache_clear()
+    assert wide == "AMD EPYC [avx2 fma avx512f avx512_vnni avx512_bf16]"
+    assert narrow == "AMD EPYC [avx2 fma]"
+    assert wide_print != narrow_print

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..calibration import cpu_name
 from ..errors import ForerunError
 from ..stats import acceptance_rate, mean_accepted_tokens
 from .errors import BenchError, MethodUnavailable
@@ -118,7 +119,7 @@ def machine_info(model=None) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model(),
+        "cpu_model": cpu_name(),
     }
     if model is not None:
         decoder = model.decoder
@@ -127,18 +128,6 @@ def machine_info(model=None) -> dict[str, Any]:
         if "dtype" in decoder.settings:
             info["dtype"] = decoder.settings["dtype"]
     return info
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "Model", "cpu model", "Hardware"):
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def _package_version(name: str) -> str | None:
