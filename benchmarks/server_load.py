@@ -108,9 +108,9 @@ def throughput(server: Server, prompts: list[str], clients: int, requests: int,
                max_tokens: int) -> dict:
     """``requests`` requests spread over ``clients`` concurrent clients."""
     model = model_id(server)
-    todo = [prompts[i % len(prompts)] for i in range(requests)]
+    todo = [(i, prompts[i % len(prompts)]) for i in range(requests)]
     lock = threading.Lock()
-    results: list[dict] = []
+    done: dict[int, dict] = {}
 
     def client_loop(_: int) -> None:
         client = server.client()
@@ -118,15 +118,16 @@ def throughput(server: Server, prompts: list[str], clients: int, requests: int,
             with lock:
                 if not todo:
                     return
-                prompt = todo.pop(0)
+                index, prompt = todo.pop(0)
             r = timed_request(client, model, [{"role": "user", "content": prompt}], max_tokens)
             with lock:
-                results.append(r)
+                done[index] = r
 
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client_loop, range(clients)))
     wall = time.perf_counter() - start
+    results = [done[i] for i in sorted(done)]  # in request order, not finishing order
     tokens = sum(r["completion_tokens"] for r in results)
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
     accepted = sum((r["forerun"] or {}).get("accepted", 0) for r in results)
@@ -217,13 +218,16 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
 
     if not args.multi_turn_only:
-        print("\n| clients | draft req/min | draft tok/s | none req/min | none tok/s | speedup |")
-        print("|---:|---:|---:|---:|---:|---:|")
+        print("\n| clients | draft req/min | draft tok/s | none req/min | none tok/s | speedup "
+              "| same texts |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
         for d, n in zip(report["throughput"]["draft"], report["throughput"]["none"]):
+            same = sum(a == b for a, b in zip(d["texts"], n["texts"]))
             print(f"| {d['clients']} | {d['requests_per_minute']:.1f} "
                   f"| {d['tokens_per_second']:.2f} | {n['requests_per_minute']:.1f} "
                   f"| {n['tokens_per_second']:.2f} "
-                  f"| {d['tokens_per_second'] / n['tokens_per_second']:.2f}x |")
+                  f"| {d['tokens_per_second'] / n['tokens_per_second']:.2f}x "
+                  f"| {same}/{len(d['texts'])} |")
     print("\n| turn | prompt tokens | reused | TTFT with cache | TTFT without | same text |")
     print("|---:|---:|---:|---:|---:|:---:|")
     for w, c in zip(report["multi_turn"]["cache"], report["multi_turn"]["no_cache"]):
