@@ -24,6 +24,21 @@ def preset_gguf():
     return require_preset
 
 
+def _release_models(which=lambda key: True):
+    """Drops the cached preset models whose key ``(name, context_length,
+    weights)`` ``which`` selects, and collects them."""
+    for key in [k for k in _MODELS if which(k)]:
+        del _MODELS[key]
+    gc.collect()
+
+
+@pytest.fixture()
+def release_preset_models():
+    """Releases every cached preset model first, for a test that loads large
+    models of its own (the machine has 24 GB)."""
+    _release_models()
+
+
 @pytest.fixture(scope="session")
 def preset_model():
     """``preset_model(name)``: a forerun Model of a preset, loaded once."""
@@ -40,9 +55,7 @@ def preset_model():
             # Models of one weight format at a time: float32 and q4 copies of
             # the real pair together, beside transformers' reference, would
             # pass the machine's 24 GB.
-            for other in [k for k in _MODELS if k[2] != weights]:
-                del _MODELS[other]
-            gc.collect()
+            _release_models(lambda k: k[2] != weights)
             _MODELS[key] = forerun.load(name, context_length=context_length, progress=False,
                                         weights=weights)
         return _MODELS[key]
