@@ -108,7 +108,9 @@ def _mismatch_lines(report: BenchReport) -> list[str]:
 
 def _settings_line(report: BenchReport) -> str:
     s = report.settings
-    return (f"model {s['model_name']} on {s.get('engine', 'torch')}, draft {s['draft'] or '-'}, "
+    weights = report.machine.get("weights")
+    engine = s.get("engine", "torch") + (f" ({weights} weights)" if weights else "")
+    return (f"model {s['model_name']} on {engine}, draft {s['draft'] or '-'}, "
             f"{s['prompt_count']} prompts, up to {s['max_new_tokens']} new tokens, seed "
             f"{s['seed']}, warm-up {s['warmup']}x{s['warmup_tokens']} tokens per method")
 

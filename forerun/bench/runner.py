@@ -125,8 +125,9 @@ def machine_info(model=None) -> dict[str, Any]:
         decoder = model.decoder
         info["engine"] = decoder.engine
         info["device"] = str(decoder.device)
-        if "dtype" in decoder.settings:
-            info["dtype"] = decoder.settings["dtype"]
+        for key in ("dtype", "weights"):   # weights: the format that `auto` chose
+            if key in decoder.settings:
+                info[key] = decoder.settings[key]
     return info
 
 
