@@ -57,6 +57,12 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return model, flags
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux names them (x86 ``flags``, ARM
+    ``Features``); empty where ``/proc/cpuinfo`` is missing."""
+    return _cpuinfo()[1]
+
+
 @lru_cache(maxsize=1)
 def machine_fingerprint() -> str:
     """The CPU model and its feature flags (Linux ``/proc/cpuinfo``, else

@@ -105,3 +105,15 @@ def test_two_cpus_of_one_name_are_told_apart_by_their_kernel_extensions(monkeypa
     assert wide == "AMD EPYC [avx2 fma avx512f avx512_vnni avx512_bf16]"
     assert narrow == "AMD EPYC [avx2 fma]"
     assert wide_print != narrow_print
+
+
+def test_the_llama_cpp_engine_reads_amx_from_the_same_flags(monkeypatch, tmp_path):
+    """llama.cpp's extra buffers are off where the CPU advertises AMX; the
+    engine asks the one /proc/cpuinfo reader."""
+    from forerun.engines.llama_cpp_engine import cpu_has_amx, default_extra_buffers
+
+    _fake_cpuinfo(monkeypatch, tmp_path, "fpu avx2 amx_bf16 amx_tile amx_int8")
+    assert cpu_has_amx() and not default_extra_buffers()
+    _fake_cpuinfo(monkeypatch, tmp_path, "fpu avx2 avx512f")
+    assert not cpu_has_amx() and default_extra_buffers()
+    machine_fingerprint.cache_clear()

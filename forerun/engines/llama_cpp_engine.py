@@ -51,6 +51,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..calibration import cpu_flags
 from ..cache_positions import CachePositions
 from ..decoder import Capabilities, ForwardOutput
 from ..errors import (CacheStateError, ConfigError, EngineError,
@@ -113,14 +114,7 @@ def _init_backend(lc: Any, verbose: bool) -> None:
 
 def cpu_has_amx() -> bool:
     """Whether the CPU advertises Intel AMX tiles (Linux ``/proc/cpuinfo``)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_tile" in line.split()
-    except OSError:
-        pass
-    return False
+    return "amx_tile" in cpu_flags()
 
 
 def default_extra_buffers() -> bool:
