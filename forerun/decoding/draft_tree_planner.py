@@ -3,10 +3,15 @@ acceptance: the :class:`~forerun.decoding.speculative.Planner` of
 :class:`~forerun.drafters.draft_model_tree.DraftModelTreeDrafter`.
 
 Before drafting, the depth: about two levels past the accepted length of
-recent rounds, and none at all (a plain step) when a tree of the recent
-size, accepting what recent trees accepted, would not beat a plain step at
-the measured costs.  Like the adaptive draft length, it explores with a
-tree every few plain rounds, but only where drafting could pay at all.
+recent rounds, when a tree of the recent size, accepting what recent trees
+accepted, would beat a plain step at the measured costs.  Where it would
+not, the cheapest tree: a chain of the draft's first choices, of the length
+that maximises tokens per second from the per-level acceptance of past
+rounds, as :class:`~forerun.decoding.draft_length.AdaptiveDraftLength`
+chooses a chain's length (so the adaptive tree drafts at least where the
+adaptive chain would); and where no chain pays either, a plain step.  Like
+the adaptive draft length, it explores with a chain of one draft every few
+plain rounds, but only where drafting could pay at all.
 
 After drafting, the node budget (EAGLE-2's reranking), for top-token
 children: the drafted nodes
@@ -33,7 +38,7 @@ import torch
 
 from ..sampling import TokenSampler
 from .base import check_count
-from .draft_length import OPTIMISTIC_ACCEPTANCE, VerifyCosts
+from .draft_length import OPTIMISTIC_ACCEPTANCE, AcceptanceEstimate, VerifyCosts, expected_tokens
 from .draft_tree import DraftTree
 from .tree import MAX_TREE_NODES
 
@@ -50,12 +55,19 @@ class NodeBudgetPolicy:
         self.explore_every = explore_every
         self.accepted = 1.0          # decayed mean accepted drafts per round
         self.nodes = 4.0             # decayed mean nodes verified per round
+        #: the chance a level's draft is accepted, given its parent was
+        #: (the chain fallback's estimate)
+        self.levels = AcceptanceEstimate()
         self._predicted = 1.0        # decayed sums behind the calibration c
         self._actual = 1.0
         self._plain_streak = 0
-        #: whether the last :meth:`depth` drafts only to explore: its round
-        #: verifies at least one node, or the estimates could never recover
+        #: whether the last :meth:`depth` drafts only to explore (a chain of
+        #: one draft, which its round verifies: else the estimates could
+        #: never recover)
         self.exploring = False
+        #: whether the last :meth:`depth` asks for a chain (one child per
+        #: node, every drafted node verified) instead of a tree
+        self.chain = False
         #: the node budget of the next round with sampled siblings, chosen
         #: from the last round's drafts (see DraftTreePlanner.draft)
         self.planned = 4
@@ -70,31 +82,44 @@ class NodeBudgetPolicy:
         return max(1, min(self.max_depth, cap, math.ceil(self.accepted) + 2))
 
     def depth(self, cap: int, draft_seconds) -> int:
-        """Levels to draft (0: a plain step); ``draft_seconds(depth)``: the
-        drafter's cost."""
+        """Levels to draft (0: a plain step), and whether as a chain
+        (:attr:`chain`); ``draft_seconds(depth, chain)``: the drafter's
+        cost."""
         depth = self.natural_depth(cap)
         nodes = max(1, min(cap, round(self.nodes)))
-
-        def pays(accepted: float) -> bool:
-            tree = (1.0 + accepted) / (self.costs(nodes + 1) + draft_seconds(depth))
-            return tree > 1.0 / self.costs(1)
-
-        self.exploring = False
-        if pays(self.accepted):
+        self.exploring = self.chain = False
+        tree = (1.0 + self.accepted) / (self.costs(nodes + 1) + draft_seconds(depth, False))
+        if tree > 1.0 / self.costs(1):
             self._plain_streak = 0
             return depth
+        chain = self.chain_length(cap, self.levels.rate, draft_seconds)
+        if chain:
+            self._plain_streak = 0
+            self.chain = True
+            return chain
         self._plain_streak += 1
         if self._plain_streak >= self.explore_every:
             self._plain_streak = 0
-            if pays(OPTIMISTIC_ACCEPTANCE * depth):
-                self.exploring = True
-                return depth
+            optimistic = max(self.levels.rate, OPTIMISTIC_ACCEPTANCE)
+            if self.chain_length(cap, optimistic, draft_seconds):
+                self.exploring = self.chain = True
+                return 1
         return 0
+
+    def chain_length(self, cap: int, rate: float, draft_seconds) -> int:
+        """The chain length in ``0..min(cap, max_depth)`` with the most
+        expected tokens per second when each level is accepted with
+        probability ``rate`` (0: no chain beats a plain step)."""
+        best_k, best_rate = 0, 1.0 / self.costs(1)
+        for k in range(1, min(cap, self.max_depth) + 1):
+            rate_k = expected_tokens(k, rate) / (self.costs(k + 1) + draft_seconds(k, True))
+            if rate_k > best_rate * 1.0001:
+                best_k, best_rate = k, rate_k
+        return best_k
 
     def budget(self, scores: Sequence[float], draft_seconds: float, cap: int) -> int:
         """The node count ``N <= cap`` to verify, from the cumulative draft
-        probabilities of the nodes in the order they enter the tree; at
-        least one node in an exploring round."""
+        probabilities of the nodes in the order they enter the tree."""
         c = self.confidence_scale
         best_n, best_rate, expected = 0, 1.0 / (self.costs(1) + draft_seconds), 1.0
         for n, s in enumerate(scores[:cap], 1):
@@ -102,11 +127,13 @@ class NodeBudgetPolicy:
             rate = expected / (self.costs(n + 1) + draft_seconds)
             if rate > best_rate * 1.0001:
                 best_n, best_rate = n, rate
-        return max(best_n, min(1, len(scores), cap)) if self.exploring else best_n
+        return best_n
 
-    def learn(self, scores: Sequence[float], accepted: int) -> None:
-        """A verified round: the nodes' cumulative draft probabilities, and
-        how many drafted tokens the target accepted."""
+    def learn(self, scores: Sequence[float], accepted: int, depth: int) -> None:
+        """A verified round: the nodes' cumulative draft probabilities, how
+        many drafted tokens the target accepted, and the verified tree's
+        depth."""
+        self.levels.update(depth, accepted)
         decay = 0.9
         self.accepted = decay * self.accepted + (1 - decay) * accepted
         self.nodes = decay * self.nodes + (1 - decay) * len(scores)
@@ -152,16 +179,20 @@ class DraftTreePlanner:
         self._drafted = False
         if cap <= 0:
             return DraftTree.chain(sequence[-1], [])
+        chain = False
         if self.fixed_nodes is not None:
             depth = self.policy.natural_depth(cap)
         else:
             depth = self.policy.depth(cap, self.drafter.draft_seconds)
+            chain = self.policy.chain
         if depth == 0:
             return DraftTree.chain(sequence[-1], [])
         self._drafted = True
-        nodes = self.drafter.expand(sequence, depth, sampler)
+        nodes = self.drafter.expand(sequence, depth, sampler, chain=chain)
         drafter, seconds = self.drafter, self.drafter.draft_seconds(depth)
-        if sampler.greedy or not drafter.sample_siblings:
+        if chain:
+            chosen = list(range(len(nodes.tokens)))      # the whole chain
+        elif sampler.greedy or not drafter.sample_siblings:
             # Top-token children: the budget may follow this round's scores.
             chosen = drafter.select(nodes, cap)
             scores = [nodes.scores[i] for i in chosen[1:]]
@@ -186,7 +217,7 @@ class DraftTreePlanner:
         if self._drafted:
             # Also a round whose budget kept no node: the draft time was
             # spent for nothing, which the estimates must learn.
-            self.policy.learn(self._scores, accepted)
+            self.policy.learn(self._scores, accepted, tree.depth)
 
     def settle(self, length: int) -> None:
         self.drafter.settle(length)

@@ -13,7 +13,10 @@ A round, from the committed sequence whose last token is the root:
    ``width`` children: its top tokens (deterministic), or, when sampling
    with ``sample_siblings``, tokens drawn one after the other without
    replacement from its processed distribution (kept with the tree, for the
-   acceptance rule);
+   acceptance rule).  A sampled node draws only as many children as its
+   distribution's top tokens need to cover ``sibling_coverage`` of its mass
+   (at most ``width``): a confident draft drafts a deep chain, an unsure
+   one a wider tree;
 3. the planner keeps the best nodes by cumulative probability within its
    node budget (:meth:`DraftModelTreeDrafter.select`): a node can enter only
    after its parent and its previous sibling, so the tree stays
@@ -70,16 +73,19 @@ class DraftedNodes:
 class DraftModelTreeDrafter:
     """Drafts trees with its own Decoder (see the module docstring).
 
-    ``width``: children per expanded node; ``beam``: nodes expanded per
-    level; ``sample_siblings``: when sampling, draw children from the draft
-    distribution instead of taking its top tokens.
+    ``width``: children per expanded node (at most, for sampled children);
+    ``beam``: nodes expanded per level; ``sample_siblings``: when sampling,
+    draw children from the draft distribution instead of taking its top
+    tokens; ``sibling_coverage``: the share of a node's draft probability
+    mass its sampled children's count is sized to (see
+    :meth:`sibling_count`).
     """
 
     name = "draft-tree"
     needs_hidden = False
 
     def __init__(self, decoder: Decoder, *, width: int = 4, beam: int = 4,
-                 sample_siblings: bool = True) -> None:
+                 sample_siblings: bool = True, sibling_coverage: float = 0.8) -> None:
         if not decoder.capabilities.tree_masks:
             raise ConfigError(f"a draft model drafts trees with tree attention masks over its "
                               f"own cache, which the {decoder.engine} engine does not take; "
@@ -87,13 +93,19 @@ class DraftModelTreeDrafter:
         for label, value in (("width", width), ("beam", beam)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{label} must be a positive integer, got {value!r}")
+        if not isinstance(sibling_coverage, (int, float)) or not 0 < sibling_coverage <= 1:
+            raise ConfigError(f"sibling_coverage must be a share of probability mass in "
+                              f"(0, 1], got {sibling_coverage!r}")
         self.decoder = decoder
+        self.sibling_coverage = float(sibling_coverage)
         self.width = width
         self.beam = beam
         self.sample_siblings = sample_siblings
         self._fed: list[int] = []     # committed tokens held in the draft cache
         self._known_committed = 0
-        self._level_seconds: float | None = None
+        # Seconds of one level forward: of ``beam`` nodes (False), of a
+        # chain's one node (True).
+        self._level_seconds: dict[bool, float] = {}
         self._catch_up_seconds: float | None = None
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
@@ -132,7 +144,7 @@ class DraftModelTreeDrafter:
         probs = sampler.probs(logits)
         left = probs.clone()
         tokens = []
-        for _ in range(count):          # without replacement, in draw order
+        for _ in range(self.sibling_count(probs, count)):   # without replacement, in draw order
             if float(left.sum()) <= 0:
                 break
             token = sampler.draw(left / left.sum())
@@ -140,10 +152,26 @@ class DraftModelTreeDrafter:
             left[token] = 0.0
         return tokens, probs, probs
 
-    def expand(self, sequence: Sequence[int], depth: int, sampler: TokenSampler
-               ) -> DraftedNodes:
-        """Draft ``depth`` levels below the root ``sequence[-1]``."""
+    def sibling_count(self, probs: torch.Tensor, width: int) -> int:
+        """How many children to draw from a node's draft distribution
+        ``probs``: as many as its top tokens need to cover
+        ``sibling_coverage`` of its mass, at most ``width``.
+
+        It depends on the node's own distribution only, never on what is
+        drawn there: recursive rejection stays exact when the number of
+        siblings does not depend on the siblings' own draws."""
+        top = torch.topk(probs.float(), min(width, probs.numel())).values
+        short = torch.cumsum(top, 0) < self.sibling_coverage * float(probs.float().sum())
+        return min(width, int(short.sum()) + 1)
+
+    def expand(self, sequence: Sequence[int], depth: int, sampler: TokenSampler, *,
+               chain: bool = False) -> DraftedNodes:
+        """Draft ``depth`` levels below the root ``sequence[-1]``;
+        ``chain``: one child per node (a chain of ``depth`` drafts, the
+        cheapest tree, which the planner drafts where a tree would not
+        pay)."""
         decoder = self.decoder
+        width, beam = (1, 1) if chain else (self.width, self.beam)
         t0 = time.perf_counter()
         logits, fed = self._catch_up(sequence)
         self._known_committed = len(sequence)
@@ -161,18 +189,19 @@ class DraftModelTreeDrafter:
         for level in range(1, depth + 1):
             new: list[int] = []
             for node, row in zip(frontier, rows):
-                tokens, probs, drawn_from = self._children(row, sampler, self.width)
+                tokens, probs, drawn_from = self._children(row, sampler, width)
                 if drawn_from is not None:
                     nodes.sibling_probs[node] = drawn_from
                 for t in tokens:
                     new.append(nodes.add(t, node, nodes.scores[node] * float(probs[t])))
             if level == depth or not new:
                 break
-            frontier = heapq.nlargest(self.beam, new, key=lambda i: nodes.scores[i])
+            frontier = heapq.nlargest(beam, new, key=lambda i: nodes.scores[i])
             frontier.sort()
             start = time.perf_counter()
             rows = self._forward(nodes, frontier, slot, committed, level)
-            self._level_seconds = _ema(self._level_seconds, time.perf_counter() - start)
+            self._level_seconds[chain] = _ema(self._level_seconds.get(chain),
+                                              time.perf_counter() - start)
         decoder.rollback(committed)      # the drafts fed for the tree
         return nodes
 
@@ -265,13 +294,15 @@ class DraftModelTreeDrafter:
             self.decoder.rollback(max(keep, self.decoder.committed_length))
         del self._fed[self.decoder.length:]
 
-    def draft_seconds(self, depth: int) -> float:
-        """Estimated seconds to draft ``depth`` levels: a catch-up forward
-        and ``depth - 1`` level forwards, each taken for the other until it
-        is measured (0 before the first measurement)."""
+    def draft_seconds(self, depth: int, chain: bool = False) -> float:
+        """Estimated seconds to draft ``depth`` levels (of a chain:
+        ``chain``): a catch-up forward and ``depth - 1`` level forwards,
+        each taken for the other until it is measured, and a chain's level
+        for a tree's (0 before the first measurement)."""
         if depth <= 0:
             return 0.0
-        catch_up, level = self._catch_up_seconds, self._level_seconds
+        level = self._level_seconds.get(chain, self._level_seconds.get(not chain))
+        catch_up = self._catch_up_seconds
         catch_up = catch_up if catch_up is not None else (level or 0.0)
         level = level if level is not None else catch_up
         return catch_up + (depth - 1) * level

@@ -33,8 +33,8 @@ from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fi
 # A draft-model tree costs a few draft forwards per round: fewer draws than
 # the chain and Medusa tests (the selection bug these tests caught showed at
 # p < 1e-4 with 6,000 draws; the broken twins at p < 1e-6 with 6,000).
-N_SEQUENCES = draws(10_000, 6_000)
-N_BROKEN = draws(8_000, 6_000)
+N_SEQUENCES = draws(10_000, 1_500)
+N_BROKEN = 8_000       # power tests only: not in the quick subset
 
 N_NEW = 48
 PROMPTS = [[7], [5, 17, 99, 3, 250, 8, 41]]
@@ -95,8 +95,10 @@ def test_catching_up_on_a_prompt_is_not_a_rounds_drafting_cost():
     prompt = [(7 * i + 3) % 300 for i in range(STEADY_CATCH_UP + 8)]
     drafter.begin(prompt)
     nodes = drafter.expand(prompt, 3, sampler)
-    assert drafter._catch_up_seconds is None and drafter._level_seconds is not None
-    assert drafter.draft_seconds(3) == 3 * drafter._level_seconds   # a level for a catch-up
+    level = drafter._level_seconds[False]                          # a tree's level, timed
+    assert drafter._catch_up_seconds is None
+    assert drafter.draft_seconds(3) == 3 * level                   # a level for a catch-up
+    assert drafter.draft_seconds(3, chain=True) == 3 * level       # a tree's level for a chain's
     drafter.expand(prompt + [nodes.tokens[1], 9], 3, sampler)    # a round's catch-up: timed
     assert drafter._catch_up_seconds is not None
 
@@ -153,23 +155,72 @@ def test_budget_policy_prefers_plain_steps_when_verification_is_dear():
     assert policy.budget([0.2, 0.1], 0.1, 8) == 0
 
 
-def test_an_exploring_round_verifies_a_node_where_the_budget_would_keep_none():
+def test_an_exploring_round_drafts_one_node_where_nothing_would_pay():
     policy = NodeBudgetPolicy(max_nodes=8, explore_every=2)
     policy.costs.seconds = [None] + [1 + 0.5 * n for n in range(9)]
-    policy._actual, policy._predicted = 0.01, 1.0      # c = 0.2: drafts look poor
-    assert policy.depth(8, lambda d: 0.0) == 0 and not policy.exploring
-    assert policy.depth(8, lambda d: 0.0) > 0 and policy.exploring
-    assert policy.budget([0.9, 0.5], 0.0, 8) == 1
-    assert policy.depth(8, lambda d: 0.0) == 0
-    assert policy.budget([0.9, 0.5], 0.0, 8) == 0
+    policy.levels.successes, policy.levels.failures = 0.1, 10.0   # drafts look poor
+    no_cost = lambda depth, chain=False: 0.0                       # noqa: E731
+    assert policy.depth(8, no_cost) == 0 and not policy.exploring
+    assert policy.depth(8, no_cost) == 1 and policy.exploring and policy.chain
+    assert policy.depth(8, no_cost) == 0
+    # Where even a perfect draft could not pay, it does not explore at all.
+    policy.costs.seconds = [None] + [1.0 * n for n in range(1, 10)]
+    for _ in range(6):
+        assert policy.depth(8, lambda depth, chain=False: 1.0) == 0
+
+
+def test_where_a_tree_would_not_pay_the_policy_drafts_the_best_chain():
+    """A tree of the recent size costs too much, but a chain of the draft's
+    first choices, accepted level by level as recent rounds were, beats a
+    plain step: the adaptive tree drafts where the adaptive chain would."""
+    policy = NodeBudgetPolicy(max_nodes=8)
+    policy.costs.seconds = [None] + [1 + 0.25 * n for n in range(9)]
+    policy.accepted, policy.nodes = 1.0, 8.0          # big trees, few accepted
+    policy.levels.successes, policy.levels.failures = 9.0, 1.0      # 90% per level
+    no_cost = lambda depth, chain=False: 0.0          # noqa: E731
+    k = policy.depth(8, no_cost)
+    assert policy.chain and not policy.exploring
+    assert k == policy.chain_length(8, 0.9, no_cost) > 1
+    # The same with trees that pay: a tree of the natural depth.
+    policy.accepted, policy.nodes = 3.0, 4.0
+    assert policy.depth(8, no_cost) == policy.natural_depth(8) and not policy.chain
+
+
+def test_the_chain_fallback_is_plain_greedy_and_verifies_no_side_branch():
+    prompt = PROMPTS[1]
+    plain = greedy_tokens(PlainDecoding(decoder("llama", "self")), prompt, N_NEW)
+    method = tree_method(decoder("llama", "self"), decoder("llama", "perturbed"))
+    policy = method.policy
+    # Chains of up to 8 drafts cost a bit more per position; a tree of the
+    # policy's size (16 nodes) is far too dear.
+    policy.costs.seconds = [None] + [1 + 0.25 * n if n < 9 else 100.0
+                                     for n in range(len(policy.costs.seconds) - 1)]
+    policy.costs.observe = lambda positions, seconds: None    # these costs, not timings
+    policy.nodes = float(policy.max_nodes)
+    policy.learn = _keeping_nodes(policy.learn, policy)
+    method._calibrated = True
+    stats = GenerationStats()
+    assert greedy_tokens(method, prompt, N_NEW, stats) == plain
+    drafted_rounds = sum(stats.accepted_histogram.values())
+    assert drafted_rounds >= stats.rounds / 2, "chains were drafted only to explore"
+    assert stats.drafted > drafted_rounds, "no chain was longer than one draft"
+    assert method.nodes_verified == stats.drafted, "a side branch was verified"
+
+
+def _keeping_nodes(learn, policy):
+    def keep(scores, accepted, depth):
+        learn(scores, accepted, depth)
+        policy.nodes = float(policy.max_nodes)
+    return keep
 
 
 def test_the_adaptive_budget_recovers_from_poor_estimates():
-    """Where the estimates say a tree would not pay (the calibration ``c``
-    at its floor, verification dear), exploring rounds still verify a node
-    and the estimates learn from them, so drafting resumes where the draft
-    is good; on ``forerun bench`` the adaptive tree once never drafted again
-    after its first generation."""
+    """Where the estimates say neither a tree nor a chain would pay (the
+    calibration ``c`` at its floor, the per-level acceptance near 0,
+    verification dear), exploring rounds still verify a node and the
+    estimates learn from them, so drafting resumes where the draft is good;
+    on ``forerun bench`` the adaptive tree once never drafted again after its
+    first generation."""
     prompt = PROMPTS[1]
     plain = greedy_tokens(PlainDecoding(decoder("qwen2", "self")), prompt, N_NEW)
     method = tree_method(decoder("qwen2", "self"), decoder("qwen2", "self"))
@@ -177,10 +228,12 @@ def test_the_adaptive_budget_recovers_from_poor_estimates():
     policy.costs.seconds = [None] + [1 + 0.5 * n for n in range(len(policy.costs.seconds) - 1)]
     policy.costs.observe = lambda positions, seconds: None    # these costs, not timings
     policy._actual, policy._predicted = 0.01, 1.0
+    policy.levels.successes, policy.levels.failures = 0.1, 10.0
     method._calibrated = True
     stats = GenerationStats()
     assert greedy_tokens(method, prompt, N_NEW, stats) == plain
     assert stats.drafted > 0 and stats.accepted == stats.drafted   # the draft is the model
+    assert policy.levels.rate > 0.1
     assert policy.confidence_scale > 0.5
 
 
@@ -258,6 +311,7 @@ def _siblings_drawn_with_replacement_rule(tree, kids, p, q, uniforms):
     return None, r[:p.numel()]
 
 
+@pytest.mark.power
 @pytest.mark.parametrize("rule", [_no_residual_update, _siblings_drawn_with_replacement_rule],
                          ids=["no_residual_update", "with_replacement_rule"])
 def test_broken_sampled_sibling_rules_are_detected(monkeypatch, rule):
@@ -266,6 +320,51 @@ def test_broken_sampled_sibling_rules_are_detected(monkeypatch, rule):
     counts, _ = draw_counts(method, TEMPERATURE, [1], N_BROKEN, seed=2)
     pv, detail = p_value(counts, TEMPERATURE, [1])
     assert pv < REJECT_P, f"the broken rule went unnoticed ({detail}, p={pv:.3g})"
+
+
+def _drops_unlikely_siblings(children):
+    """A broken twin of the drafter's children: sampled siblings the draft
+    gave little probability are pruned after they were drawn, so a kept
+    sibling was no longer drawn from the distribution the rule assumes."""
+
+    def pruned(self, logits, sampler, count):
+        tokens, probs, drawn_from = children(self, logits, sampler, count)
+        if drawn_from is None:
+            return tokens, probs, drawn_from
+        kept = [t for t in tokens if float(probs[t]) >= 0.15] or tokens[:1]
+        return kept, probs, drawn_from
+
+    return pruned
+
+
+@pytest.mark.power
+def test_pruning_drawn_siblings_by_their_own_probability_is_detected(monkeypatch):
+    monkeypatch.setattr(DraftModelTreeDrafter, "_children",
+                        _drops_unlikely_siblings(DraftModelTreeDrafter._children))
+    method = table_tree_method(nodes=5, sample_siblings=True)
+    counts, _ = draw_counts(method, TEMPERATURE, [1], N_BROKEN, seed=2)
+    pv, detail = p_value(counts, TEMPERATURE, [1])
+    assert pv < REJECT_P, f"the pruned siblings went unnoticed ({detail}, p={pv:.3g})"
+
+
+def test_sampled_siblings_are_as_many_as_cover_the_drafts_mass():
+    """A confident draft draws one sibling (a deep chain), an unsure one up
+    to ``width``; the count is set before drawing, from the node's own
+    distribution."""
+    drafter = DraftModelTreeDrafter(TableDecoder(DRAFT), width=4, sibling_coverage=0.8)
+    assert drafter.sibling_count(torch.tensor([0.9, 0.05, 0.05]), 4) == 1
+    assert drafter.sibling_count(torch.tensor([0.5, 0.25, 0.15, 0.1]), 4) == 3
+    assert drafter.sibling_count(torch.full((10,), 0.1), 4) == 4
+    assert drafter.sibling_count(torch.tensor([0.45, 0.45, 0.1]) * 2, 4) == 2   # unnormalised
+    sampler = TokenSampler(SamplingParams(temperature=1.0), 0)
+    confident = torch.tensor([6.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    tokens, _, drawn_from = drafter._children(confident, sampler, 4)
+    assert len(tokens) == 1 and drawn_from is not None
+    tokens, _, _ = drafter._children(torch.zeros(6), sampler, 4)
+    assert len(tokens) == 4 and len(set(tokens)) == 4
+    for bad in (0, 1.5, -0.2, "0.8"):
+        with pytest.raises(ConfigError, match="sibling_coverage"):
+            DraftModelTreeDrafter(TableDecoder(DRAFT), sibling_coverage=bad)
 
 
 def test_adaptive_budget_sampling_is_exact():
