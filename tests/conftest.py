@@ -5,12 +5,21 @@ Presets are found (and assembled) when a test that needs them runs, never
 at collection: deselecting the real-model tests costs nothing."""
 
 import gc
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+from quick import QUICK  # noqa: E402
+
+if QUICK:
+    # The quick subset runs on two workers (``-n 2``, see the README): one
+    # torch thread each, or their OpenMP threads spin against each other on
+    # a 2-core machine.  Before anything imports torch.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from real_presets import require_preset  # noqa: E402
 
@@ -90,11 +99,17 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Tests that use a real preset are marked ``real_model`` (so ``-m 'not
-    real_model'`` leaves them out without assembling anything)."""
+    real_model'`` leaves them out without assembling anything); the quick
+    subset leaves out the ``power`` tests (see :mod:`quick`)."""
     for item in items:
         if (item.get_closest_marker("needs_preset") is not None
                 or PRESET_FIXTURES & set(getattr(item, "fixturenames", ()))):
             item.add_marker(pytest.mark.real_model)
+    if QUICK:
+        left_out = [item for item in items if item.get_closest_marker("power") is not None]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item.get_closest_marker("power") is None]
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,7 +1,15 @@
-"""The quick subset of the suite (``FORERUN_QUICK=1``, see the README):
-statistical tests draw fewer samples.  Their pass thresholds stay the same,
-so they still pass on an exact algorithm; a subtly wrong one may slip
-through the smaller samples, which is why CI runs the full counts."""
+"""The quick subset of the suite (``FORERUN_QUICK=1``, see the README).
+
+* Statistical tests draw fewer samples.  Their pass thresholds stay the
+  same, so they still pass on an exact algorithm; a subtly wrong one may
+  slip through the smaller samples, which is why CI runs the full counts.
+* Tests marked ``power`` (that a statistical test catches a broken twin of
+  an algorithm) are left out: they test the tests' power at the full
+  counts, which the quick subset does not draw.
+* Stress tests run fewer rounds.
+* torch runs one thread per process (``OMP_NUM_THREADS=1``, set by
+  ``conftest.py``), for the two workers of ``pytest -n 2``.
+"""
 
 from __future__ import annotations
 

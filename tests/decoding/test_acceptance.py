@@ -8,6 +8,7 @@ import torch
 
 from forerun.decoding.acceptance import accept_greedy, accept_sampled
 
+from quick import draws
 from table_decoders import chi_square_pvalue, single_thread  # noqa: F401 (autouse fixture)
 
 
@@ -123,15 +124,18 @@ def test_sampled_residual_without_mass_from_an_overweight_q():
 
 # -- sampled: statistical exactness of one position ---------------------------
 
+N_DRAWS = draws(20_000, 3_000)     # per one-position exactness test
+
+
 def first_token_counts(p: torch.Tensor, q: torch.Tensor | None, draft_rule,
-                       draws: int, seed: int) -> np.ndarray:
+                       count: int, seed: int) -> np.ndarray:
     """Distribution of the first committed token: the draft if accepted, the
     added token otherwise.  ``draft_rule(g)`` proposes the draft token."""
     g = gen(seed)
     width = max(p.shape[-1], q.shape[-1] if q is not None else 0)
     counts = np.zeros(width)
     target = torch.stack([p, torch.full_like(p, 1.0 / p.shape[-1])])
-    for _ in range(draws):
+    for _ in range(count):
         d = draft_rule(g)
         n, extra = accept_sampled([d], None if q is None else q[None], target, g)
         counts[d if n == 1 else extra] += 1
@@ -145,7 +149,7 @@ def sampled_from(q: torch.Tensor):
 def test_sampled_output_is_the_target_distribution():
     p = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15, 0.0])
     q = torch.tensor([0.3, 0.05, 0.3, 0.05, 0.1, 0.2])
-    counts = first_token_counts(p, q, sampled_from(q), 20000, seed=5)
+    counts = first_token_counts(p, q, sampled_from(q), N_DRAWS, seed=5)
     assert counts[5] == 0
     p_value, detail = chi_square_pvalue(counts, p)
     assert p_value > 1e-3, detail
@@ -156,7 +160,7 @@ def test_sampled_draft_narrower_than_target():
     compared on the union with zero draft probability there."""
     p = torch.tensor([0.1, 0.2, 0.1, 0.2, 0.25, 0.15])
     q = torch.tensor([0.4, 0.1, 0.3, 0.2])
-    counts = first_token_counts(p, q, sampled_from(q), 20000, seed=6)
+    counts = first_token_counts(p, q, sampled_from(q), N_DRAWS, seed=6)
     p_value, detail = chi_square_pvalue(counts, p)
     assert p_value > 1e-3, detail
 
@@ -166,7 +170,7 @@ def test_sampled_draft_wider_than_target():
     never output."""
     p = torch.tensor([0.1, 0.5, 0.15, 0.25])
     q = torch.tensor([0.2, 0.1, 0.1, 0.1, 0.3, 0.2])
-    counts = first_token_counts(p, q, sampled_from(q), 20000, seed=7)
+    counts = first_token_counts(p, q, sampled_from(q), N_DRAWS, seed=7)
     assert counts[4] == 0 and counts[5] == 0
     p_value, detail = chi_square_pvalue(counts[:4], p)
     assert p_value > 1e-3, detail
@@ -207,7 +211,7 @@ def test_deterministic_draft_accepted_with_probability_p_of_it():
 
 def test_deterministic_draft_output_is_the_target_distribution():
     p = torch.tensor([0.1, 0.35, 0.05, 0.3, 0.2])
-    counts = first_token_counts(p, None, lambda g: 3, 20000, seed=10)
+    counts = first_token_counts(p, None, lambda g: 3, N_DRAWS, seed=10)
     p_value, detail = chi_square_pvalue(counts, p)
     assert p_value > 1e-3, detail
 

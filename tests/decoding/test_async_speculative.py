@@ -36,6 +36,7 @@ from decoding.test_speculative_greedy import PROMPTS, N_NEW, decoder, generate, 
 from decoding.test_speculative_sampling import (DRAFTS, TARGET, TEMPERATURE, TOP_P,
                                                 _partial_support_draft, assert_detected,
                                                 assert_exact, check_stats, draw_counts)
+from quick import draws
 from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)
 from thread_decoders import DelayedDecoder, FailingDecoder
 
@@ -43,8 +44,9 @@ pytest.importorskip("transformers")
 
 from tiny_models import hf_model, tiny_tokenizer_json  # noqa: E402
 
-N_SAMPLED = 6_000       # per exactness test: a thread per generation costs ~1 ms
-N_TWIN = 3_000
+N_SAMPLED = draws(6_000, 1_500)   # per exactness test: a thread per generation costs ~1 ms
+N_TWIN = 3_000          # power test only: not in the quick subset
+N_STRESS = draws(200, 60)         # generations of the stress test
 WAIT = 300.0            # seconds before the stress test counts as hung
 
 
@@ -130,6 +132,7 @@ def _forgetting(begin):
     return fresh
 
 
+@pytest.mark.power
 def test_broken_twin_verifying_stale_drafts_is_detected(monkeypatch):
     monkeypatch.setattr(async_module, "_Proposal", _Recorded)
     monkeypatch.setattr(AsyncDraftModelDrafter, "propose",
@@ -249,7 +252,7 @@ def test_stress_of_stops_cancels_and_dropped_streams(models, monkeypatch):
 
     def all_of_them() -> None:
         baseline.append(threading.active_count())
-        for i in range(200):
+        for i in range(N_STRESS):
             one(i)
 
     worker = threading.Thread(target=all_of_them, daemon=True)
@@ -257,7 +260,7 @@ def test_stress_of_stops_cancels_and_dropped_streams(models, monkeypatch):
     worker.join(WAIT)
     assert not worker.is_alive(), f"hung (kinds so far: {counts})"
     assert not failures, failures[:5]
-    assert sum(counts.values()) == 200 and len(counts) == 7
+    assert sum(counts.values()) == N_STRESS and len(counts) == 7
     assert repeats, "no sampled generation was repeated"
 
 

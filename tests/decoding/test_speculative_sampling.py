@@ -33,8 +33,8 @@ from quick import draws  # noqa: E402
 
 V = 6
 N_TOKENS = 3
-N_SEQUENCES = draws(30_000, 5_000)   # per exactness test
-N_EXTRA = draws(15_000, 3_000)       # per test of a variant (vocabulary widths, k = 2)
+N_SEQUENCES = draws(30_000, 1_500)   # per exactness test
+N_EXTRA = draws(15_000, 1_000)       # per test of a variant (vocabulary widths, k = 2)
 N_BROKEN = 5_000           # a broken twin is caught with far fewer draws (p < 1e-100)
 PASS_P = 1e-3
 REJECT_P = 1e-6
@@ -226,6 +226,7 @@ BROKEN_RULES = {
 }
 
 
+@pytest.mark.power
 def test_reference_rule_of_the_broken_twins_is_exact(monkeypatch):
     """The twins' scaffolding with the right residual passes: what breaks
     them is only their residual."""
@@ -234,6 +235,7 @@ def test_reference_rule_of_the_broken_twins_is_exact(monkeypatch):
     assert_exact(counts, TEMPERATURE, [1], "reference twin")
 
 
+@pytest.mark.power
 @pytest.mark.parametrize("rule", sorted(BROKEN_RULES))
 def test_broken_residual_is_detected(monkeypatch, rule):
     monkeypatch.setattr(speculative_module, "accept_tree_sampled", _accept_then(BROKEN_RULES[rule]))
@@ -288,6 +290,7 @@ def test_deterministic_drafter_is_exact():
     assert_exact(counts, COMBINED, [1], "deterministic drafter")
 
 
+@pytest.mark.power
 def test_deterministic_drafter_broken_twin_is_detected(monkeypatch):
     """Rejecting a point-mass draft must draw from p without the rejected
     token; drawing from p itself over-weights the drafted tokens."""
@@ -311,6 +314,7 @@ def test_ngram_drafter_is_exact():
     assert_exact(counts, TOP_P, prompt, "ngram drafter")
 
 
+@pytest.mark.power
 def test_ngram_drafter_broken_twin_is_detected(monkeypatch):
     from forerun.drafters.ngram import NgramDrafter
 
