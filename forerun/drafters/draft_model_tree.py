@@ -103,6 +103,7 @@ class DraftModelTreeDrafter:
         self.sample_siblings = sample_siblings
         self._fed: list[int] = []     # committed tokens held in the draft cache
         self._known_committed = 0
+        self._last_depth: int | None = None     # the last round's depth
         # Seconds of one level forward: of ``beam`` nodes (False), of a
         # chain's one node (True).
         self._level_seconds: dict[bool, float] = {}
@@ -112,6 +113,7 @@ class DraftModelTreeDrafter:
         self.decoder.reset()
         self._fed = []
         self._known_committed = 0
+        self._last_depth = None
 
     # -- drafting ----------------------------------------------------------------
     def _catch_up(self, sequence: Sequence[int]) -> tuple[torch.Tensor, int]:
@@ -172,14 +174,20 @@ class DraftModelTreeDrafter:
         pay)."""
         decoder = self.decoder
         width, beam = (1, 1) if chain else (self.width, self.beam)
+        # Steady drafting: the sequence grew by at most what the last round
+        # could commit (its accepted path and the model's token), with no
+        # plain step between.  A catch-up on more (the prompt, or the tokens
+        # of plain steps) is not what a round of drafting costs: timed, it
+        # made the policy believe drafting never pays, and stop drafting
+        # (even exploring) for good.
+        steady = (self._last_depth is not None
+                  and len(sequence) - self._known_committed <= self._last_depth + 1)
         t0 = time.perf_counter()
-        logits, fed = self._catch_up(sequence)
+        logits, _ = self._catch_up(sequence)
         self._known_committed = len(sequence)
+        self._last_depth = depth
         t1 = time.perf_counter()
-        # A catch-up on a long run of committed tokens (the prompt, or the
-        # tokens of plain steps) is not what a round of drafting costs: timed,
-        # it made the policy believe trees never pay, and stop drafting them.
-        if fed <= STEADY_CATCH_UP:
+        if steady:
             self._catch_up_seconds = _ema(self._catch_up_seconds, t1 - t0)
         nodes = DraftedNodes()
         nodes.add(sequence[-1], -1, 1.0)
@@ -307,10 +315,6 @@ class DraftModelTreeDrafter:
         level = level if level is not None else catch_up
         return catch_up + (depth - 1) * level
 
-
-# The most tokens a catch-up feeds in steady drafting: a round's accepted
-# path (at most the deepest tree, 8 levels) and its bonus token.
-STEADY_CATCH_UP = 9
 
 
 def _ema(old: float | None, new: float) -> float:

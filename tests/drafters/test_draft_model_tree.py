@@ -16,8 +16,7 @@ from forerun.decoding import tree_acceptance
 from forerun.decoding.draft_tree_planner import DraftTreePlanner, NodeBudgetPolicy
 from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.speculative import SpeculativeDecoding
-from forerun.drafters.draft_model_tree import (STEADY_CATCH_UP, DraftedNodes,
-                                               DraftModelTreeDrafter)
+from forerun.drafters.draft_model_tree import DraftedNodes, DraftModelTreeDrafter
 from forerun.errors import ConfigError
 from forerun.sampling import SamplingParams, TokenSampler
 from forerun.stats import GenerationStats
@@ -86,21 +85,34 @@ def test_the_draft_cache_holds_only_committed_tokens_after_a_round():
     assert draft.length == len(sequence)
 
 
-def test_catching_up_on_a_prompt_is_not_a_rounds_drafting_cost():
-    """The draft's cost estimate leaves out a catch-up on many committed
-    tokens (the prompt, or a run of plain steps): timed, it once made the
-    policy believe that trees never pay."""
+def test_only_a_steady_rounds_catch_up_is_a_drafting_cost():
+    """The draft's cost estimate leaves out a catch-up on the prompt and on
+    the tokens of plain steps: timed, the prompt's once made the policy
+    believe that trees never pay, and the catch-up after a run of plain
+    steps (every exploring round's) stopped even exploring, for good."""
     drafter = DraftModelTreeDrafter(decoder("qwen2", "perturbed"), width=3, beam=2)
     sampler = TokenSampler(SamplingParams(), 0)
-    prompt = [(7 * i + 3) % 300 for i in range(STEADY_CATCH_UP + 8)]
+    prompt = [(7 * i + 3) % 300 for i in range(6)]
     drafter.begin(prompt)
     nodes = drafter.expand(prompt, 3, sampler)
     level = drafter._level_seconds[False]                          # a tree's level, timed
     assert drafter._catch_up_seconds is None
     assert drafter.draft_seconds(3) == 3 * level                   # a level for a catch-up
     assert drafter.draft_seconds(3, chain=True) == 3 * level       # a tree's level for a chain's
-    drafter.expand(prompt + [nodes.tokens[1], 9], 3, sampler)    # a round's catch-up: timed
-    assert drafter._catch_up_seconds is not None
+    # Three plain steps after a round of depth 1: four tokens to catch up.
+    sequence = prompt + [nodes.tokens[1], 9]
+    drafter.expand(sequence, 1, sampler)                           # steady: timed
+    first = drafter._catch_up_seconds
+    assert first is not None
+    sequence += [nodes.tokens[1], 11, 12, 13]
+    drafter.expand(sequence, 2, sampler)
+    assert drafter._catch_up_seconds == first, "a catch-up after plain steps was timed"
+    drafter.expand(sequence + [5, 6, 7], 2, sampler)               # accepted 2, and a token
+    timed = drafter._catch_up_seconds
+    assert timed != first
+    drafter.begin(prompt)                          # a new generation: the prompt first
+    drafter.expand(prompt, 2, sampler)
+    assert drafter._catch_up_seconds == timed
 
 
 def _depths(nodes: DraftedNodes) -> list[int]:
@@ -376,6 +388,24 @@ def test_adaptive_budget_sampling_is_exact():
     assert stats.drafted, "the policy never drafted"
     pv, detail = p_value(counts, TEMPERATURE, [2])
     assert pv > PASS_P, f"adaptive budget: not the target's distribution ({detail}, p={pv:.3g})"
+
+
+def test_the_chain_fallback_sampling_is_exact():
+    """Where trees do not pay but chains do, the adaptive tree drafts sampled
+    chains (one sibling per node): speculative sampling, exact."""
+    method = table_tree_method(nodes=None, sample_siblings=True)
+    policy = method.policy
+    policy.costs.seconds = [None] + [1 + 0.25 * n if n < 9 else 100.0
+                                     for n in range(len(policy.costs.seconds) - 1)]
+    policy.costs.observe = lambda positions, seconds: None
+    policy.nodes = float(policy.max_nodes)
+    policy.learn = _keeping_nodes(policy.learn, policy)
+    method._calibrated = True
+    counts, stats = draw_counts(method, TEMPERATURE, [4], N_SEQUENCES // 2, seed=4)
+    check_stats(stats, N_SEQUENCES // 2)
+    assert stats.drafted and method.nodes_verified == stats.drafted, "not chains"
+    pv, detail = p_value(counts, TEMPERATURE, [4])
+    assert pv > PASS_P, f"chain fallback: not the target's distribution ({detail}, p={pv:.3g})"
 
 
 def test_same_seed_same_tokens():
