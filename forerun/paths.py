@@ -26,11 +26,15 @@ def cache_dir() -> Path:
         where = f"forerun's cache directory {path}"
     if path.is_dir():
         return path
-    if path.exists():
-        raise CacheError(f"{where} is not a directory (it is a file); remove it, or set "
-                         f"FORERUN_CACHE to a writable directory")
+    # No "exists, so it is a file" check first: another process may create
+    # the folder between the two checks (two forerun processes on a fresh
+    # cache).  mkdir with exist_ok takes a folder made meanwhile and fails
+    # with FileExistsError only when the path is something else.
     try:
         path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:
+        raise CacheError(f"{where} is not a directory (it is a file); remove it, or set "
+                         f"FORERUN_CACHE to a writable directory") from exc
     except OSError as exc:
         raise CacheError(f"{where} can't be created ({exc.strerror or exc}); set "
                          f"FORERUN_CACHE to a writable directory") from exc

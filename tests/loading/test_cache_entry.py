@@ -185,3 +185,28 @@ def test_an_unusable_cache_directory_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("FORERUN_CACHE", str(blocker / "sub"))
     with pytest.raises(CacheError, match="can't be created"):
         cache_dir()
+
+
+def test_a_cache_directory_made_by_another_process_meanwhile_is_used(tmp_path, monkeypatch):
+    """Two processes on a fresh cache: the folder is absent when one looks,
+    and the other creates it before this one goes on (the race a CI run of
+    two concurrent conversions hit, which reported the new folder as a
+    file)."""
+    from pathlib import Path
+
+    from forerun.paths import cache_dir
+
+    root = tmp_path / "cache"
+    monkeypatch.setenv("FORERUN_CACHE", str(root))
+    real_is_dir = Path.is_dir
+    raced = []
+
+    def is_dir_then_made(self):
+        if self == root and not raced:          # absent at the first look...
+            raced.append(True)
+            root.mkdir()                        # ...then the other process makes it
+            return False
+        return real_is_dir(self)
+
+    monkeypatch.setattr(Path, "is_dir", is_dir_then_made)
+    assert cache_dir() == root and raced
