@@ -101,10 +101,19 @@ def expected_tokens(k: int, alpha: float) -> float:
 
 def best_draft_length(max_k: int, alpha: float, draft_seconds: float,
                       verify_seconds: Callable[[int], float]) -> int:
-    """The ``k`` in ``0..max_k`` that maximises expected tokens per second."""
+    """The ``k`` in ``0..max_k`` that maximises expected tokens per second,
+    each draft token costing ``draft_seconds``."""
+    return best_chain_length(max_k, alpha, lambda k: k * draft_seconds, verify_seconds)
+
+
+def best_chain_length(max_k: int, alpha: float, draft_cost: Callable[[int], float],
+                      verify_seconds: Callable[[int], float]) -> int:
+    """The ``k`` in ``0..max_k`` that maximises expected tokens per second,
+    drafting ``k >= 1`` tokens costing ``draft_cost(k)`` seconds (``k = 0``
+    is a plain step, which drafts nothing)."""
     best_k, best_rate = 0, 0.0
     for k in range(max_k + 1):
-        cost = k * draft_seconds + verify_seconds(k + 1)
+        cost = (draft_cost(k) if k else 0.0) + verify_seconds(k + 1)
         rate = expected_tokens(k, alpha) / cost if cost > 0 else 0.0
         if rate > best_rate * 1.0001:
             best_k, best_rate = k, rate

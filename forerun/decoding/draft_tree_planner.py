@@ -38,7 +38,8 @@ import torch
 
 from ..sampling import TokenSampler
 from .base import check_count
-from .draft_length import OPTIMISTIC_ACCEPTANCE, AcceptanceEstimate, VerifyCosts, expected_tokens
+from .draft_length import (OPTIMISTIC_ACCEPTANCE, AcceptanceEstimate, VerifyCosts,
+                           best_chain_length)
 from .draft_tree import DraftTree
 from .tree import MAX_TREE_NODES
 
@@ -110,12 +111,8 @@ class NodeBudgetPolicy:
         """The chain length in ``0..min(cap, max_depth)`` with the most
         expected tokens per second when each level is accepted with
         probability ``rate`` (0: no chain beats a plain step)."""
-        best_k, best_rate = 0, 1.0 / self.costs(1)
-        for k in range(1, min(cap, self.max_depth) + 1):
-            rate_k = expected_tokens(k, rate) / (self.costs(k + 1) + draft_seconds(k, True))
-            if rate_k > best_rate * 1.0001:
-                best_k, best_rate = k, rate_k
-        return best_k
+        return best_chain_length(min(cap, self.max_depth), rate,
+                                 lambda k: draft_seconds(k, True), self.costs)
 
     def budget(self, scores: Sequence[float], draft_seconds: float, cap: int) -> int:
         """The node count ``N <= cap`` to verify, from the cumulative draft

@@ -116,9 +116,9 @@ class DraftModelTreeDrafter:
         self._last_depth = None
 
     # -- drafting ----------------------------------------------------------------
-    def _catch_up(self, sequence: Sequence[int]) -> tuple[torch.Tensor, int]:
+    def _catch_up(self, sequence: Sequence[int]) -> torch.Tensor:
         """Feed the committed tokens the cache lacks; the draft's logits
-        after the root, and how many tokens were fed."""
+        after the root."""
         n = 0
         limit = min(len(self._fed), len(sequence))
         while n < limit and self._fed[n] == sequence[n]:
@@ -131,7 +131,7 @@ class DraftModelTreeDrafter:
         todo = list(sequence[n:])
         logits = self.decoder.feed(todo, last_only=True).logits[-1]
         self._fed.extend(todo)
-        return logits, len(todo)
+        return logits
 
     def _children(self, logits: torch.Tensor, sampler: TokenSampler,
                   count: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
@@ -162,8 +162,9 @@ class DraftModelTreeDrafter:
         It depends on the node's own distribution only, never on what is
         drawn there: recursive rejection stays exact when the number of
         siblings does not depend on the siblings' own draws."""
-        top = torch.topk(probs.float(), min(width, probs.numel())).values
-        short = torch.cumsum(top, 0) < self.sibling_coverage * float(probs.float().sum())
+        probs = probs.float()
+        top = torch.topk(probs, min(width, probs.numel())).values
+        short = torch.cumsum(top, 0) < self.sibling_coverage * float(probs.sum())
         return min(width, int(short.sum()) + 1)
 
     def expand(self, sequence: Sequence[int], depth: int, sampler: TokenSampler, *,
@@ -183,7 +184,7 @@ class DraftModelTreeDrafter:
         steady = (self._last_depth is not None
                   and len(sequence) - self._known_committed <= self._last_depth + 1)
         t0 = time.perf_counter()
-        logits, _ = self._catch_up(sequence)
+        logits = self._catch_up(sequence)
         self._known_committed = len(sequence)
         self._last_depth = depth
         t1 = time.perf_counter()

@@ -202,15 +202,7 @@ def test_the_chain_fallback_is_plain_greedy_and_verifies_no_side_branch():
     prompt = PROMPTS[1]
     plain = greedy_tokens(PlainDecoding(decoder("llama", "self")), prompt, N_NEW)
     method = tree_method(decoder("llama", "self"), decoder("llama", "perturbed"))
-    policy = method.policy
-    # Chains of up to 8 drafts cost a bit more per position; a tree of the
-    # policy's size (16 nodes) is far too dear.
-    policy.costs.seconds = [None] + [1 + 0.25 * n if n < 9 else 100.0
-                                     for n in range(len(policy.costs.seconds) - 1)]
-    policy.costs.observe = lambda positions, seconds: None    # these costs, not timings
-    policy.nodes = float(policy.max_nodes)
-    policy.learn = _keeping_nodes(policy.learn, policy)
-    method._calibrated = True
+    _only_chains_pay(method)
     stats = GenerationStats()
     assert greedy_tokens(method, prompt, N_NEW, stats) == plain
     drafted_rounds = sum(stats.accepted_histogram.values())
@@ -219,11 +211,22 @@ def test_the_chain_fallback_is_plain_greedy_and_verifies_no_side_branch():
     assert method.nodes_verified == stats.drafted, "a side branch was verified"
 
 
-def _keeping_nodes(learn, policy):
-    def keep(scores, accepted, depth):
+def _only_chains_pay(method):
+    """Fixed costs (not timings) under which chains of up to 8 drafts pay
+    and a tree of the policy's size (16 nodes, kept there) is far too dear."""
+    policy = method.policy
+    policy.costs.seconds = [None] + [1 + 0.25 * n if n < 9 else 100.0
+                                     for n in range(len(policy.costs.seconds) - 1)]
+    policy.costs.observe = lambda positions, seconds: None
+    policy.nodes = float(policy.max_nodes)
+    learn = policy.learn
+
+    def keeping_nodes(scores, accepted, depth):
         learn(scores, accepted, depth)
         policy.nodes = float(policy.max_nodes)
-    return keep
+
+    policy.learn = keeping_nodes
+    method._calibrated = True
 
 
 def test_the_adaptive_budget_recovers_from_poor_estimates():
@@ -394,13 +397,7 @@ def test_the_chain_fallback_sampling_is_exact():
     """Where trees do not pay but chains do, the adaptive tree drafts sampled
     chains (one sibling per node): speculative sampling, exact."""
     method = table_tree_method(nodes=None, sample_siblings=True)
-    policy = method.policy
-    policy.costs.seconds = [None] + [1 + 0.25 * n if n < 9 else 100.0
-                                     for n in range(len(policy.costs.seconds) - 1)]
-    policy.costs.observe = lambda positions, seconds: None
-    policy.nodes = float(policy.max_nodes)
-    policy.learn = _keeping_nodes(policy.learn, policy)
-    method._calibrated = True
+    _only_chains_pay(method)
     counts, stats = draw_counts(method, TEMPERATURE, [4], N_SEQUENCES // 2, seed=4)
     check_stats(stats, N_SEQUENCES // 2)
     assert stats.drafted and method.nodes_verified == stats.drafted, "not chains"
