@@ -22,6 +22,10 @@ from .draft_tree import DraftTree
 
 MAX_DRAFT_LENGTH = 16
 
+# A measured forward counts as at most this many times the estimate it
+# refines (see VerifyCosts.observe).
+OUTLIER_FACTOR = 2.0
+
 
 class VerifyCosts:
     """Seconds a target forward of ``T`` positions takes, for ``T = 1..max``.
@@ -48,10 +52,22 @@ class VerifyCosts:
             self.seconds[t] = best
 
     def observe(self, t: int, seconds: float) -> None:
+        """Refine the estimate for ``t`` positions with one measured forward.
+        Other work on the machine can slow a forward down, never speed it
+        up: a forward faster than the estimate replaces it (a size whose
+        estimate was measured on a busy machine is right again after one
+        round of it), and a slower one moves it a fifth of the way, counting
+        as at most :data:`OUTLIER_FACTOR` times the estimate (one forward
+        stalled by another process, on 2 shared cores 10 to 30 times slower,
+        must not make drafting look unprofitable, while a lasting slowdown
+        still takes over within a few rounds)."""
         if t >= len(self.seconds):
             return
         old = self.seconds[t]
-        self.seconds[t] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        if old is None or seconds <= old:
+            self.seconds[t] = seconds
+        else:
+            self.seconds[t] = 0.8 * old + 0.2 * min(seconds, OUTLIER_FACTOR * old)
 
     def __call__(self, t: int) -> float:
         """Estimated seconds for ``t`` positions (linear extrapolation from
@@ -125,33 +141,67 @@ def best_chain_length(max_k: int, alpha: float, draft_cost: Callable[[int], floa
 OPTIMISTIC_ACCEPTANCE = 0.9
 
 
-class AdaptiveDraftLength:
-    """Chooses k per round.  After ``explore_every`` plain rounds in a row it
-    drafts one token anyway, so the acceptance estimate can recover, but
-    only if drafting could pay at all: if even an acceptance of
-    :data:`OPTIMISTIC_ACCEPTANCE` would not beat a plain step at the measured
-    costs (a draft model that costs half the target, on an engine where two
-    positions cost 1.5x one), it stays with plain steps."""
+class Exploration:
+    """When a policy drafts more than its estimates say pays, so that what
+    it measured about drafting can recover.  A policy passes every round's
+    choice (a draft size; 0 for a plain step) through :meth:`adjust`.
 
-    def __init__(self, max_k: int = 8, explore_every: int = 8) -> None:
+    After ``every`` plain rounds in a row it explores with a draft of one if
+    drafting could pay at all (``could_pay()``, at
+    :data:`OPTIMISTIC_ACCEPTANCE` say): a bad spell of acceptance then does
+    not end drafting for good, and where even a good drafter could not beat
+    a plain step no time is spent on it.
+
+    Every ``stale_every`` rounds it drafts one more than chosen, whatever
+    ``could_pay()`` says.  The verification cost of a size is measured only
+    by rounds of that size, and kept per machine between runs: a cost
+    measured while the machine was busy would otherwise keep the policy
+    from that size (or from drafting) for good, even once the machine is
+    idle.  At most one round in ``stale_every`` is spent on this."""
+
+    def __init__(self, every: int = 8, stale_every: int = 64) -> None:
+        self.every = every
+        self.stale_every = stale_every
+        self._streak = 0      # plain rounds in a row
+        self._rounds = 0      # rounds since the last stale round
+
+    def adjust(self, choice: int, could_pay: Callable[[], bool]) -> int:
+        """The size to draft this round, given the policy's ``choice``."""
+        self._rounds += 1
+        if self._rounds >= self.stale_every:
+            self._rounds = self._streak = 0
+            return choice + 1
+        if choice:
+            self._streak = 0
+            return choice
+        self._streak += 1
+        if self._streak >= self.every:
+            self._streak = 0
+            return 1 if could_pay() else 0
+        return 0
+
+
+class AdaptiveDraftLength:
+    """Chooses k per round.  Where drafting does not pay it takes plain
+    steps, exploring as :class:`Exploration` says: one token every
+    ``explore_every`` plain rounds if drafting could pay at all (if even an
+    acceptance of :data:`OPTIMISTIC_ACCEPTANCE` would not beat a plain step
+    at the measured costs, as for a draft model that costs half the target
+    on an engine where two positions cost 1.5x one, it does not), and one
+    token more than it would every ``stale_every`` rounds."""
+
+    def __init__(self, max_k: int = 8, explore_every: int = 8, stale_every: int = 64) -> None:
         self.max_k = max_k
         self.costs = VerifyCosts(max_k + 1)
         self.acceptance = AcceptanceEstimate()
-        self.explore_every = explore_every
-        self._plain_streak = 0
+        self.exploration = Exploration(explore_every, stale_every)
 
     def choose(self, draft_seconds: float) -> int:
         k = best_draft_length(self.max_k, self.acceptance.rate, draft_seconds, self.costs)
-        if k == 0:
-            self._plain_streak += 1
-            if self._plain_streak >= self.explore_every:
-                self._plain_streak = 0
-                optimistic = max(self.acceptance.rate, OPTIMISTIC_ACCEPTANCE)
-                if best_draft_length(self.max_k, optimistic, draft_seconds, self.costs):
-                    return 1
-        else:
-            self._plain_streak = 0
-        return k
+        optimistic = max(self.acceptance.rate, OPTIMISTIC_ACCEPTANCE)
+        k = self.exploration.adjust(k, lambda: best_draft_length(
+            self.max_k, optimistic, draft_seconds, self.costs) > 0)
+        return min(k, self.max_k)
 
 
 class ChainPlanner:

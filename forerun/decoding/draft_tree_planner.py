@@ -10,8 +10,11 @@ that maximises tokens per second from the per-level acceptance of past
 rounds, as :class:`~forerun.decoding.draft_length.AdaptiveDraftLength`
 chooses a chain's length (so the adaptive tree drafts at least where the
 adaptive chain would); and where no chain pays either, a plain step.  Like
-the adaptive draft length, it explores with a chain of one draft every few
-plain rounds, but only where drafting could pay at all.
+the adaptive draft length, it explores
+(:class:`~forerun.decoding.draft_length.Exploration`): a chain of one draft
+every few plain rounds where drafting could pay at all, and one level or
+node more than chosen every few dozen rounds, so costs measured on a busy
+machine do not keep it from drafting for good.
 
 After drafting, the node budget (EAGLE-2's reranking), for top-token
 children: the drafted nodes
@@ -38,8 +41,8 @@ import torch
 
 from ..sampling import TokenSampler
 from .base import check_count
-from .draft_length import (OPTIMISTIC_ACCEPTANCE, AcceptanceEstimate, VerifyCosts,
-                           best_chain_length)
+from .draft_length import (OPTIMISTIC_ACCEPTANCE, AcceptanceEstimate, Exploration,
+                           VerifyCosts, best_chain_length)
 from .draft_tree import DraftTree
 from .tree import MAX_TREE_NODES
 
@@ -49,11 +52,11 @@ class NodeBudgetPolicy:
     docstring."""
 
     def __init__(self, max_nodes: int = 16, max_depth: int = 8,
-                 explore_every: int = 8) -> None:
+                 explore_every: int = 8, stale_every: int = 64) -> None:
         self.max_nodes = max_nodes
         self.max_depth = max_depth
         self.costs = VerifyCosts(max_nodes + 1)
-        self.explore_every = explore_every
+        self.exploration = Exploration(explore_every, stale_every)
         self.accepted = 1.0          # decayed mean accepted drafts per round
         self.nodes = 4.0             # decayed mean nodes verified per round
         #: the chance a level's draft is accepted, given its parent was
@@ -61,11 +64,11 @@ class NodeBudgetPolicy:
         self.levels = AcceptanceEstimate()
         self._predicted = 1.0        # decayed sums behind the calibration c
         self._actual = 1.0
-        self._plain_streak = 0
-        #: whether the last :meth:`depth` drafts only to explore (a chain of
-        #: one draft, which its round verifies: else the estimates could
-        #: never recover)
+        #: whether the last :meth:`depth` drafts more than pays, to explore
+        #: (a chain, which its round verifies whole, or a tree whose budget
+        #: takes a node more: else the estimates could never recover)
         self.exploring = False
+        self._probe = False          # a stale round in tree mode: see budget
         #: whether the last :meth:`depth` asks for a chain (one child per
         #: node, every drafted node verified) instead of a tree
         self.chain = False
@@ -85,27 +88,23 @@ class NodeBudgetPolicy:
     def depth(self, cap: int, draft_seconds) -> int:
         """Levels to draft (0: a plain step), and whether as a chain
         (:attr:`chain`); ``draft_seconds(depth, chain)``: the drafter's
-        cost."""
+        cost.  Exploring follows :class:`Exploration`: a chain of one
+        draft, or, on a stale round, one chain level or one tree node
+        (:meth:`budget`) more than chosen."""
         depth = self.natural_depth(cap)
         nodes = max(1, min(cap, round(self.nodes)))
-        self.exploring = self.chain = False
+        self.exploring = self.chain = self._probe = False
         tree = (1.0 + self.accepted) / (self.costs(nodes + 1) + draft_seconds(depth, False))
         if tree > 1.0 / self.costs(1):
-            self._plain_streak = 0
+            self._probe = self.exploring = self.exploration.adjust(depth, lambda: False) > depth
             return depth
         chain = self.chain_length(cap, self.levels.rate, draft_seconds)
-        if chain:
-            self._plain_streak = 0
-            self.chain = True
-            return chain
-        self._plain_streak += 1
-        if self._plain_streak >= self.explore_every:
-            self._plain_streak = 0
-            optimistic = max(self.levels.rate, OPTIMISTIC_ACCEPTANCE)
-            if self.chain_length(cap, optimistic, draft_seconds):
-                self.exploring = self.chain = True
-                return 1
-        return 0
+        optimistic = max(self.levels.rate, OPTIMISTIC_ACCEPTANCE)
+        k = min(cap, self.max_depth, self.exploration.adjust(
+            chain, lambda: self.chain_length(cap, optimistic, draft_seconds) > 0))
+        self.chain = k > 0
+        self.exploring = k > chain
+        return k
 
     def chain_length(self, cap: int, rate: float, draft_seconds) -> int:
         """The chain length in ``0..min(cap, max_depth)`` with the most
@@ -116,7 +115,8 @@ class NodeBudgetPolicy:
 
     def budget(self, scores: Sequence[float], draft_seconds: float, cap: int) -> int:
         """The node count ``N <= cap`` to verify, from the cumulative draft
-        probabilities of the nodes in the order they enter the tree."""
+        probabilities of the nodes in the order they enter the tree (one
+        more than pays on a stale round, see :meth:`depth`)."""
         c = self.confidence_scale
         best_n, best_rate, expected = 0, 1.0 / (self.costs(1) + draft_seconds), 1.0
         for n, s in enumerate(scores[:cap], 1):
@@ -124,6 +124,8 @@ class NodeBudgetPolicy:
             rate = expected / (self.costs(n + 1) + draft_seconds)
             if rate > best_rate * 1.0001:
                 best_n, best_rate = n, rate
+        if self._probe:
+            best_n = min(best_n + 1, len(scores), cap)
         return best_n
 
     def learn(self, scores: Sequence[float], accepted: int, depth: int) -> None:

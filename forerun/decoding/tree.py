@@ -69,7 +69,7 @@ import torch
 from ..errors import ConfigError
 from ..sampling import TokenSampler
 from .base import check_count
-from .draft_length import OPTIMISTIC_ACCEPTANCE, VerifyCosts
+from .draft_length import OPTIMISTIC_ACCEPTANCE, Exploration, VerifyCosts
 from .draft_tree import DraftTree, TreeTopology
 
 MAX_TREE_NODES = 64
@@ -248,19 +248,20 @@ class TreePolicy:
     """Chooses the draft tree every round; see the module docstring.
 
     ``nodes``: a fixed node count (the best tree of that size) instead of the
-    cost-based choice.  Every ``explore_every`` plain rounds in a row it
-    drafts one node anyway, so the acceptance estimate can recover.
+    cost-based choice.  It explores as
+    :class:`~forerun.decoding.draft_length.Exploration` says: one node every
+    ``explore_every`` plain rounds in a row where a tree could pay at all,
+    and one node more than chosen every ``stale_every`` rounds.
     """
 
     def __init__(self, depths: int, width: int, *, max_nodes: int = 16,
                  prior: Sequence[Sequence[float]] | None = None, nodes: int | None = None,
-                 explore_every: int = 8) -> None:
+                 explore_every: int = 8, stale_every: int = 64) -> None:
         self.max_nodes = max_nodes
         self.fixed_nodes = nodes
         self.costs = VerifyCosts(max_nodes + 1)
         self.acceptance = RankAcceptance(depths, width, prior)
-        self.explore_every = explore_every
-        self._plain_streak = 0
+        self.exploration = Exploration(explore_every, stale_every)
 
     def choose(self, draft_seconds: Callable[[int], float], room: int) -> TreeShape:
         limit = min(self.max_nodes, room)
@@ -279,18 +280,14 @@ class TreePolicy:
             rate = expected / cost if cost > 0 else 0.0
             if rate > best_rate * 1.0001:
                 best_n, best_rate = n, rate
-        if best_n == 0:
-            self._plain_streak += 1
-            if self._plain_streak >= self.explore_every and order:
-                self._plain_streak = 0
-                # Explore only where drafting could pay at all (as the chain
-                # policy does): a one-node tree accepted as often as a good
-                # drafter manages on easy text must beat a plain step.
-                cost = self.costs(2) + draft_seconds(len(order[0]))
-                if cost > 0 and (1.0 + OPTIMISTIC_ACCEPTANCE) / cost > rate0:
-                    best_n = 1
-        else:
-            self._plain_streak = 0
+        # Explore only where drafting could pay at all (as the chain policy
+        # does): a one-node tree accepted as often as a good drafter manages
+        # on easy text must beat a plain step.
+        def could_pay() -> bool:
+            cost = self.costs(2) + draft_seconds(len(order[0]))
+            return cost > 0 and (1.0 + OPTIMISTIC_ACCEPTANCE) / cost > rate0
+
+        best_n = min(len(order), self.exploration.adjust(best_n, could_pay)) if order else 0
         return tree_shape(order[:best_n])
 
     def calibrate(self, decoder, token: int, sizes: Sequence[int] = (1, 2, 3, 4, 6, 8)

@@ -271,6 +271,57 @@ def test_adaptive_streak_resets_when_drafting_pays():
     assert [policy.choose(0.1) for _ in range(3)] == [0, 0, 1]
 
 
+def test_a_stalled_forward_raises_a_cost_estimate_by_at_most_a_fifth():
+    """One forward stalled by another process counts as twice the estimate;
+    a lasting slowdown still takes over within a few rounds; a faster
+    forward replaces the estimate."""
+    costs = costs_from({2: 0.1})
+    costs.observe(2, 3.0)                      # 30x: another process ran
+    assert costs(2) == pytest.approx(0.12)
+    for _ in range(30):
+        costs.observe(2, 0.3)                  # the machine is slower for good
+    assert costs(2) == pytest.approx(0.3, rel=0.01)
+    costs.observe(2, 0.09)                     # idle again
+    assert costs(2) == pytest.approx(0.09)
+
+
+def simulate_rounds(policy, true_cost, rounds: int, alpha: float = 0.9,
+                    draft_seconds: float = 0.1) -> list[int]:
+    """Run ``policy`` for ``rounds`` rounds against an engine whose forwards
+    of ``t`` positions take ``true_cost(t)`` and a drafter whose drafts are
+    each accepted with probability ``alpha`` (seeded)."""
+    rng = random.Random(0)
+    ks = []
+    for _ in range(rounds):
+        k = policy.choose(draft_seconds)
+        ks.append(k)
+        if k:
+            accepted = next((i for i in range(k) if rng.random() > alpha), k)
+            policy.acceptance.update(k, accepted)
+        policy.costs.observe(k + 1, true_cost(k + 1))
+    return ks
+
+
+@pytest.mark.parametrize("stale_from", [2, 3])
+def test_costs_measured_on_a_busy_machine_do_not_stop_drafting_for_good(stale_from):
+    """The verification costs kept from a run on a busy machine say that
+    drafting (``stale_from=2``), or drafting more than one token
+    (``stale_from=3``), costs 5x what it does now.  Only rounds of a size
+    measure that size again, so the policy must draft one more than it
+    would now and then, or it keeps to plain steps (or to k=1) for good."""
+    def true_cost(t):
+        return 1.0 + 0.05 * (t - 1)
+
+    policy = AdaptiveDraftLength(max_k=8)
+    policy.costs = costs_from({t: true_cost(t) * (5 if t >= stale_from else 1)
+                               for t in range(1, 10)})
+    ks = simulate_rounds(policy, true_cost, 600)
+    late = ks[-200:]
+    assert sum(late) / len(late) > 3          # long chains, as the true costs call for
+    # while they were stale, at most about one round in 64 drafted more
+    assert sum(ks[:60]) <= 60
+
+
 def test_adaptive_never_exceeds_max_k():
     policy = AdaptiveDraftLength(max_k=3)
     policy.costs = costs_from({t: 1.0 for t in range(1, 5)}, max_positions=4)

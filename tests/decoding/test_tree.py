@@ -191,6 +191,17 @@ def test_policy_explores_only_where_a_tree_could_pay():
     assert plain_then_explore(dear) == [0] * 8
 
 
+def test_policy_drafts_one_node_more_every_stale_every_rounds():
+    """Even where drafting looks hopeless at the kept costs (they may have
+    been measured on a busy machine), one round in ``stale_every`` drafts a
+    node more than chosen, which measures that size's cost again."""
+    p = TreePolicy(3, 4, max_nodes=12, prior=[[0.01] * 4] * 3, explore_every=4,
+                   stale_every=10)
+    p.costs.seconds = [None, 1.0, 2.5, 3.0] + [4.0] * 10      # two positions cost 2.5 one
+    assert [p.choose(lambda d: 0.0, room=100).num_nodes for _ in range(20)] == \
+        ([0] * 9 + [1]) * 2
+
+
 def test_rank_acceptance_learns_from_rounds():
     acc = RankAcceptance(2, 2, prior=[[0.5, 0.1], [0.5, 0.1]], weight=2.0, decay=1.0)
     shape = TreeShape([(0, 0), (1,)])     # (0,) (1,) (0,0)

@@ -181,6 +181,35 @@ def test_an_exploring_round_drafts_one_node_where_nothing_would_pay():
         assert policy.depth(8, lambda depth, chain=False: 1.0) == 0
 
 
+def test_a_stale_round_drafts_one_level_or_node_more_than_chosen():
+    """Every ``stale_every`` rounds the policy drafts more than its
+    (possibly stale) costs say pays: a chain of one where nothing pays, a
+    chain one longer where a chain pays, a tree node more where a tree
+    pays."""
+    no_cost = lambda depth, chain=False: 0.0                       # noqa: E731
+    policy = NodeBudgetPolicy(max_nodes=8, stale_every=5)
+    policy.costs.seconds = [None] + [1.0 * n for n in range(1, 10)]    # nothing pays
+    assert [policy.depth(8, no_cost) for _ in range(5)] == [0, 0, 0, 0, 1]
+    assert policy.chain and policy.exploring
+
+    policy = NodeBudgetPolicy(max_nodes=8, stale_every=3)
+    policy.costs.seconds = [None] + [1 + 0.25 * n for n in range(9)]
+    policy.accepted, policy.nodes = 1.0, 8.0            # trees do not pay, chains do
+    policy.levels.successes, policy.levels.failures = 9.0, 1.0
+    best = policy.chain_length(8, 0.9, no_cost)
+    assert [policy.depth(8, no_cost) for _ in range(3)] == [best, best, best + 1]
+    assert policy.chain and policy.exploring
+
+    policy = NodeBudgetPolicy(max_nodes=8, stale_every=2)
+    policy.costs.seconds = [None] + [1.0 + 0.01 * n for n in range(9)]   # trees pay
+    scores = [0.9, 0.5, 0.001, 0.001]
+    assert policy.depth(8, no_cost) and not policy.chain and not policy.exploring
+    chosen = policy.budget(scores, 0.0, 8)
+    assert chosen == 2
+    assert policy.depth(8, no_cost) and not policy.chain and policy.exploring
+    assert policy.budget(scores, 0.0, 8) == chosen + 1
+
+
 def test_where_a_tree_would_not_pay_the_policy_drafts_the_best_chain():
     """A tree of the recent size costs too much, but a chain of the draft's
     first choices, accepted level by level as recent rounds were, beats a
