@@ -27,6 +27,20 @@ MAX_DRAFT_LENGTH = 16
 OUTLIER_FACTOR = 2.0
 
 
+def refine_seconds(estimate: float | None, seconds: float) -> float:
+    """A time estimate refined by one measurement.  Other work on the
+    machine can slow a forward down, never speed it up: a measurement
+    faster than the estimate replaces it (an estimate made on a busy
+    machine is right again after one round), and a slower one moves it a
+    fifth of the way, counting as at most :data:`OUTLIER_FACTOR` times the
+    estimate (one forward stalled by another process, on 2 shared cores 10
+    to 30 times slower, must not make drafting look unprofitable, while a
+    lasting slowdown still takes over within a few rounds)."""
+    if estimate is None or seconds <= estimate:
+        return seconds
+    return 0.8 * estimate + 0.2 * min(seconds, OUTLIER_FACTOR * estimate)
+
+
 class VerifyCosts:
     """Seconds a target forward of ``T`` positions takes, for ``T = 1..max``.
 
@@ -52,22 +66,10 @@ class VerifyCosts:
             self.seconds[t] = best
 
     def observe(self, t: int, seconds: float) -> None:
-        """Refine the estimate for ``t`` positions with one measured forward.
-        Other work on the machine can slow a forward down, never speed it
-        up: a forward faster than the estimate replaces it (a size whose
-        estimate was measured on a busy machine is right again after one
-        round of it), and a slower one moves it a fifth of the way, counting
-        as at most :data:`OUTLIER_FACTOR` times the estimate (one forward
-        stalled by another process, on 2 shared cores 10 to 30 times slower,
-        must not make drafting look unprofitable, while a lasting slowdown
-        still takes over within a few rounds)."""
-        if t >= len(self.seconds):
-            return
-        old = self.seconds[t]
-        if old is None or seconds <= old:
-            self.seconds[t] = seconds
-        else:
-            self.seconds[t] = 0.8 * old + 0.2 * min(seconds, OUTLIER_FACTOR * old)
+        """Refine the estimate for ``t`` positions with one measured
+        forward (:func:`refine_seconds`)."""
+        if t < len(self.seconds):
+            self.seconds[t] = refine_seconds(self.seconds[t], seconds)
 
     def __call__(self, t: int) -> float:
         """Estimated seconds for ``t`` positions (linear extrapolation from

@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from ..decoder import Decoder
+from ..decoding.draft_length import refine_seconds
 from ..sampling import TokenSampler
 from .base import Draft
 
@@ -73,14 +74,21 @@ class DraftModelDrafter:
                 rows.append(probs)
             tokens.append(token)
             # A step that catches up on a long run of committed tokens (the
-            # prompt, at first) is not what one more draft token costs.
+            # prompt, at first) is not what one more draft token costs; but
+            # one draft token costs no more than it, so a catch-up faster
+            # than the estimate shows the estimate too high (else a first
+            # step stalled by another process, with only one-token rounds
+            # to explore after it, whose one step is a catch-up, would keep
+            # the policy from drafting for good).
+            elapsed = time.perf_counter() - start
             if len(todo) <= 2:
-                step_seconds.append(time.perf_counter() - start)
+                step_seconds.append(elapsed)
+            elif self._step_ema is not None:
+                self._step_ema = min(self._step_ema, elapsed)
             todo = [token]
         if step_seconds:
-            elapsed = sum(step_seconds) / len(step_seconds)
-            self._step_ema = (elapsed if self._step_ema is None
-                              else 0.8 * self._step_ema + 0.2 * elapsed)
+            self._step_ema = refine_seconds(self._step_ema,
+                                            sum(step_seconds) / len(step_seconds))
         return Draft(tokens, torch.stack(rows) if rows else None)
 
     def observe(self, sequence: Sequence[int], accepted: int) -> None:

@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 
 from ..decoder import Decoder
+from ..decoding.draft_length import refine_seconds
 from ..decoding.draft_tree import DraftTree, topology
 from ..errors import ConfigError
 from ..sampling import TokenSampler
@@ -189,7 +190,10 @@ class DraftModelTreeDrafter:
         self._last_depth = depth
         t1 = time.perf_counter()
         if steady:
-            self._catch_up_seconds = _ema(self._catch_up_seconds, t1 - t0)
+            self._catch_up_seconds = refine_seconds(self._catch_up_seconds, t1 - t0)
+        elif self._catch_up_seconds is not None:
+            # A longer catch-up faster than the estimate shows it too high.
+            self._catch_up_seconds = min(self._catch_up_seconds, t1 - t0)
         nodes = DraftedNodes()
         nodes.add(sequence[-1], -1, 1.0)
         committed = decoder.length       # the root's slot is committed - 1
@@ -209,8 +213,8 @@ class DraftModelTreeDrafter:
             frontier.sort()
             start = time.perf_counter()
             rows = self._forward(nodes, frontier, slot, committed, level)
-            self._level_seconds[chain] = _ema(self._level_seconds.get(chain),
-                                              time.perf_counter() - start)
+            self._level_seconds[chain] = refine_seconds(self._level_seconds.get(chain),
+                                                        time.perf_counter() - start)
         decoder.rollback(committed)      # the drafts fed for the tree
         return nodes
 
@@ -315,8 +319,3 @@ class DraftModelTreeDrafter:
         catch_up = catch_up if catch_up is not None else (level or 0.0)
         level = level if level is not None else catch_up
         return catch_up + (depth - 1) * level
-
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else 0.8 * old + 0.2 * new

@@ -165,6 +165,54 @@ def test_step_seconds_is_measured():
     assert drafter.step_seconds() > 0.0
 
 
+class ClockedFeeds:
+    """A decoder whose feeds advance a fake clock by ``cost(tokens)``."""
+
+    def __init__(self, inner, cost):
+        self.inner, self.cost, self.now = inner, cost, 0.0
+
+    def feed(self, tokens, **kwargs):
+        self.now += self.cost(list(tokens))
+        return self.inner.feed(tokens, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_stalled_first_step_does_not_keep_the_draft_cost_high(monkeypatch):
+    """The first timed draft step stalls (another process ran): 2 s against
+    0.05.  With only one-token rounds to explore after that (their one step
+    is a catch-up, not a draft step), the estimate must still come down:
+    a catch-up faster than it shows it too high."""
+    from types import SimpleNamespace
+
+    from forerun.drafters import draft_model
+
+    inner = TableDecoder(table(0))
+    stall = iter([2.0])
+
+    def cost(tokens):
+        if len(tokens) > 2:
+            return 0.2                      # a catch-up on committed tokens
+        return next(stall, 0.05)
+
+    clocked = ClockedFeeds(inner, cost)
+    monkeypatch.setattr(draft_model, "time", SimpleNamespace(perf_counter=lambda: clocked.now))
+    drafter = DraftModelDrafter(clocked)
+    prompt = [1, 2, 3, 4]
+    drafter.begin(prompt)
+    drafter.propose(prompt, 2, sampler())          # catch-up, then the stalled step
+    assert drafter.step_seconds() == pytest.approx(2.0)
+    sequence = prompt + [5] * 9                    # plain steps meanwhile
+    drafter.propose(sequence, 1, sampler())         # exploring: one catch-up step
+    assert drafter.step_seconds() == pytest.approx(0.2)
+    drafter.propose(sequence + [6] * 9, 3, sampler())
+    assert drafter.step_seconds() == pytest.approx(0.05)   # a real step replaces it
+    clocked.cost = lambda tokens: 3.0 if len(tokens) <= 2 else 0.2
+    drafter.propose(sequence + [6] * 9 + [2] * 9, 2, sampler())
+    assert drafter.step_seconds() <= 0.05 * 1.2 + 1e-9     # a stall moves it a fifth of 2x
+
+
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_inside_speculative_decoding_nothing_cached_is_fed_again(params):
     """Over many rounds: each proposal feeds exactly the committed tokens the
