@@ -50,6 +50,7 @@ from typing import Sequence
 import torch
 
 from ..decoder import Decoder
+from ..decoding.draft_length import refine_seconds
 from ..errors import CacheStateError, ConfigError, DrafterError
 from ..sampling import SamplingParams, TokenSampler, make_generator, probabilities, \
     sample_token
@@ -263,6 +264,9 @@ class AsyncDraftModelDrafter:
             self._first_proposal = False
         else:
             per_token = waited / len(tokens)
+            # A plain moving average, not refine_seconds: a wait is short
+            # when the thread ran ahead and long when it fell behind, so its
+            # mean, not its floor, is what a drafted token costs.
             self._wait_ema = (per_token if self._wait_ema is None
                               else 0.8 * self._wait_ema + 0.2 * per_token)
         probs = None if sampler.greedy else torch.stack(rows)
@@ -481,8 +485,7 @@ class AsyncDraftModelDrafter:
             # A step that catches up on several committed tokens is not what
             # one more draft token costs.
             if len(todo) <= 2:
-                channel.step_ema = (elapsed if channel.step_ema is None
-                                    else 0.8 * channel.step_ema + 0.2 * elapsed)
+                channel.step_ema = refine_seconds(channel.step_ema, elapsed)
             context = state.hashes[-1]
             state.append(token)
             channel.proposals.append(_Proposal(position, context, token, probs))

@@ -47,6 +47,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..decoding.draft_length import refine_seconds
 from ..errors import ConfigError, ModelFormatError, ModelNotFoundError
 from ..json_files import read_json_object
 from ..sampling import TokenSampler
@@ -436,8 +437,7 @@ class MedusaDrafter:
             top = heads.vocab[top]
         out = top.tolist()
         elapsed = time.perf_counter() - start
-        old = self._seconds.get(depth)
-        self._seconds[depth] = elapsed if old is None else 0.8 * old + 0.2 * elapsed
+        self._seconds[depth] = refine_seconds(self._seconds.get(depth), elapsed)
         return out
 
     def settle(self, length: int) -> None:
