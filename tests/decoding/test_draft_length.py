@@ -8,12 +8,13 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from forerun.decoding import draft_length
 from forerun.decoding.draft_length import (AcceptanceEstimate, AdaptiveDraftLength,
                                            VerifyCosts, best_draft_length, expected_tokens)
 
-from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)
+from table_decoders import ClockedDecoder, single_thread  # noqa: F401 (autouse fixture)
 
 
 def costs_from(seconds: dict[int, float], max_positions: int = 9) -> VerifyCosts:
@@ -180,23 +181,10 @@ def test_verify_costs_observe_is_a_moving_average():
     assert len(costs.seconds) == 5
 
 
-class ClockedDecoder(TableDecoder):
-    """A TableDecoder whose feeds advance a fake clock by 10 ms + 1 ms/token."""
-
-    def __init__(self, clock, **kwargs):
-        import torch
-        super().__init__(torch.zeros(3, 4, 4), **kwargs)
-        self.clock = clock
-
-    def feed(self, tokens, **kwargs):
-        self.clock.now += 0.010 + 0.001 * len(tokens)
-        return super().feed(tokens, **kwargs)
-
-
 def test_calibrate_times_every_size_and_rolls_back(monkeypatch):
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(draft_length, "time", SimpleNamespace(perf_counter=lambda: clock.now))
-    decoder = ClockedDecoder(clock)
+    decoder = ClockedDecoder(torch.zeros(3, 4, 4), clock)
     decoder.feed([1, 2, 3])
     decoder.commit()
     costs = VerifyCosts(5)
@@ -209,7 +197,7 @@ def test_calibrate_times_every_size_and_rolls_back(monkeypatch):
 def test_calibrate_stops_at_the_context_limit(monkeypatch):
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(draft_length, "time", SimpleNamespace(perf_counter=lambda: clock.now))
-    decoder = ClockedDecoder(clock, context_length=6)
+    decoder = ClockedDecoder(torch.zeros(3, 4, 4), clock, context_length=6)
     decoder.feed([1, 2, 3])
     decoder.commit()
     costs = VerifyCosts(5)

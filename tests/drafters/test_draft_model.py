@@ -11,7 +11,7 @@ from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.stats import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 
-from table_decoders import CountingDecoder, TableDecoder, single_thread  # noqa: F401 (autouse)
+from table_decoders import ClockedDecoder, CountingDecoder, TableDecoder, single_thread  # noqa: F401 (autouse)
 
 V = 7
 GREEDY = SamplingParams()
@@ -165,20 +165,6 @@ def test_step_seconds_is_measured():
     assert drafter.step_seconds() > 0.0
 
 
-class ClockedFeeds:
-    """A decoder whose feeds advance a fake clock by ``cost(tokens)``."""
-
-    def __init__(self, inner, cost):
-        self.inner, self.cost, self.now = inner, cost, 0.0
-
-    def feed(self, tokens, **kwargs):
-        self.now += self.cost(list(tokens))
-        return self.inner.feed(tokens, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 def test_a_stalled_first_step_does_not_keep_the_draft_cost_high(monkeypatch):
     """The first timed draft step stalls (another process ran): 2 s against
     0.05.  With only one-token rounds to explore after that (their one step
@@ -188,7 +174,7 @@ def test_a_stalled_first_step_does_not_keep_the_draft_cost_high(monkeypatch):
 
     from forerun.drafters import draft_model
 
-    inner = TableDecoder(table(0))
+    clock = SimpleNamespace(now=0.0)
     stall = iter([2.0])
 
     def cost(tokens):
@@ -196,8 +182,8 @@ def test_a_stalled_first_step_does_not_keep_the_draft_cost_high(monkeypatch):
             return 0.2                      # a catch-up on committed tokens
         return next(stall, 0.05)
 
-    clocked = ClockedFeeds(inner, cost)
-    monkeypatch.setattr(draft_model, "time", SimpleNamespace(perf_counter=lambda: clocked.now))
+    clocked = ClockedDecoder(table(0), clock, cost)
+    monkeypatch.setattr(draft_model, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     drafter = DraftModelDrafter(clocked)
     prompt = [1, 2, 3, 4]
     drafter.begin(prompt)
