@@ -39,6 +39,9 @@ INT4_GROUP = 32
 INT4_ROWS = 16
 # The int8 kernel runs on inputs whose length is a multiple of this.
 INT8_COLUMNS = 32
+# Output rows of an int8 matrix dequantized at a time for a prompt block's
+# float32 product (Int8Linear.gemm_rows): 1,024 rows of 8,960 inputs are 37 MB.
+DEQUANT_SLICE = 1024
 
 
 def check_format(name: object) -> str:
@@ -198,9 +201,18 @@ class DenseLinear(Linear):
 
 
 class Int8Linear(Linear):
-    """int8 weights with a scale per output row, bfloat16 activations."""
+    """int8 weights with a scale per output row, bfloat16 activations.
+
+    ``gemm_rows``: when set, an input of at least that many rows (a prompt
+    block) is multiplied by the weights dequantized to float32, a slice of
+    rows at a time, with the BLAS's matrix-matrix product instead of the
+    int8 kernel, which is built for few rows
+    (:mod:`forerun.engines.prefill_kernel` decides, by measurement, whether
+    that is faster on the machine in hand).  Inputs of fewer rows, every
+    decoding step and verification, run the int8 kernel as before."""
 
     format = "q8"
+    gemm_rows: int | None = None
 
     def __init__(self, values: Int8Rows, bias: torch.Tensor | None,
                  device: torch.device) -> None:
@@ -237,11 +249,22 @@ class Int8Linear(Linear):
                 self._bias_state(held))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel:
-            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale)
-        else:
+        if not self._kernel:
             y = F.linear(x.to(torch.bfloat16), self.weight)
+        elif self.gemm_rows is not None and x.shape[0] >= self.gemm_rows:
+            return self._add_bias(self.dequantized_product(x))
+        else:
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale)
         return self._add_bias(y.float())
+
+    def dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` in float32 with ``W`` dequantized a slice of
+        :data:`DEQUANT_SLICE` rows at a time (so no float32 copy of the
+        whole matrix is ever held)."""
+        x = x.float()
+        return torch.cat([F.linear(x, self.q[i:i + DEQUANT_SLICE].float()
+                                   * self.scale[i:i + DEQUANT_SLICE, None].float())
+                          for i in range(0, self.out_features, DEQUANT_SLICE)], dim=-1)
 
 
 class Int4Linear(Linear):

@@ -60,11 +60,12 @@ class TorchDecoder(EngineDecoder):
     @property
     def settings(self) -> dict:
         """Everything that decides which kernels run (and so the numerics
-        and the costs): the engine, device, activation dtype, weight format
-        and thread count."""
+        and the costs): the engine, device, activation dtype, weight format,
+        prefill kernel and thread count."""
         return {"engine": self.engine, "device": str(self.device),
                 "dtype": str(self.model.dtype).removeprefix("torch."),
                 "weights": self.model.weights_format,
+                "prefill": self.model.prefill_kernel,
                 "threads": torch.get_num_threads(), "torch": torch.__version__}
 
     @property

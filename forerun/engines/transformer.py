@@ -239,6 +239,34 @@ class Transformer:
             return _attend(q, keys[:, :seen], values[:, :seen], gqa)
         return _attend(q, keys.index_select(1, seen), values.index_select(1, seen), gqa)
 
+    # How prompt blocks multiply int8 matrices (forerun.engines.prefill_kernel).
+    prefill_kernel = "int8"
+
+    def int8_layers(self) -> list[Int8Linear]:
+        """The transformer blocks' int8 layers (parts of concatenated
+        layers included; not the LM head, which a prefill runs on one row)."""
+        found = []
+        for layer in self.layers:
+            for part in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                for p in getattr(part, "parts", [part]):
+                    if isinstance(p, Int8Linear) and p._kernel:
+                        found.append(p)
+        return found
+
+    def set_prefill_kernel(self, kernel: str, gemm_rows: int) -> None:
+        """Multiply int8 matrices by ``kernel`` in forwards of at least
+        ``gemm_rows`` positions: ``"int8"`` (the int8 kernel, as every
+        forward does) or ``"float32-gemm"`` (dequantized slices and the
+        BLAS's float32 product)."""
+        from .prefill_kernel import PREFILL_KERNELS
+
+        if kernel not in PREFILL_KERNELS:
+            raise ConfigError(f"prefill kernel must be one of {', '.join(PREFILL_KERNELS)}, "
+                              f"got {kernel!r}")
+        for layer in self.int8_layers():
+            layer.gemm_rows = gemm_rows if kernel == "float32-gemm" else None
+        self.prefill_kernel = kernel
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of matrix weights read per forward (layers and LM head)."""

@@ -1,0 +1,120 @@
+"""How a prompt block multiplies int8 matrices, chosen by measurement.
+
+A prompt is prefilled in blocks of up to 128 positions: a matrix-matrix
+product, for which the int8 kernel (``torch._weight_int8pack_mm``, built for
+the few rows of a decoding step or a verification) is not made.  The other
+candidate dequantizes the int8 rows to float32, a slice at a time, and uses
+the BLAS's float32 product: more arithmetic bytes, but a kernel made for
+many rows, and float32 activations instead of bfloat16 ones, so no fidelity
+is lost.  Which is faster is a fact about the CPU (on an AMD EPYC Zen 3 with
+AVX2 only, a 512-token prefill of the 1.5B in q8 ran at 37 tok/s against
+30), so the first load times both on the model's MLP shapes and keeps the
+choice per machine, as ``weights="auto"`` keeps its format.  It applies to
+models in q8.  A q4 model keeps the int8 kernel for its few int8 matrices
+(a GGUF's 6-bit ones): there the other kernel prefilled more slowly (28
+against 30 tok/s on the same CPU), and what is timed is a block all in int8.
+
+Only forwards of at least :data:`GEMM_ROWS` positions take the other
+kernel.  That is more than the largest verification group the grouping
+probe tries, so every verification, and every position it is compared
+with, runs the int8 kernel exactly as before: greedy speculative decoding
+stays token-identical to plain decoding.  Plain and speculative decoding
+prefill a prompt the same way, and prefix reuse replays the same blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from .format_choice import CYCLED_BYTES, _random_weights
+from .grouping_probe import MAX_GROUP
+from .linear import Int8Linear
+
+PREFILL_KERNELS = ("int8", "float32-gemm")
+# Forwards of at least this many positions are prompt blocks.
+GEMM_ROWS = 32
+assert GEMM_ROWS > MAX_GROUP, "a verification group must never reach the prefill kernel"
+# Rows per timed product: a whole prefill block (TorchDecoder.prefill_block).
+TIMED_ROWS = 128
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    """The chosen kernel and the milliseconds each took through one MLP
+    block of :data:`TIMED_ROWS` positions."""
+
+    kernel: str
+    milliseconds: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return {"kernel": self.kernel, "milliseconds": self.milliseconds}
+
+    @classmethod
+    def from_dict(cls, d: object) -> "PrefillChoice | None":
+        try:
+            assert isinstance(d, dict) and d["kernel"] in PREFILL_KERNELS
+            ms = d["milliseconds"]
+            assert isinstance(ms, dict) and set(ms) == set(PREFILL_KERNELS)
+            assert all(isinstance(v, (int, float)) and 0 < v < 1e6 for v in ms.values())
+            return cls(d["kernel"], {k: float(v) for k, v in ms.items()})
+        except (AssertionError, KeyError, TypeError):
+            return None
+
+    def describe(self) -> str:
+        times = ", ".join(f"{k} {v:.0f} ms" for k, v in self.milliseconds.items())
+        return f"prefill {self.kernel} (per MLP block of {TIMED_ROWS} positions: {times})"
+
+
+def time_prefill_kernels(config: ModelConfig, device: torch.device, *,
+                         repeats: int = 3) -> dict[str, float]:
+    """Milliseconds per forward of :data:`TIMED_ROWS` positions through one
+    MLP block (gate/up and down) of ``config``'s shapes in int8, by each
+    kernel, best of ``repeats``; distinct weights per run, so they are read
+    from memory as in a whole model."""
+    h, i = config.hidden_size, config.intermediate_size
+    gen = torch.Generator().manual_seed(0)
+    copies = max(repeats + 1, min(16, -(-CYCLED_BYTES // (3 * h * i))))
+    blocks = [(Int8Linear(_random_weights("q8", 2 * i, h, gen), None, device),
+               Int8Linear(_random_weights("q8", h, i, gen), None, device))
+              for _ in range(copies)]
+    x = torch.randn(TIMED_ROWS, h, generator=gen).to(device)
+    result, n = {}, 0
+    for kernel in PREFILL_KERNELS:
+        best = float("inf")
+        for r in range(repeats + 1):
+            gate_up, down = blocks[n % copies]
+            n += 1
+            for layer in (gate_up, down):
+                layer.gemm_rows = GEMM_ROWS if kernel == "float32-gemm" else None
+            start = time.perf_counter()
+            y = gate_up(x)
+            down(y[:, :i] * y[:, i:])
+            if r:   # the first run warms up
+                best = min(best, time.perf_counter() - start)
+        result[kernel] = best * 1000
+    return result
+
+
+def choose_prefill_kernel(name: str, config: ModelConfig, device: torch.device
+                          ) -> PrefillChoice:
+    """The prefill kernel for int8 matrices of ``config``'s shapes on
+    ``device``: stored per machine, else measured.  Off the CPU the int8
+    layers run dequantized to bfloat16 anyway, so the choice is "int8"."""
+    from ..calibration import CalibrationStore
+
+    if device.type != "cpu":
+        return PrefillChoice("int8", {k: 1.0 for k in PREFILL_KERNELS})
+    key = {"hidden": config.hidden_size, "intermediate": config.intermediate_size,
+           "rows": TIMED_ROWS, "device": str(device), "threads": torch.get_num_threads(),
+           "torch": torch.__version__}
+    store = CalibrationStore("prefill", key, label=f"{name}-{device.type}")
+    choice = store.load(PrefillChoice.from_dict)
+    if choice is None:
+        ms = time_prefill_kernels(config, device)
+        choice = PrefillChoice(min(ms, key=ms.get), ms)
+        store.save(choice.to_dict())
+    return choice
