@@ -15,7 +15,7 @@ models in q8.  A q4 model keeps the int8 kernel for its few int8 matrices
 against 30 tok/s on the same CPU), and what is timed is a block all in int8.
 
 Only forwards of at least :data:`GEMM_ROWS` positions take the other
-kernel.  That is more than the largest verification group the grouping
+kernel (a whole prompt, or a whole prefill block).  That is more than the largest verification group the grouping
 probe tries, so every verification, and every position it is compared
 with, runs the int8 kernel exactly as before: greedy speculative decoding
 stays token-identical to plain decoding.  Plain and speculative decoding
@@ -35,11 +35,17 @@ from .grouping_probe import MAX_GROUP
 from .linear import Int8Linear
 
 PREFILL_KERNELS = ("int8", "float32-gemm")
-# Forwards of at least this many positions are prompt blocks.
-GEMM_ROWS = 32
-assert GEMM_ROWS > MAX_GROUP, "a verification group must never reach the prefill kernel"
 # Rows per timed product: a whole prefill block (TorchDecoder.prefill_block).
 TIMED_ROWS = 128
+# Forwards of at least this many positions take the chosen kernel.  The
+# float32 product pays a fixed price per forward (every weight dequantized:
+# about 2 s for the 1.5B on an AVX2 EPYC) and the int8 kernel a price per
+# row (about 33 ms there), so the float32 product lost below about 90 rows
+# (2.0 against 1.4 s at 41) and won at 128 (3.4 against 4.2 s).  Where it
+# wins at the timed size it wins at every larger one, so the threshold is
+# the timed size.
+GEMM_ROWS = TIMED_ROWS
+assert GEMM_ROWS > MAX_GROUP, "a verification group must never reach the prefill kernel"
 
 
 @dataclass(frozen=True)

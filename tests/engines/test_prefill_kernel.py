@@ -79,7 +79,7 @@ def test_a_model_in_q8_prefills_with_the_chosen_kernel():
 
     def last_hidden(net: Transformer) -> torch.Tensor:
         # The final hidden state: before the LM head, which runs on one row.
-        return TorchDecoder(net, 128).feed(prompt, last_only=True, return_hidden=True).hidden
+        return TorchDecoder(net, 256).feed(prompt, last_only=True, return_hidden=True).hidden
 
     ref = last_hidden(_int8_values_in_float32())
     int8 = last_hidden(network)
@@ -140,7 +140,7 @@ def _load_with_gemm_prefill(tmp_path, monkeypatch):
     monkeypatch.setattr(prefill_kernel, "time_prefill_kernels",
                         lambda cfg, device: {"int8": 9.0, "float32-gemm": 1.0})
     path = write_tiny_gguf(tmp_path / "tiny.gguf", hidden_size=128, intermediate_size=256)
-    return forerun.load(path, weights="q8", context_length=256, progress=False)
+    return forerun.load(path, weights="q8", context_length=512, progress=False)
 
 
 def test_load_applies_the_measured_choice(tmp_path, monkeypatch):
@@ -149,13 +149,13 @@ def test_load_applies_the_measured_choice(tmp_path, monkeypatch):
     assert model.decoder.settings["prefill"] == "float32-gemm"
     assert all(layer.gemm_rows == GEMM_ROWS for layer in network.int8_layers())
     assert network.lm_head.gemm_rows is None      # the LM head runs on one row
-    q4 = forerun.load(tmp_path / "tiny.gguf", weights="q4", context_length=256, progress=False)
+    q4 = forerun.load(tmp_path / "tiny.gguf", weights="q4", context_length=512, progress=False)
     assert q4.decoder.settings["prefill"] == "int8"   # what was timed is q8's blocks
 
 
 def test_greedy_speculation_is_plain_decoding_after_a_gemm_prefill(tmp_path, monkeypatch):
     model = _load_with_gemm_prefill(tmp_path, monkeypatch)
-    prompt = [int(t) for t in torch.randint(3, 200, (2 * GEMM_ROWS + 7,),
+    prompt = [int(t) for t in torch.randint(3, 200, (GEMM_ROWS + 7,),
                                             generator=torch.Generator().manual_seed(3))]
     plain = model.generate(prompt_ids=prompt, max_new_tokens=30, ignore_eos=True)
     for draft, k in (("ngram", 4), (model, 4), (model, 12)):
