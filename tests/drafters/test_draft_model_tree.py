@@ -106,13 +106,16 @@ def test_only_a_steady_rounds_catch_up_is_a_drafting_cost():
     assert first is not None
     sequence += [nodes.tokens[1], 11, 12, 13]
     drafter.expand(sequence, 2, sampler)
-    assert drafter._catch_up_seconds == first, "a catch-up after plain steps was timed"
+    # Not timed as a cost: such a catch-up feeds more tokens, so it may
+    # only lower the estimate (when the steady one was measured slow).
+    assert drafter._catch_up_seconds <= first, "a catch-up after plain steps was timed"
+    first = drafter._catch_up_seconds
     drafter.expand(sequence + [5, 6, 7], 2, sampler)               # accepted 2, and a token
     timed = drafter._catch_up_seconds
     assert timed != first
     drafter.begin(prompt)                          # a new generation: the prompt first
     drafter.expand(prompt, 2, sampler)
-    assert drafter._catch_up_seconds == timed
+    assert drafter._catch_up_seconds <= timed
 
 
 def _depths(nodes: DraftedNodes) -> list[int]:
