@@ -48,7 +48,7 @@ def sequences(model, positions: int, length: int) -> list[list[int]]:
 def all_logits(model, seqs: list[list[int]], chunk: int = 16) -> torch.Tensor:
     """Every position's float32 logits, ``[positions, vocab]``, fed ``chunk``
     positions at a time: as a verification feeds them, so through the
-    kernels that compute generated tokens' logits (a prompt block of 32 or
+    kernels that compute generated tokens' logits (a forward of 128 or
     more would take q8's prefill kernel, forerun.engines.prefill_kernel)."""
     d = model.decoder
     rows = []
