@@ -566,10 +566,9 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
         if network.weights_format == "q8":
             # (q4's int8 parts, a GGUF's 6-bit matrices, prefilled slower
             # this way on the AMD EPYC, and the timing is of int8 blocks.)
-            from .engines.prefill_kernel import GEMM_ROWS, choose_prefill_kernel
+            from .engines.prefill_kernel import choose_prefill_kernel
 
-            network.set_prefill_kernel(
-                choose_prefill_kernel(files.name, config, device).kernel, GEMM_ROWS)
+            network.set_prefill_kernel(choose_prefill_kernel(files.name, config, device).kernel)
         decoder = TorchDecoder(network, context_length, config.eos_token_ids)
     except (RuntimeError, MemoryError) as exc:
         if not memory_error(exc):

@@ -7,18 +7,19 @@ candidate dequantizes the int8 rows to float32, a slice at a time, and uses
 the BLAS's float32 product: more arithmetic bytes, but a kernel made for
 many rows, and float32 activations instead of bfloat16 ones, so no fidelity
 is lost.  Which is faster is a fact about the CPU (on an AMD EPYC Zen 3 with
-AVX2 only, a 512-token prefill of the 1.5B in q8 ran at 37 tok/s against
-30), so the first load times both on the model's MLP shapes and keeps the
+AVX2 only, a 512-token prefill of the 1.5B in q8 ran at 43 tok/s against
+31), so the first load times both on the model's MLP shapes and keeps the
 choice per machine, as ``weights="auto"`` keeps its format.  It applies to
 models in q8.  A q4 model keeps the int8 kernel for its few int8 matrices
 (a GGUF's 6-bit ones): there the other kernel prefilled more slowly (28
 against 30 tok/s on the same CPU), and what is timed is a block all in int8.
 
 Only forwards of at least :data:`GEMM_ROWS` positions take the other
-kernel (a whole prompt, or a whole prefill block).  That is more than the largest verification group the grouping
-probe tries, so every verification, and every position it is compared
-with, runs the int8 kernel exactly as before: greedy speculative decoding
-stays token-identical to plain decoding.  Plain and speculative decoding
+kernel (a whole prompt, or a whole prefill block).  That is more than
+the largest verification group the grouping probe tries, so every
+verification, and every position it is compared with, runs the int8
+kernel exactly as before: greedy speculative decoding stays
+token-identical to plain decoding.  Plain and speculative decoding
 prefill a prompt the same way, and prefix reuse replays the same blocks.
 """
 
@@ -69,10 +70,6 @@ class PrefillChoice:
             return cls(d["kernel"], {k: float(v) for k, v in ms.items()})
         except (AssertionError, KeyError, TypeError):
             return None
-
-    def describe(self) -> str:
-        times = ", ".join(f"{k} {v:.0f} ms" for k, v in self.milliseconds.items())
-        return f"prefill {self.kernel} (per MLP block of {TIMED_ROWS} positions: {times})"
 
 
 def time_prefill_kernels(config: ModelConfig, device: torch.device, *,

@@ -253,18 +253,19 @@ class Transformer:
                         found.append(p)
         return found
 
-    def set_prefill_kernel(self, kernel: str, gemm_rows: int) -> None:
+    def set_prefill_kernel(self, kernel: str) -> None:
         """Multiply int8 matrices by ``kernel`` in forwards of at least
-        ``gemm_rows`` positions: ``"int8"`` (the int8 kernel, as every
-        forward does) or ``"float32-gemm"`` (dequantized slices and the
-        BLAS's float32 product)."""
-        from .prefill_kernel import PREFILL_KERNELS
+        :data:`~forerun.engines.prefill_kernel.GEMM_ROWS` positions:
+        ``"int8"`` (the int8 kernel, as every forward does) or
+        ``"float32-gemm"`` (dequantized slices and the BLAS's float32
+        product)."""
+        from .prefill_kernel import GEMM_ROWS, PREFILL_KERNELS
 
         if kernel not in PREFILL_KERNELS:
             raise ConfigError(f"prefill kernel must be one of {', '.join(PREFILL_KERNELS)}, "
                               f"got {kernel!r}")
         for layer in self.int8_layers():
-            layer.gemm_rows = gemm_rows if kernel == "float32-gemm" else None
+            layer.gemm_rows = GEMM_ROWS if kernel == "float32-gemm" else None
         self.prefill_kernel = kernel
 
     @property

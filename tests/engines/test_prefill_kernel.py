@@ -83,20 +83,20 @@ def test_a_model_in_q8_prefills_with_the_chosen_kernel():
 
     ref = last_hidden(_int8_values_in_float32())
     int8 = last_hidden(network)
-    network.set_prefill_kernel("float32-gemm", GEMM_ROWS)
+    network.set_prefill_kernel("float32-gemm")
     assert all(layer.gemm_rows == GEMM_ROWS for layer in layers)
     gemm = last_hidden(network)
     # The block ran the float32 product of the same int8 values.
     assert torch.allclose(gemm, ref, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(int8, ref, rtol=1e-4, atol=1e-4)
-    network.set_prefill_kernel("int8", GEMM_ROWS)
+    network.set_prefill_kernel("int8")
     assert torch.equal(last_hidden(network), int8)
 
 
 def test_an_unknown_prefill_kernel_is_refused():
     network = _network("q8")
     try:
-        network.set_prefill_kernel("int4-gemm", GEMM_ROWS)
+        network.set_prefill_kernel("int4-gemm")
     except ConfigError as exc:
         assert "int8, float32-gemm" in str(exc)
     else:
