@@ -424,10 +424,9 @@ def dequantize(
     """Decode one GGUF tensor's raw data into a new float32 array.
 
     Args:
-        data: the tensor's data as ``gguf.GGUFReader(...).tensors[i].data``
-            gives it: a uint8 array of the raw bytes for quantized (and BF16)
-            tensors, a typed array for F32/F16.  Its own shape is ignored;
-            only its bytes count.
+        data: the tensor's raw bytes, as ``GGUFHeader(...).tensors[i].data``
+            gives them (any array: its dtype and shape are ignored; only
+            its bytes count).
         qtype: the tensor's GGML type, as an enum or its integer id.
         shape: the tensor's shape in numpy order (ggml's ``ne`` reversed, the
             row length last).

@@ -1,6 +1,6 @@
 """Reading GGUF files: metadata, model config and weights.
 
-The ``gguf`` package parses the file; this module checks it is whole, turns
+:mod:`~forerun.loading.gguf_reader` parses the file; this module turns
 its metadata into a :class:`~forerun.config.ModelConfig`, and yields its
 tensors dequantized to float32 under Hugging Face names, undoing the
 query/key row permutation that llama.cpp's converter applies to Llama models.
@@ -16,8 +16,7 @@ import numpy as np
 from ..config import SUPPORTED_ARCHITECTURES, ModelConfig, naming, positive_int, real
 from ..errors import ConfigError, ModelFormatError, ModelNotFoundError, UnsupportedArchitectureError
 from .dequantize import dequantize
-
-GGUF_MAGIC = b"GGUF"
+from .gguf_reader import GGUFHeader
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -64,49 +63,17 @@ class GGUFFile:
     """An opened GGUF model file."""
 
     def __init__(self, path: str | Path) -> None:
-        import gguf
-
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelNotFoundError(f"GGUF file {self.path} does not exist")
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise ModelFormatError(
-                f"{self.path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-        try:
-            self.reader = gguf.GGUFReader(str(self.path), "r")
-        except Exception as exc:  # the reader raises many types on bad input
-            # Its messages are numpy's ("cannot reshape array of size ..."):
-            # say what it means instead.
-            raise ModelFormatError(
-                f"{self.path} is a truncated or corrupt GGUF file: its header or tensor "
-                f"table can't be read ({size} bytes; it ends early or holds invalid "
-                f"values). Download or copy the file again") from exc
-        for t in self.reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise ModelFormatError(
-                    f"{self.path} is truncated: tensor {t.name!r} ends at byte "
-                    f"{t.data_offset + t.n_bytes} but the file has {size} bytes")
-        self._metadata: dict[str, Any] | None = None
+        self.header = GGUFHeader(self.path)
+        self.tensors = self.header.tensors
 
     @property
     def metadata(self) -> dict[str, Any]:
         """Every key/value of the header as Python values (strings decoded,
         arrays as lists)."""
-        if self._metadata is None:
-            meta: dict[str, Any] = {}
-            for name, field in self.reader.fields.items():
-                if name.startswith("GGUF."):
-                    continue
-                try:
-                    meta[name] = field.contents()
-                except Exception as exc:
-                    raise ModelFormatError(
-                        f"{self.path}: metadata key {name!r} cannot be read: {exc}") from exc
-            self._metadata = meta
-        return self._metadata
+        return self.header.fields
 
     def config(self) -> ModelConfig:
         """The model configuration from the header."""
@@ -131,10 +98,10 @@ class GGUFFile:
 
         hidden = count("embedding_length")
         heads = count("attention.head_count")
-        tensors = {t.name: t for t in self.reader.tensors}
+        tensors = {t.name: t for t in self.tensors}
         if "token_embd.weight" not in tensors:
             raise ModelFormatError(f"{self.path} has no token_embd.weight tensor")
-        vocab = int(tensors["token_embd.weight"].shape[1])
+        vocab = int(tensors["token_embd.weight"].shape[0])
         if "rope_freqs.weight" in tensors:
             raise UnsupportedArchitectureError(
                 f"{self.path} stores RoPE frequency factors (rope_freqs), which forerun "
@@ -172,16 +139,15 @@ class GGUFFile:
         ))
 
     def tensor_count(self) -> int:
-        return len(self.reader.tensors)
+        return len(self.tensors)
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
         """Yield ``(hf_name, float32 array)`` for every tensor, dequantized and
         in the Hugging Face layout."""
-        for t in self.reader.tensors:
+        for t in self.tensors:
             name = hf_tensor_name(t.name)
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             try:
-                w = dequantize(t.data, t.tensor_type, shape)
+                w = dequantize(t.data, t.tensor_type, t.shape)
             except ModelFormatError as exc:
                 raise ModelFormatError(f"{self.path}: tensor {t.name!r}: {exc}") from exc
             if config.architecture == "llama":

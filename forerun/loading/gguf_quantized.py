@@ -82,11 +82,11 @@ class GGUFQuantizedWeights(Mapping):
     def __init__(self, path: str | Path, config: ModelConfig) -> None:
         self._file = GGUFFile(path)
         self._config = config
-        self._tensors = {hf_tensor_name(t.name): t for t in self._file.reader.tensors}
+        self._tensors = {hf_tensor_name(t.name): t for t in self._file.tensors}
 
     def __getitem__(self, name: str):
         t = self._tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = t.shape
         try:
             if t.tensor_type in _INT4_NATIVE and len(shape) == 2:
                 values = int4_groups(t.data, t.tensor_type, shape)
