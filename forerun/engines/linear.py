@@ -70,9 +70,9 @@ class Int4Groups:
         return tuple(self.q.shape)
 
     def dequantize(self) -> torch.Tensor:
-        s = self.scale.repeat_interleave(self.group, dim=1)
-        z = self.zero.repeat_interleave(self.group, dim=1)
-        return (self.q.float() - 8) * s + z
+        n, k = self.q.shape
+        groups = (self.q.view(n, k // self.group, self.group).float() - 8)
+        return (groups * self.scale[..., None] + self.zero[..., None]).view(n, k)
 
 
 @dataclass
