@@ -1,0 +1,122 @@
+"""Where a plain decoding step of the PyTorch engine spends its time: how
+much is matrix work (the layers' and the LM head's products) and how much is
+everything else (norms, RoPE, attention over the cache, the KV writes,
+dtype conversions, Python and torch dispatch).
+
+    python benchmarks/step_profile.py [--model qwen2.5-coder-1.5b]
+        [--weights q8] [--context 256] [--steps 48]
+
+It prefills ``--context`` tokens, then times single-token steps through the
+engine's ``feed`` (the whole step, as decoding runs it), and the same
+step's matrix products alone: every layer's ``Linear`` called in order on
+one row, with the same input sizes.  The difference is what is not matrix
+work.  A ``torch.profiler`` table of the steps' operators follows, grouped
+by operator, so the largest non-matrix costs are named.
+
+Run it on an idle machine (nothing else running): every figure is a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import forerun
+from forerun.calibration import cpu_name
+
+MATRIX_OPS = ("aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+              "aten::linear", "aten::addmm", "aten::mm", "aten::matmul")
+
+
+def matrix_calls(network) -> list:
+    """Every matrix product a step runs, in order, with its input width."""
+    calls = []
+    for layer in network.layers:
+        calls += [layer.qkv, layer.o, layer.gate_up, layer.down]
+    return calls + [network.lm_head]
+
+
+@torch.inference_mode()
+def time_matrices(network, repeats: int) -> float:
+    """Median seconds of one row through every matrix product of a step."""
+    calls = matrix_calls(network)
+    inputs = [torch.randn(1, c.in_features) for c in calls]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for c, x in zip(calls, inputs):
+            c(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_steps(decoder, token: int, steps: int) -> float:
+    base = decoder.length
+    times = []
+    for _ in range(steps):
+        decoder.rollback(base)
+        t0 = time.perf_counter()
+        decoder.feed([token])
+        times.append(time.perf_counter() - t0)
+    decoder.rollback(base)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--weights", default="q8")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=48)
+    args = p.parse_args()
+    model = forerun.load(args.model, weights=args.weights, progress=False)
+    d = model.decoder
+    network = d.model
+    print(f"CPU: {cpu_name()}, torch {torch.__version__}, threads {torch.get_num_threads()}; "
+          f"{args.model} in {network.weights_format}, {args.context} positions of context")
+    tokens = model._probe_tokens(args.context)
+    d.reset()
+    d.feed(tokens, last_only=True)
+    token = tokens[-1]
+    time_steps(d, token, 4)  # warm-up
+    # Alternate, so that a drift of the machine touches both alike.
+    step, matrices = [], []
+    for _ in range(3):
+        step.append(time_steps(d, token, args.steps // 3))
+        matrices.append(time_matrices(network, args.steps // 3))
+    step_s, matrix_s = min(step), min(matrices)
+    other = step_s - matrix_s
+    print(f"step {step_s * 1000:.1f} ms ({1 / step_s:.2f} tok/s); matrix products alone "
+          f"{matrix_s * 1000:.1f} ms; the rest {other * 1000:.1f} ms = "
+          f"{other / step_s:.0%} of a step")
+    print(f"matrix bytes per step {network.weight_bytes / 1e9:.2f} GB, "
+          f"{network.weight_bytes / matrix_s / 1e9:.1f} GB/s")
+
+    base = d.length
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            d.rollback(base)
+            d.feed([token])
+    d.rollback(base)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    print(f"\noperators over {args.steps} steps, by self CPU time "
+          f"(total {total / 1000 / args.steps:.1f} ms per step as the profiler sees it):")
+    print(f"{'operator':44} {'calls/step':>10} {'ms/step':>8} {'share':>6}")
+    matrix = 0.0
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:20]:
+        share = e.self_cpu_time_total / total
+        print(f"{e.key:44} {e.count / args.steps:10.0f} "
+              f"{e.self_cpu_time_total / 1000 / args.steps:8.2f} {share:6.1%}")
+    matrix = sum(e.self_cpu_time_total for e in events if e.key in MATRIX_OPS)
+    calls = sum(e.count for e in events)
+    print(f"matrix operators {matrix / total:.0%} of profiled time; "
+          f"{calls / args.steps:.0f} operator calls per step")
+
+
+if __name__ == "__main__":
+    main()
