@@ -24,6 +24,11 @@ class KVCache(CachePositions):
     ``keys`` and ``values`` have shape ``[n_layers, n_kv_heads, capacity,
     head_dim]``; slot ``s`` of layer ``l`` is ``keys[l, :, s]``.  Slots below
     :attr:`length` are valid, the rest is scratch space.
+
+    The storage is allocated uninitialized: every slot is written before a
+    forward reads it, so the memory of a long context is touched only as it
+    fills (zeroed, the 4,096 positions of the 1.5B's and its 0.5B draft's
+    caches held 0.3 GB from the start).
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
@@ -35,8 +40,8 @@ class KVCache(CachePositions):
                 f"n_kv_heads={n_kv_heads}, head_dim={head_dim}, capacity={capacity}")
         super().__init__(capacity)
         shape = (n_layers, n_kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
 
     # -- shape -----------------------------------------------------------
     @property

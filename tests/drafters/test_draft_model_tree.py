@@ -16,6 +16,7 @@ from forerun.decoding import tree_acceptance
 from forerun.decoding.draft_tree_planner import DraftTreePlanner, NodeBudgetPolicy
 from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.draft_model_tree import DraftedNodes, DraftModelTreeDrafter
 from forerun.errors import ConfigError
 from forerun.sampling import SamplingParams, TokenSampler
@@ -62,6 +63,30 @@ def test_greedy_draft_trees_are_token_identical(arch, nodes):
         assert 0 < stats.accepted <= stats.drafted
         if nodes is not None and nodes > 1:
             assert method.nodes_verified > stats.drafted, "no side branch was verified"
+
+
+def _poisoned(d):
+    """``d`` with every cache slot NaN: the cache is allocated uninitialized,
+    so a slot read before it is written would carry garbage into the logits."""
+    d.cache.keys.fill_(float("nan"))
+    d.cache.values.fill_(float("nan"))
+    return d
+
+
+@pytest.mark.parametrize("nodes", [8, "chain"])
+def test_no_forward_reads_a_cache_slot_before_writing_it(nodes):
+    prompt = PROMPTS[1]
+    plain = greedy_tokens(PlainDecoding(decoder("qwen2", "self")), prompt, N_NEW)
+    assert greedy_tokens(PlainDecoding(_poisoned(decoder("qwen2", "self"))), prompt,
+                         N_NEW) == plain
+    target, draft = _poisoned(decoder("qwen2", "self")), _poisoned(decoder("qwen2", "perturbed"))
+    method = (SpeculativeDecoding(target, DraftModelDrafter(draft), k=4) if nodes == "chain"
+              else tree_method(target, draft, nodes=nodes))
+    stats = GenerationStats()
+    # Rejected drafts and tree siblings leave stale slots past the length,
+    # and tree verification attends through a mask.
+    assert greedy_tokens(method, prompt, N_NEW, stats) == plain
+    assert stats.accepted < stats.drafted, "every draft was accepted: nothing was rolled back"
 
 
 def test_greedy_draft_tree_of_an_unrelated_draft_still_matches():
