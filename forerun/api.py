@@ -24,10 +24,6 @@ _ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "llama-cpp
 # chat templates of the supported families close each turn with one of them.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
 
-
-# The grouping probe's long context: past the KV lengths (256, 512, 1024)
-# where llama.cpp's attention kernels change their tiling.
-PROBE_LONG_CONTEXT = 1200
 # Real text for the grouping probe: prose and code, as prompts hold.
 PROBE_TEXT = (
     "Speculative decoding lets a small model propose several tokens that the large "
@@ -344,10 +340,10 @@ class Model:
         return result
 
     def _probe_contexts(self) -> tuple[int, ...]:
-        """Cached lengths the grouping probe runs at: a short prompt, and a
-        long one (past the lengths where attention kernels switch)."""
+        """Cached lengths the grouping probe runs at: a short prompt, and the
+        engine's long one (past the lengths where its kernels switch)."""
         room = self.decoder.context_length - 16
-        return tuple(sorted({min(32, room), min(PROBE_LONG_CONTEXT, room)}))
+        return tuple(sorted({min(32, room), min(self.decoder.probe_context, room)}))
 
     def _probe_tokens(self, n: int) -> list[int]:
         ids: list[int] = []

@@ -123,6 +123,12 @@ class Decoder(Protocol):
     #: verification's logits do not depend on how positions are grouped.
     verify_group: int | None
 
+    #: The long cached length at which the grouping probe compares groups
+    #: with one-by-one forwards: past every context length at which the
+    #: kernels a verified group runs could change (the probe also runs at a
+    #: short one).  Prefilling it is most of the probe's cost.
+    probe_context: int
+
     @property
     def settings(self) -> dict:
         """Everything that decides which kernels the engine runs (engine,

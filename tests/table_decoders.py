@@ -82,8 +82,9 @@ class TableDecoder:
     # A tree forward is a lookup per row; no hidden states, no slot moves.
     capabilities = Capabilities(tree_masks=True)
 
-    # Table lookups do not depend on grouping.
+    # Table lookups do not depend on grouping, nor on the context.
     verify_group = None
+    probe_context = 40
 
     @property
     def settings(self) -> dict:

@@ -32,6 +32,14 @@ class TorchDecoder(EngineDecoder):
     engine = "torch"
     capabilities = Capabilities(hidden_states=True, tree_masks=True, slot_compaction=True,
                                 network=True, fork=True)
+    # A verification attends for each position on its own, through the very
+    # call a one-position forward makes (Transformer.forward's ``rowwise``),
+    # so a group differs from one-by-one forwards only in its matrix
+    # products, whose kernels depend on the rows, not on the context.  The
+    # probe's long context need only pass the size from which a prompt block
+    # may take another product (prefill_kernel.GEMM_ROWS, 128); 1,200, what
+    # llama.cpp needs, took 30 s of a q8 1.5B's first run on an AMD EPYC.
+    probe_context = 160
 
     def __init__(self, model: Transformer, context_length: int,
                  eos_token_ids: Sequence[int] = ()) -> None:

@@ -220,6 +220,21 @@ def test_verification_is_exact_in_the_probed_groups(fmt, arch):
     assert torch.equal(out, one_by_one)
 
 
+@pytest.mark.parametrize("fmt", ["float32", "q8"])
+def test_what_the_probe_finds_exact_stays_exact_at_a_long_context(fmt):
+    """The torch engine's probe stops at its own ``probe_context`` (160), not
+    at the 1,200 positions llama.cpp needs: a verified group attends for each
+    position as a one-position forward does, so a long context changes none
+    of its kernels."""
+    decoder = TorchDecoder(_network(fmt), 1300)
+    tokens = [int(t) for t in torch.randint(3, VOCAB, (1250,),
+                                            generator=torch.Generator().manual_seed(2))]
+    probed = exact_group_size(decoder, tokens, contexts=(32, decoder.probe_context),
+                              max_group=9)
+    long = exact_group_size(decoder, tokens, contexts=(1200,), max_group=9)
+    assert long.exact_group >= probed.exact_group >= 1
+
+
 def test_bad_weight_options(tmp_path):
     with pytest.raises(ConfigError, match="weights must be one of auto, float32"):
         forerun.load("smollm2-135m", weights="q3")

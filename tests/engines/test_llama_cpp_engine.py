@@ -255,9 +255,10 @@ def test_grouping_probe_is_stored_per_machine_and_settings(llama_model, tmp_path
     with the same settings reads it back, other thread counts measure anew,
     and a damaged record is measured again."""
     from forerun.engines import grouping_probe
+    from forerun.engines.llama_cpp_engine import LlamaCppDecoder
 
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
-    monkeypatch.setattr("forerun.api.PROBE_LONG_CONTEXT", 200)   # what is stored, not how long
+    monkeypatch.setattr(LlamaCppDecoder, "probe_context", 200)   # what is stored, not how long
     calls = []
     real = grouping_probe.exact_group_size
     monkeypatch.setattr(grouping_probe, "exact_group_size",
