@@ -333,6 +333,7 @@ class Model:
         store = CalibrationStore("grouping", key, label=f"{self.name}-{decoder.engine}")
         result = store.load(GroupingResult.from_dict)
         if result is None:
+            store.measuring(f"which verification groups {self.name} computes exactly")
             contexts = self._probe_contexts()
             result = exact_group_size(decoder, self._probe_tokens(max(contexts) + 16),
                                       contexts=contexts, threads=threads)
@@ -621,6 +622,7 @@ def choose_weights(name: str, config, device: torch.device):
     store = CalibrationStore("weights", key, label=f"{name}-{device.type}")
     choice = store.load(lambda d: FormatChoice.from_dict(d, candidates))
     if choice is None:
+        store.measuring(f"the fastest weight format for {name}")
         ms = time_formats(config, candidates, device)
         choice = FormatChoice(choose_format(ms), ms)
         store.save(choice.to_dict())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import warnings
@@ -106,6 +107,14 @@ class CalibrationStore:
     @property
     def path(self) -> Path:
         return self._cache_dir() / "calibration" / self._kind / self._name
+
+    def measuring(self, what: str) -> None:
+        """Say that ``what`` is being measured, since no record holds it: an
+        INFO record on the ``forerun.calibration`` logger (``forerun
+        generate`` shows them), so that a first run's pause of seconds is
+        explained."""
+        logging.getLogger("forerun.calibration").info(
+            "measuring %s on this machine (once; kept in %s)", what, self.path.parent.parent)
 
     def load(self, validate: Callable[[Any], Any | None]) -> Any | None:
         """The stored value, passed through ``validate`` (which returns the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Sequence
@@ -115,9 +116,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ..api import async_split, load, tree_options
-    from ..loading.presets import DEFAULT_MODEL
-
+    from ..api import async_split, tree_options
     from ..generation.params import GenerationParams
     from ..sampling import SamplingParams
 
@@ -133,6 +132,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     draft = resolve_draft_option(args)
     split = async_split(draft, args.draft_async, args.draft_threads, args.target_threads)
     tree_options(draft, args.draft_k, args.draft_tree, args.tree_nodes, split)
+    with calibration_notices(shown=not args.quiet):
+        return _generate(args, prompt, draft)
+
+
+def _generate(args: argparse.Namespace, prompt: str, draft: str | None) -> int:
+    from ..api import load
+    from ..loading.presets import DEFAULT_MODEL
+
     model = load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
                  context_length=args.context_length, device=args.device,
                  progress=not args.quiet)
@@ -164,6 +171,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         print_stats(result, sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def calibration_notices(shown: bool):
+    """While in it, print what forerun measures on a first run (the
+    ``forerun.calibration`` logger's INFO records) to standard error, as
+    ``forerun: ...`` lines."""
+    import logging
+
+    class Notices(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            print(f"forerun: {record.getMessage()}", file=sys.stderr, flush=True)
+
+    if not shown:
+        yield
+        return
+    log = logging.getLogger("forerun.calibration")
+    handler, level = Notices(logging.INFO), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def read_prompt(arg: str) -> str:

@@ -115,6 +115,9 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
         if stored is not None:
             costs.seconds = stored
         else:
+            if store:
+                store.measuring(f"what verifying 1 to {len(costs.seconds)} positions costs "
+                                f"on all cores")
             costs.calibrate(self.target, token)
             if store:
                 store.save(costs.seconds)

@@ -60,6 +60,9 @@ class DraftAndVerify:
         if stored is not None:
             costs.seconds = stored
         else:
+            if self.cost_store:
+                self.cost_store.measuring("what verifying 1 to "
+                                          f"{len(costs.seconds)} positions costs")
             measure()
             if self.cost_store:
                 self.cost_store.save(costs.seconds)

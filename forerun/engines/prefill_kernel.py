@@ -117,6 +117,7 @@ def choose_prefill_kernel(name: str, config: ModelConfig, device: torch.device
     store = CalibrationStore("prefill", key, label=f"{name}-{device.type}")
     choice = store.load(PrefillChoice.from_dict)
     if choice is None:
+        store.measuring(f"the fastest prefill kernel for {name}")
         ms = time_prefill_kernels(config, device)
         choice = PrefillChoice(min(ms, key=ms.get), ms)
         store.save(choice.to_dict())

@@ -99,3 +99,24 @@ def test_generate_with_asynchronous_drafting_says_whether_it_paid(preset_gguf, c
     assert "method: draft-async" in err
     assert "asynchronous drafting: draft on 1 thread(s)" in err
     assert "asynchronous drafting pays" in err or "asynchronous drafting does not pay" in err
+
+
+def test_a_first_run_says_what_it_measures_and_a_second_run_does_not(tmp_path, monkeypatch,
+                                                                     capsys):
+    from tiny_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    argv = ["generate", "-m", str(path), "--raw", "-n", "3", "--draft", "ngram", "hello"]
+
+    assert main(argv + ["--quiet"]) == 0
+    assert "measuring" not in capsys.readouterr().err
+    (tmp_path / "cache" / "calibration").rename(tmp_path / "kept")
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    for what in ("the fastest weight format for tiny.gguf",
+                 "which verification groups tiny.gguf computes exactly",
+                 "what verifying 1 to"):
+        assert f"forerun: measuring {what}" in err
+    assert main(argv) == 0
+    assert "measuring" not in capsys.readouterr().err
