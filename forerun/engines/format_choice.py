@@ -14,13 +14,15 @@ shape and thread count in the calibration store.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
 from ..config import ModelConfig
-from .linear import INT4_GROUP, Int4Groups, Int8Rows, make_linear
+from .linear import INT4_GROUP, Int4Groups, Int8Rows, Linear, make_linear
 
 # Forwards of 1 position (plain decoding) and of 4 (a verification).
 TIMED_POSITIONS = (1, 4)
@@ -96,25 +98,33 @@ def time_formats(config: ModelConfig, candidates: tuple[str, ...], device: torch
         blocks = [(make_linear(_random_weights(fmt, 2 * i, h, gen), None, fmt, device),
                    make_linear(_random_weights(fmt, h, i, gen), None, fmt, device))
                   for _ in range(copies)]
-        row = []
-        n = 0
-        for t in TIMED_POSITIONS:
-            x = torch.randn(t, h, generator=gen).to(device)
-            best = float("inf")
-            for r in range(repeats + 1):
-                gate_up, down = blocks[n % copies]
-                n += 1
-                start = time.perf_counter()
-                y = gate_up(x)
-                y = down(y[:, :i] * y[:, i:])
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                if r:   # the first run warms up
-                    best = min(best, time.perf_counter() - start)
-            row.append(best * 1000)
-        result[fmt] = row
+        turn = itertools.count()
+        result[fmt] = [time_mlp_blocks(blocks, torch.randn(t, h, generator=gen).to(device),
+                                       repeats, turn)
+                       for t in TIMED_POSITIONS]
         del blocks
     return result
+
+
+def time_mlp_blocks(blocks: list[tuple[Linear, Linear]], x: torch.Tensor, repeats: int,
+                    turn: Iterator[int]) -> float:
+    """Milliseconds of ``x`` through an MLP block (gate/up, the gated
+    product, down), best of ``repeats`` runs after one that warms up.  Each
+    run takes the next block of ``blocks`` by ``turn`` (a counter shared
+    across calls), so it reads weights that no recent run left in the
+    CPU's caches."""
+    best = float("inf")
+    for r in range(repeats + 1):
+        gate_up, down = blocks[next(turn) % len(blocks)]
+        i = down.in_features
+        start = time.perf_counter()
+        y = gate_up(x)
+        down(y[:, :i] * y[:, i:])
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+        if r:
+            best = min(best, time.perf_counter() - start)
+    return best * 1000
 
 
 def choose_format(milliseconds: dict[str, list[float]]) -> str:

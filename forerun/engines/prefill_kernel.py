@@ -25,13 +25,13 @@ prefill a prompt the same way, and prefix reuse replays the same blocks.
 
 from __future__ import annotations
 
-import time
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from ..config import ModelConfig
-from .format_choice import CYCLED_BYTES, _random_weights
+from .format_choice import CYCLED_BYTES, _random_weights, time_mlp_blocks
 from .grouping_probe import MAX_GROUP
 from .linear import Int8Linear
 
@@ -85,20 +85,12 @@ def time_prefill_kernels(config: ModelConfig, device: torch.device, *,
                Int8Linear(_random_weights("q8", h, i, gen), None, device))
               for _ in range(copies)]
     x = torch.randn(TIMED_ROWS, h, generator=gen).to(device)
-    result, n = {}, 0
+    result, turn = {}, itertools.count()
     for kernel in PREFILL_KERNELS:
-        best = float("inf")
-        for r in range(repeats + 1):
-            gate_up, down = blocks[n % copies]
-            n += 1
-            for layer in (gate_up, down):
+        for block in blocks:
+            for layer in block:
                 layer.gemm_rows = GEMM_ROWS if kernel == "float32-gemm" else None
-            start = time.perf_counter()
-            y = gate_up(x)
-            down(y[:, :i] * y[:, i:])
-            if r:   # the first run warms up
-                best = min(best, time.perf_counter() - start)
-        result[kernel] = best * 1000
+        result[kernel] = time_mlp_blocks(blocks, x, repeats, turn)
     return result
 
 
