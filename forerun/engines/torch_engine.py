@@ -12,6 +12,7 @@ from ..decoder import Capabilities, ForwardOutput
 from ..errors import CacheStateError, ConfigError, ContextLengthError, InvalidTokenError
 from ..kv_cache import KVCache
 from .base import EngineDecoder
+from .prefill_kernel import GEMM_ROWS
 from .transformer import Transformer
 
 # Positions per prefill block (see forerun.prefix_reuse): large enough that a
@@ -37,9 +38,9 @@ class TorchDecoder(EngineDecoder):
     # so a group differs from one-by-one forwards only in its matrix
     # products, whose kernels depend on the rows, not on the context.  The
     # probe's long context need only pass the size from which a prompt block
-    # may take another product (prefill_kernel.GEMM_ROWS, 128); 1,200, what
+    # may take another product (prefill_kernel.GEMM_ROWS); 1,200, what
     # llama.cpp needs, took 30 s of a q8 1.5B's first run on an AMD EPYC.
-    probe_context = 160
+    probe_context = GEMM_ROWS + 32
 
     def __init__(self, model: Transformer, context_length: int,
                  eos_token_ids: Sequence[int] = ()) -> None:
