@@ -326,19 +326,16 @@ class Model:
         from .engines.grouping_probe import GroupingResult, exact_group_size
 
         decoder = self.decoder
-        key = {"model": self.identity, **decoder.settings,
-               "contexts": list(self._probe_contexts())}
+        contexts = self._probe_contexts()
+        key = {"model": self.identity, **decoder.settings, "contexts": list(contexts)}
         if threads is not None:
             key["verified_on_threads"] = threads
         store = CalibrationStore("grouping", key, label=f"{self.name}-{decoder.engine}")
-        result = store.load(GroupingResult.from_dict)
-        if result is None:
-            store.measuring(f"which verification groups {self.name} computes exactly")
-            contexts = self._probe_contexts()
-            result = exact_group_size(decoder, self._probe_tokens(max(contexts) + 16),
-                                      contexts=contexts, threads=threads)
-            store.save(result.to_dict())
-        return result
+        return store.load_or_measure(
+            GroupingResult.from_dict,
+            lambda: exact_group_size(decoder, self._probe_tokens(max(contexts) + 16),
+                                     contexts=contexts, threads=threads),
+            f"which verification groups {self.name} computes exactly", GroupingResult.to_dict)
 
     def _probe_contexts(self) -> tuple[int, ...]:
         """Cached lengths the grouping probe runs at: a short prompt, and the
@@ -620,13 +617,13 @@ def choose_weights(name: str, config, device: torch.device):
            "candidates": list(candidates), "device": str(device),
            "threads": torch.get_num_threads(), "torch": torch.__version__}
     store = CalibrationStore("weights", key, label=f"{name}-{device.type}")
-    choice = store.load(lambda d: FormatChoice.from_dict(d, candidates))
-    if choice is None:
-        store.measuring(f"the fastest weight format for {name}")
+
+    def measure() -> FormatChoice:
         ms = time_formats(config, candidates, device)
-        choice = FormatChoice(choose_format(ms), ms)
-        store.save(choice.to_dict())
-    return choice
+        return FormatChoice(choose_format(ms), ms)
+
+    return store.load_or_measure(lambda d: FormatChoice.from_dict(d, candidates), measure,
+                                 f"the fastest weight format for {name}", FormatChoice.to_dict)
 
 
 def _source(files, spec) -> str:

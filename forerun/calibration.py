@@ -108,6 +108,19 @@ class CalibrationStore:
     def path(self) -> Path:
         return self._cache_dir() / "calibration" / self._kind / self._name
 
+    def load_or_measure(self, validate: Callable[[Any], Any | None],
+                        measure: Callable[[], Any], what: str,
+                        record: Callable[[Any], Any] = lambda value: value) -> Any:
+        """The stored value (see :meth:`load`), or else ``measure()``'s,
+        announced as measuring ``what`` (:meth:`measuring`) and stored as
+        ``record(value)``."""
+        value = self.load(validate)
+        if value is None:
+            self.measuring(what)
+            value = measure()
+            self.save(record(value))
+        return value
+
     def measuring(self, what: str) -> None:
         """Say that ``what`` is being measured, since no record holds it: an
         INFO record on the ``forerun.calibration`` logger (``forerun

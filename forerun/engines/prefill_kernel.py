@@ -107,10 +107,10 @@ def choose_prefill_kernel(name: str, config: ModelConfig, device: torch.device
            "rows": TIMED_ROWS, "device": str(device), "threads": torch.get_num_threads(),
            "torch": torch.__version__}
     store = CalibrationStore("prefill", key, label=f"{name}-{device.type}")
-    choice = store.load(PrefillChoice.from_dict)
-    if choice is None:
-        store.measuring(f"the fastest prefill kernel for {name}")
+
+    def measure() -> PrefillChoice:
         ms = time_prefill_kernels(config, device)
-        choice = PrefillChoice(min(ms, key=ms.get), ms)
-        store.save(choice.to_dict())
-    return choice
+        return PrefillChoice(min(ms, key=ms.get), ms)
+
+    return store.load_or_measure(PrefillChoice.from_dict, measure,
+                                 f"the fastest prefill kernel for {name}", PrefillChoice.to_dict)
