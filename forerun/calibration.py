@@ -24,10 +24,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
+from .kernels.native import calibration_key as native_calibration_key
+
 STORE_VERSION = 1
 # Bumped whenever forerun's own computation of a forward changes (a record
 # measured on older code says nothing about the new one).
-ENGINE_NUMERICS_VERSION = 3
+ENGINE_NUMERICS_VERSION = 4
 
 
 # The instruction-set extensions that decide which CPU kernels are fast
@@ -95,7 +97,8 @@ class CalibrationStore:
         from .paths import cache_dir
 
         self.key = {"kind": kind, "version": STORE_VERSION, "machine": machine_fingerprint(),
-                    "numerics": ENGINE_NUMERICS_VERSION, **key}
+                    "numerics": ENGINE_NUMERICS_VERSION,
+                    "native_kernels": native_calibration_key(), **key}
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode())
         safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in label)[:80]
         name = f"{safe}-{digest.hexdigest()[:16]}.json" if safe else f"{digest.hexdigest()[:16]}.json"

@@ -117,3 +117,32 @@ def pytest_runtest_setup(item):
     for marker in item.iter_markers("needs_preset"):
         for name in marker.args:
             require_preset(name.removesuffix(".gguf"))
+
+
+@pytest.fixture(params=["native", "torch"])
+def matrix_kernels(request, monkeypatch):
+    """Runs a test once on forerun's native kernels and once on torch's
+    (``FORERUN_NATIVE_KERNELS=0``); yields which."""
+    from forerun.kernels import native
+
+    if request.param == "torch":
+        monkeypatch.setenv(native.SWITCH, "0")
+    else:
+        monkeypatch.delenv(native.SWITCH, raising=False)
+    native.reset()
+    if request.param == "native" and native.native_kernels() is None:
+        pytest.skip(f"forerun's native kernels don't run here: {native.unavailable_reason()}")
+    yield request.param
+    native.reset()
+
+
+@pytest.fixture()
+def torch_kernels(monkeypatch):
+    """Runs a test on torch's quantized kernels (a test of what is torch's
+    own: its int8 layer's prefill kernels, its changed-signature check)."""
+    from forerun.kernels import native
+
+    monkeypatch.setenv(native.SWITCH, "0")
+    native.reset()
+    yield
+    native.reset()

@@ -404,6 +404,9 @@ def restore_linear(meta: dict, tensors: dict[str, torch.Tensor], device: torch.d
         layer.weight = tensors["weight"].to(device)
         layer.out_features, layer.in_features = layer.weight.shape
         layer.format = kind
+    elif kind in ("q8", "q4") and meta.get("kernel") == "native":
+        from .native_linear import NativeInt4Linear, NativeInt8Linear
+        layer = (NativeInt4Linear if kind == "q4" else NativeInt8Linear).restore(meta, tensors)
     elif kind in ("q8", "q4"):
         cls = Int8Linear if kind == "q8" else Int4Linear
         layer = cls.__new__(cls)
@@ -437,20 +440,30 @@ def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, f
     if fmt == "q8":
         if not isinstance(weight, Int8Rows):
             weight = quantize_int8(weight)
-        return Int8Linear(weight, bias, device)
+        return _int8_layer(weight, bias, device)
     if fmt == "q4":
         if isinstance(weight, torch.Tensor):
             if weight.shape[1] % INT4_GROUP:
-                return Int8Linear(quantize_int8(weight), bias, device)
+                return _int8_layer(quantize_int8(weight), bias, device)
             weight = quantize_int4(weight)
+        if isinstance(weight, Int8Rows):
+            return _int8_layer(weight, bias, device)
+        from .native_linear import native_layer
+        layer = native_layer(weight, bias, device)
+        if layer is not None:
+            return layer
         n, k = weight.shape
-        if isinstance(weight, Int8Rows) or n % INT4_ROWS or k % weight.group:
-            # 8-bit values, or a shape the int4 kernel can't pack: int8.
-            if not isinstance(weight, Int8Rows):
-                weight = quantize_int8(weight)
-            return Int8Linear(weight, bias, device)
+        if n % INT4_ROWS or k % weight.group:
+            # A shape torch's int4 kernel can't pack: int8.
+            return _int8_layer(quantize_int8(weight), bias, device)
         return Int4Linear(weight, bias, device)
     raise ConfigError(f"unknown weight format {fmt!r}")
+
+
+def _int8_layer(values: Int8Rows, bias: torch.Tensor | None, device: torch.device) -> Linear:
+    """forerun's native int8 layer where it runs, else torch's."""
+    from .native_linear import native_layer
+    return native_layer(values, bias, device) or Int8Linear(values, bias, device)
 
 
 def check_kernels(device: torch.device) -> None:
@@ -463,8 +476,10 @@ def check_kernels(device: torch.device) -> None:
     w = torch.randn(64, 64, generator=gen)
     x = torch.randn(3, 64, generator=gen)
     for values in (quantize_int4(w), quantize_int8(w)):
-        layer = make_linear(values, None, "q4" if isinstance(values, Int4Groups) else "q8",
-                            device)
+        # torch's layers themselves: forerun's native kernels check their
+        # own build when they load (forerun.kernels.native).
+        layer = (Int4Linear if isinstance(values, Int4Groups) else Int8Linear)(values, None,
+                                                                              device)
         try:
             got = layer(x.to(device)).cpu()
         except (RuntimeError, TypeError) as exc:

@@ -70,10 +70,12 @@ class TorchDecoder(EngineDecoder):
     def settings(self) -> dict:
         """Everything that decides which kernels run (and so the numerics
         and the costs): the engine, device, activation dtype, weight format,
-        prefill kernel and thread count."""
+        matrix kernels (forerun's native ones or torch's), prefill kernel and
+        thread count."""
         return {"engine": self.engine, "device": str(self.device),
                 "dtype": str(self.model.dtype).removeprefix("torch."),
                 "weights": self.model.weights_format,
+                "kernels": self.model.matrix_kernels,
                 "prefill": self.model.prefill_kernel,
                 "threads": torch.get_num_threads(), "torch": torch.__version__}
 

@@ -238,8 +238,24 @@ class Transformer:
             return _attend(q, keys[:, :seen], values[:, :seen], gqa)
         return _attend(q, keys.index_select(1, seen), values.index_select(1, seen), gqa)
 
-    # How prompt blocks multiply int8 matrices (forerun.engines.prefill_kernel).
-    prefill_kernel = "int8"
+    # How prompt blocks multiply torch's int8 layers (forerun.engines.prefill_kernel).
+    _prefill_kernel = "int8"
+
+    @property
+    def prefill_kernel(self) -> str:
+        """How prompt blocks multiply torch's int8 layers (``"int8"`` or
+        ``"float32-gemm"``); ``"as decoding"`` for a network without any
+        (every other layer runs one kernel for any number of positions)."""
+        return self._prefill_kernel if self.int8_layers() else "as decoding"
+
+    @property
+    def matrix_kernels(self) -> str:
+        """``"native"`` where the quantized layers run forerun's native
+        kernels (:mod:`forerun.kernels.native`), else ``"torch"``."""
+        return "native" if getattr(self.lm_head, "kernel", None) == "native" or any(
+            getattr(p, "kernel", None) == "native"
+            for layer in self.layers for part in (layer.qkv, layer.gate_up)
+            for p in getattr(part, "parts", [part])) else "torch"
 
     def int8_layers(self) -> list[Int8Linear]:
         """The transformer blocks' int8 layers (parts of concatenated
@@ -265,7 +281,7 @@ class Transformer:
                               f"got {kernel!r}")
         for layer in self.int8_layers():
             layer.gemm_rows = GEMM_ROWS if kernel == "float32-gemm" else None
-        self.prefill_kernel = kernel
+        self._prefill_kernel = kernel
 
     @property
     def weight_bytes(self) -> int:

@@ -8,7 +8,8 @@ int8 rows, bfloat16 scales, float norms) is saved once, by
 :meth:`~forerun.engines.transformer.Transformer.state`, to
 ``<cache>/packed/<key>/network.safetensors``, and later loads read it back
 as is.  The key holds the GGUF's SHA-256, the format, the device type, the
-torch version (the packed layout is torch's) and :data:`PACKED_VERSION`
+torch version (the packed layout is torch's), whether forerun's native
+kernels run (their layout is forerun's) and :data:`PACKED_VERSION`
 (forerun's layout of the file).  The entry is a
 :class:`~forerun.loading.cache_entry.CacheEntry`: checked at load, rebuilt
 when damaged, built under a lock and published atomically.  When the cache
@@ -39,8 +40,12 @@ def packed_entry(digest: str, fmt: str, device: torch.device) -> CacheEntry:
     ``digest``, built for ``device``."""
     from ..paths import cache_dir
 
-    key = hashlib.sha256(f"{digest}|{fmt}|{device.type}|{torch.__version__}".encode()
-                         ).hexdigest()[:32]
+    from ..kernels.native import native_kernels
+
+    # The layers' layout depends on whether forerun's native kernels run here.
+    kernels = "native" if device.type == "cpu" and native_kernels() is not None else "torch"
+    key = hashlib.sha256(f"{digest}|{fmt}|{device.type}|{torch.__version__}|{kernels}"
+                         .encode()).hexdigest()[:32]
     return CacheEntry(cache_dir() / "packed" / key,
                       f"the {fmt} weights of the model {digest[:12]}", version=PACKED_VERSION)
 

@@ -19,6 +19,7 @@ from forerun.engines.linear import (QUANTIZE_ROWS, WEIGHT_FORMATS, ConcatLinear,
 from forerun.engines.torch_engine import TorchDecoder
 from forerun.engines.transformer import Transformer
 from forerun.errors import ConfigError, EngineError
+from forerun.kernels import native
 from forerun.loading.dequantize import dequantize
 from forerun.loading.gguf_quantized import int4_groups
 
@@ -42,11 +43,11 @@ def _random_blocks(qtype: GGMLType, rows: int, cols: int, seed: int = 0) -> np.n
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q4_0, GGMLType.Q4_1])
-def test_gguf_4bit_blocks_keep_their_values(qtype):
+def test_gguf_4bit_blocks_keep_their_values(qtype, matrix_kernels):
     """A Q4_K/Q4_0/Q4_1 matrix becomes int4 groups of 32 whose values are
     ggml's own: the same weights up to float32 rounding of the
     scale-and-zero form, and the packed layer computes with them up to
-    rounding scale and zero to bfloat16."""
+    rounding scale and zero to its kernel's dtype."""
     rows, cols = 32, 512
     raw = _random_blocks(qtype, rows, cols)
     want = torch.from_numpy(dequantize(raw, qtype, (rows, cols)))
@@ -55,13 +56,30 @@ def test_gguf_4bit_blocks_keep_their_values(qtype):
     assert values.scale.shape == (rows, cols // 32)
     torch.testing.assert_close(values.dequantize(), want, rtol=1e-5, atol=1e-6)
     layer = make_linear(values, None, "q4", CPU)
-    assert layer.format == "q4"
-    bf16 = Int4Groups(values.q, values.scale.bfloat16().float(),
-                      values.zero.bfloat16().float())
+    assert layer.format == "q4" and getattr(layer, "kernel", "torch") == matrix_kernels
     x = torch.randn(3, cols)
-    torch.testing.assert_close(layer(x), x.bfloat16().float() @ bf16.dequantize().t(),
-                               rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(layer.weight_rows(), bf16.dequantize(), rtol=1e-2, atol=1e-3)
+    product, weights = _as_the_kernel_computes(matrix_kernels, values, x)
+    tolerance = 1e-3 if matrix_kernels == "native" else 2e-2   # sums in another order
+    torch.testing.assert_close(layer(x), product, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(layer.weight_rows(), weights, rtol=1e-2, atol=1e-3)
+
+
+def _as_the_kernel_computes(kernels: str, values: Int4Groups, x: torch.Tensor):
+    """``x @ W.T`` and ``W`` as each kernel holds and computes them: torch's
+    casts the activations, scales and zeros to bfloat16; forerun's native
+    kernel quantizes the activations to int8 per group of 32 and holds
+    ``scale`` and ``minimum = zero - 8 * scale`` in float16."""
+    if kernels == "torch":
+        w = Int4Groups(values.q, values.scale.bfloat16().float(),
+                       values.zero.bfloat16().float()).dequantize()
+        return x.bfloat16().float() @ w.t(), w
+    rows = native.native_kernels().quantize(x)
+    k = x.shape[1]
+    xq = native.from_chunks(rows.values).double() * rows.scale.double().repeat_interleave(32, 1)
+    scale = values.scale.half().double()
+    minimum = (values.zero - 8 * values.scale).half().double()
+    w = values.q.double() * scale.repeat_interleave(32, 1) + minimum.repeat_interleave(32, 1)
+    return (xq[:, :k] @ w.t()).float(), w.float()
 
 
 def test_a_broken_nibble_order_is_caught():
@@ -112,11 +130,12 @@ def test_int8_quantizing_in_slices_of_rows_is_quantizing_each_row():
         assert (got.q.abs().amax(dim=1) == 127).all()     # each row's own scale
 
 
-def test_int4_needs_packable_shapes():
-    """The int4 kernel packs rows in 16s and groups of 32 columns; other
-    shapes fall back to int8 instead of failing."""
+def test_int4_needs_packable_shapes(matrix_kernels):
+    """torch's int4 kernel packs rows in 16s, and both int4 kernels groups
+    of 32 columns; other shapes fall back to int8 instead of failing."""
     layer = make_linear(torch.randn(300, 64), None, "q4", CPU)
-    assert isinstance(layer.weight_rows(), torch.Tensor) and layer.format == "q8"
+    assert isinstance(layer.weight_rows(), torch.Tensor)
+    assert layer.format == ("q4" if matrix_kernels == "native" else "q8")
     layer = make_linear(torch.randn(32, 40), None, "q4", CPU)
     assert layer.format == "q8"
     # Rows of 100 values: the int8 kernel would crash; the layer runs dense.
@@ -126,7 +145,7 @@ def test_int4_needs_packable_shapes():
                                    rtol=0, atol=0.5)
 
 
-def test_parts_of_different_kinds_keep_their_own_values():
+def test_parts_of_different_kinds_keep_their_own_values(matrix_kernels):
     """q/k in 4 bits and v in 8 (as a Q4_K_M GGUF stores them) fuse into one
     layer whose rows are each part's own product: no part is requantized
     to the other's kind."""
@@ -140,14 +159,15 @@ def test_parts_of_different_kinds_keep_their_own_values():
     x = torch.randn(3, 64, generator=gen)
     want = torch.cat([make_linear(p, None, "q4", CPU)(x) for p in parts], dim=-1) + bias
     assert torch.equal(layer(x), want)
-    v = parts[2]   # the kernel holds scales in bfloat16
-    assert torch.equal(layer.weight_rows()[48:], v.q.float() * v.scale.bfloat16().float()[:, None])
+    v = parts[2]   # torch's kernel holds scales in bfloat16, forerun's in float32
+    scale = v.scale.bfloat16().float() if matrix_kernels == "torch" else v.scale
+    assert torch.equal(layer.weight_rows()[48:], v.q.float() * scale[:, None])
     # One kind: one fused matrix.
     assert not isinstance(fuse_linear(parts[:2], None, "q4", CPU), ConcatLinear)
 
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS + ("mixed",))
-def test_a_layer_restored_from_its_state_computes_the_same(fmt):
+def test_a_layer_restored_from_its_state_computes_the_same(fmt, matrix_kernels):
     """What the packed-weight cache stores rebuilds the layer bit for bit,
     without quantizing or packing again."""
     gen = torch.Generator().manual_seed(6)
@@ -164,7 +184,7 @@ def test_a_layer_restored_from_its_state_computes_the_same(fmt):
         restore_linear(meta, missing, CPU)
 
 
-def test_a_changed_kernel_is_refused(monkeypatch):
+def test_a_changed_kernel_is_refused(monkeypatch, torch_kernels):
     check_kernels(CPU)
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu",
                         lambda x, w, g, sz: torch.zeros(x.shape[0], sz.shape[1],

@@ -1,0 +1,155 @@
+"""The ``q4`` and ``q8`` layers on forerun's native CPU kernels
+(:mod:`forerun.kernels.native`): the same weight values as torch's kernels
+run, with activations quantized to int8 per group of 32 instead of cast to
+bfloat16.
+
+They hold the weights in the kernels' layout, padded along the input to a
+multiple of 256: 4-bit values with a float16 scale and minimum per group
+(``w = scale * q + minimum``, which is the engine's ``(q - 8) * scale +
+zero`` with ``minimum = zero - 8 * scale``), or int8 values with a float32
+scale per row.  :func:`native_layer` makes one where the kernels run and
+the values fit, and returns None otherwise, so the caller falls back to
+torch's kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from ..kernels import native
+from .linear import Int4Groups, Int8Rows, Linear
+
+KERNEL = "native"
+
+
+def native_layer(values: "Int4Groups | Int8Rows", bias: torch.Tensor | None,
+                 device: torch.device) -> Linear | None:
+    """The native layer for ``values`` on ``device``, or None where the
+    kernels don't run (another device, no kernels here) or the values
+    don't fit them (a scale beyond float16's range)."""
+    if device.type != "cpu" or native.native_kernels() is None:
+        return None
+    if isinstance(values, Int4Groups):
+        if values.group != native.GROUP:
+            return None
+        return NativeInt4Linear.build(values, bias)
+    return NativeInt8Linear.build(values, bias)
+
+
+class _NativeLinear(Linear):
+    kernel = KERNEL
+
+    def _kernels(self) -> native.NativeKernels:
+        kernels = native.native_kernels()
+        if kernels is None:
+            raise ConfigError(f"this {self.format} layer needs forerun's native kernels, "
+                              f"which are not available: {native.unavailable_reason()}")
+        return kernels
+
+    def _shape_meta(self) -> dict:
+        return {"kind": self.format, "kernel": KERNEL,
+                "shape": [self.out_features, self.in_features]}
+
+    @classmethod
+    def _restored(cls, meta: dict, tensors: dict[str, torch.Tensor], names: tuple[str, ...]):
+        layer = cls.__new__(cls)
+        layer.out_features, layer.in_features = (int(v) for v in meta["shape"])
+        for name in names:
+            if name not in tensors:
+                raise ConfigError(f"stored {cls.format} layer lacks its tensor {name!r}")
+            setattr(layer, name, tensors[name].contiguous())
+        layer._kernels()
+        return layer
+
+
+class NativeInt4Linear(_NativeLinear):
+    """4-bit weights in groups of 32, int8 activations, native kernel."""
+
+    format = "q4"
+    group = native.GROUP
+
+    @classmethod
+    def build(cls, values: Int4Groups, bias: torch.Tensor | None) -> "NativeInt4Linear | None":
+        scale = values.scale.float()
+        minimum = values.zero.float() - 8 * scale
+        scale16, minimum16 = scale.half(), minimum.half()
+        if not (torch.isfinite(scale16).all() and torch.isfinite(minimum16).all()):
+            return None
+        layer = cls.__new__(cls)
+        layer.out_features, layer.in_features = values.shape
+        pad = native.padded(layer.in_features) - layer.in_features
+        layer.q = native.pack_nibbles(torch.nn.functional.pad(values.q.cpu(), (0, pad)))
+        groups = pad // native.GROUP
+        layer.scale = torch.nn.functional.pad(scale16.cpu(), (0, groups)).contiguous()
+        layer.minimum = torch.nn.functional.pad(minimum16.cpu(), (0, groups)).contiguous()
+        layer.bias = None if bias is None else bias.float().cpu()
+        return layer
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 2 * (self.scale.numel() + self.minimum.numel())
+
+    def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        q, s, m = self.q, self.scale, self.minimum
+        if index is not None:
+            q, s, m = q[index], s[index], m[index]
+        values = native.unpack_nibbles(q).float()
+        w = values * s.float().repeat_interleave(self.group, 1) + \
+            m.float().repeat_interleave(self.group, 1)
+        return w[:, :self.in_features]
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        return ({**self._shape_meta(), "group": self.group},
+                self._bias_state({"q": self.q, "scale": self.scale, "minimum": self.minimum}))
+
+    @classmethod
+    def restore(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> "NativeInt4Linear":
+        return cls._restored(meta, tensors, ("q", "scale", "minimum"))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = self._kernels()
+        rows = kernels.quantize(x.reshape(-1, self.in_features))
+        y = kernels.q4_matmul(rows, self.q, self.scale, self.minimum)
+        return self._add_bias(y.reshape(*x.shape[:-1], self.out_features))
+
+
+class NativeInt8Linear(_NativeLinear):
+    """int8 weights with a float32 scale per row, int8 activations, native
+    kernel."""
+
+    format = "q8"
+
+    @classmethod
+    def build(cls, values: Int8Rows, bias: torch.Tensor | None) -> "NativeInt8Linear":
+        layer = cls.__new__(cls)
+        layer.out_features, layer.in_features = values.shape
+        pad = native.padded(layer.in_features) - layer.in_features
+        layer.q = native.to_chunks(torch.nn.functional.pad(values.q.cpu(), (0, pad))
+                                   ).contiguous()
+        layer.scale = values.scale.float().cpu().contiguous()
+        layer.bias = None if bias is None else bias.float().cpu()
+        return layer
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 4 * self.scale.numel()
+
+    def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        q, s = self.q, self.scale
+        if index is not None:
+            q, s = q[index], s[index]
+        return (native.from_chunks(q).float() * s[:, None])[:, :self.in_features]
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        return self._shape_meta(), self._bias_state({"q": self.q, "scale": self.scale})
+
+    @classmethod
+    def restore(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> "NativeInt8Linear":
+        return cls._restored(meta, tensors, ("q", "scale"))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = self._kernels()
+        rows = kernels.quantize(x.reshape(-1, self.in_features))
+        y = kernels.q8_matmul(rows, self.q, self.scale)
+        return self._add_bias(y.reshape(*x.shape[:-1], self.out_features))

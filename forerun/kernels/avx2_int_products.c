@@ -1,0 +1,199 @@
+/* forerun's native matrix products for 4-bit and 8-bit weights on x86-64
+ * CPUs with AVX2, FMA and F16C.
+ *
+ * y[t, n] = sum_k x[t, k] * W[n, k] for a few rows t (a decoding step, a
+ * verification) or many (a prompt block).  The activations are quantized
+ * to int8 in groups of 32 (one float scale per group, absmax / 127), and
+ * the products of weights and activations are summed in integers, 32 at a
+ * time (vpmaddubsw), the way llama.cpp's CPU kernels do it.
+ *
+ * Every output y[t, n] is computed by the same instructions in the same
+ * order whatever the number of rows T and wherever row t sits among them:
+ * a row's activations are quantized on their own, and the sums over k run
+ * in a fixed order per (t, n).  So a position's result is bit-identical
+ * whether it is fed alone or with others (forerun's row invariance, which
+ * greedy speculative decoding needs to stay token-identical).
+ *
+ * Layout.  The input dimension is padded to a multiple of 256 (8 groups);
+ * padded weights and activations are zero.  Within each block of 8 groups,
+ * the 256 values are stored in 8 chunks: chunk i holds, for each group L,
+ * its values 4i..4i+3 at bytes 4L..4L+3 of the chunk (32 bytes for int8
+ * activations and weights).  So one vpmaddubsw + vpmaddwd sums 4 products
+ * of each of 8 groups into an int32 lane per group, and after the 8 chunks
+ * lane L holds the integer dot product of group L: no horizontal sums.
+ * 4-bit weights pack chunk i into 16 bytes: byte 4L+b holds value 4i+b of
+ * group L in its low nibble and of group L+4 in its high nibble.
+ *
+ * 4-bit:  W[n, k] = scale[n, g] * q[n, k] + min[n, g], q in 0..15, scale
+ *         and min as IEEE half floats, g = k / 32.
+ * 8-bit:  W[n, k] = scale[n] * q[n, k], q in -128..127, float scale.
+ */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define GROUP 32
+#define BLOCK 256        /* 8 groups */
+#define ROW_CHUNK 16     /* output rows a thread takes at a time */
+#define TILE 4           /* activation rows sharing one pass over a weight row */
+#define PREFETCH 2048    /* bytes ahead of the 4-bit weights being read */
+
+int fr_abi_version(void) { return 1; }
+
+/* x: [T, K] float32 (row stride K).  a: [T, Kp] int8 in the chunk layout;
+ * sa, sasum: [T, Kp / 32] float32, the scale of each group and the scale
+ * times the sum of the group's int8 values.  Kp is K rounded up to 256. */
+void fr_quantize_rows(const float *x, int T, int K, int Kp, int8_t *a, float *sa,
+                      float *sasum) {
+    const int ng = Kp / GROUP;
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * K;
+        int8_t *ar = a + (size_t)t * Kp;
+        for (int g = 0; g < ng; g++) {
+            int8_t *ab = ar + (size_t)(g / 8) * BLOCK + 4 * (g % 8);
+            const int k0 = g * GROUP;
+            float amax = 0.0f;
+            for (int i = 0; i < GROUP && k0 + i < K; i++) {
+                const float v = fabsf(xr[k0 + i]);
+                amax = v > amax ? v : amax;
+            }
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < GROUP; i++) {
+                const int v = k0 + i < K ? (int)nearbyintf(xr[k0 + i] * inv) : 0;
+                ab[32 * (i / 4) + i % 4] = (int8_t)v;
+                sum += v;
+            }
+            const float d = amax / 127.0f;
+            sa[(size_t)t * ng + g] = d;
+            sasum[(size_t)t * ng + g] = d * (float)sum;
+        }
+    }
+}
+
+static inline float sum_lanes(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One 4-bit weight row against TT (1..4) activation rows. */
+static inline __attribute__((always_inline)) void q4_row(
+        const uint8_t *q, const uint16_t *scale, const uint16_t *min, int ng,
+        const int8_t *a, const float *sa, const float *sasum, int Kp, int TT, float *y,
+        int N) {
+    __m256 acc[TILE];
+    for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i shifts = _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0);
+    for (int g0 = 0; g0 < ng; g0 += 8) {
+        const uint8_t *qb = q + (size_t)g0 * 16;
+        const int8_t *ab = a + (size_t)g0 * GROUP;
+        _mm_prefetch((const char *)(qb + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(qb + PREFETCH + 64), _MM_HINT_T0);
+        /* int16 sums of 8 vpmaddubsw results: each at most 8 * 2 * 15 * 127
+           = 30480 in magnitude, so no overflow. */
+        __m256i s16[TILE];
+        for (int t = 0; t < TT; t++) s16[t] = _mm256_setzero_si256();
+        for (int i = 0; i < 8; i++) {
+            const __m256i packed =
+                _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(qb + 16 * i)));
+            const __m256i w = _mm256_and_si256(_mm256_srlv_epi32(packed, shifts), nibble);
+            for (int t = 0; t < TT; t++)
+                s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(
+                    w, _mm256_loadu_si256((const __m256i *)(ab + (size_t)t * Kp + 32 * i))));
+        }
+        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g0)));
+        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g0)));
+        for (int t = 0; t < TT; t++) {
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[t], ones));
+            const __m256 d = _mm256_loadu_ps(sa + (size_t)t * ng + g0);
+            const __m256 ds = _mm256_loadu_ps(sasum + (size_t)t * ng + g0);
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dot, d), sc, acc[t]);
+            acc[t] = _mm256_fmadd_ps(mn, ds, acc[t]);
+        }
+    }
+    for (int t = 0; t < TT; t++) y[(size_t)t * N] = sum_lanes(acc[t]);
+}
+
+/* One 8-bit weight row against TT (1..4) activation rows. */
+static inline __attribute__((always_inline)) void q8_row(
+        const int8_t *q, float scale, int ng, const int8_t *a, const float *sa, int Kp,
+        int TT, float *y, int N) {
+    __m256 acc[TILE];
+    for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int g0 = 0; g0 < ng; g0 += 8) {
+        const int8_t *qb = q + (size_t)g0 * GROUP;
+        const int8_t *ab = a + (size_t)g0 * GROUP;
+        _mm_prefetch((const char *)(qb + 2 * PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(qb + 2 * PREFETCH + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(qb + 2 * PREFETCH + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(qb + 2 * PREFETCH + 192), _MM_HINT_T0);
+        __m256i s32[TILE];
+        for (int t = 0; t < TT; t++) s32[t] = _mm256_setzero_si256();
+        for (int i = 0; i < 8; i++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(qb + 32 * i));
+            const __m256i wabs = _mm256_sign_epi8(w, w);  /* -128 stays 128 unsigned */
+            for (int t = 0; t < TT; t++) {
+                const __m256i x =
+                    _mm256_loadu_si256((const __m256i *)(ab + (size_t)t * Kp + 32 * i));
+                /* a pair of products is at most 2 * 128 * 127 = 32512: no saturation */
+                s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w)), ones));
+            }
+        }
+        for (int t = 0; t < TT; t++)
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[t]),
+                                     _mm256_loadu_ps(sa + (size_t)t * ng + g0), acc[t]);
+    }
+    for (int t = 0; t < TT; t++) y[(size_t)t * N] = scale * sum_lanes(acc[t]);
+}
+
+#define FOR_TILES(CALL)                                                         \
+    for (int t0 = 0; t0 < T; t0 += TILE) {                                      \
+        const int TT = T - t0 < TILE ? T - t0 : TILE;                           \
+        for (int n = n0; n < n1; n++) {                                         \
+            switch (TT) {                                                       \
+                case 4: CALL(4); break;                                         \
+                case 3: CALL(3); break;                                         \
+                case 2: CALL(2); break;                                         \
+                default: CALL(1); break;                                        \
+            }                                                                   \
+        }                                                                       \
+    }
+
+/* q: [N, Kp / 2] packed nibbles; scale, min: [N, Kp / 32] half floats;
+ * a, sa, sasum from fr_quantize_rows; y: [T, N] float32. */
+void fr_q4_matmul(const uint8_t *q, const uint16_t *scale, const uint16_t *min, int N,
+                  int Kp, const int8_t *a, const float *sa, const float *sasum, int T,
+                  float *y, int threads) {
+    const int ng = Kp / GROUP;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int c = 0; c < (N + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
+        const int n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
+#define Q4_CALL(TT_)                                                            \
+    q4_row(q + (size_t)n * (Kp / 2), scale + (size_t)n * ng, min + (size_t)n * ng, ng, \
+           a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, sasum + (size_t)t0 * ng, Kp, TT_, \
+           y + (size_t)t0 * N + n, N)
+        FOR_TILES(Q4_CALL)
+    }
+}
+
+/* q: [N, Kp] int8 in the chunk layout; scale: [N] float32. */
+void fr_q8_matmul(const int8_t *q, const float *scale, int N, int Kp, const int8_t *a,
+                  const float *sa, int T, float *y, int threads) {
+    const int ng = Kp / GROUP;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int c = 0; c < (N + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
+        const int n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
+#define Q8_CALL(TT_)                                                            \
+    q8_row(q + (size_t)n * Kp, scale[n], ng, a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, \
+           Kp, TT_, y + (size_t)t0 * N + n, N)
+        FOR_TILES(Q8_CALL)
+    }
+}

@@ -1,0 +1,290 @@
+"""forerun's native CPU kernels: the 4-bit and 8-bit matrix products of
+``avx2_int_products.c``, compiled with the machine's C compiler on first
+use and called through :mod:`ctypes`.
+
+Why forerun has its own: torch's weight-only kernels multiply bfloat16
+activations, which costs an order of magnitude more instructions per weight
+on a CPU without AVX512-BF16, so on an AVX2 machine they ran at half
+llama.cpp's speed, and verifying 4 positions cost twice one.  These kernels
+quantize the activations to int8 in groups of 32 and sum products in
+integers, as llama.cpp does; see the C file for the layout and why every
+row's result is independent of the rows beside it.
+
+The library is built once per source, compiler and flags, into
+``<cache>/kernels/`` (written to a temporary name and renamed, so two
+processes building at once both end with a whole file), loaded, and
+checked against a float64 product on random values before any layer uses
+it.  Where it can't be had (no AVX2, no C compiler, a failed build or
+check, ``FORERUN_NATIVE_KERNELS=0``), :func:`native_kernels` returns None,
+:func:`unavailable_reason` says why, and the layers run torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("avx2_int_products.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+ABI_VERSION = 1
+SWITCH = "FORERUN_NATIVE_KERNELS"
+# Input lengths are padded to a multiple of this (8 groups of 32).
+BLOCK = 256
+GROUP = 32
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+def padded(k: int) -> int:
+    """``k`` rounded up to a multiple of :data:`BLOCK`."""
+    return -(-k // BLOCK) * BLOCK
+
+
+@dataclass
+class QuantizedRows:
+    """Activations ``[T, K]`` as the kernels read them: int8 ``values``
+    ``[T, Kp]`` in the chunk layout, and per group of 32 the ``scale`` and
+    the scale times the group's sum (``scaled_sums``), ``[T, Kp / 32]``."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    scaled_sums: torch.Tensor
+
+
+class NativeKernels:
+    """The loaded library.  Every method takes contiguous CPU tensors."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._quantize = lib.fr_quantize_rows
+        self._quantize.argtypes = [_P, _I, _I, _I, _P, _P, _P]
+        self._quantize.restype = None
+        self._q4 = lib.fr_q4_matmul
+        self._q4.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _I]
+        self._q4.restype = None
+        self._q8 = lib.fr_q8_matmul
+        self._q8.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, _I]
+        self._q8.restype = None
+
+    def quantize(self, x: torch.Tensor) -> QuantizedRows:
+        """``x`` float32 ``[T, K]`` quantized to int8 per group of 32."""
+        x = x.float().contiguous()
+        t, k = x.shape
+        kp = padded(k)
+        values = torch.empty(t, kp, dtype=torch.int8)
+        scale = torch.empty(t, kp // GROUP)
+        sums = torch.empty(t, kp // GROUP)
+        self._quantize(x.data_ptr(), t, k, kp, values.data_ptr(), scale.data_ptr(),
+                       sums.data_ptr())
+        return QuantizedRows(values, scale, sums)
+
+    def q4_matmul(self, x: QuantizedRows, q: torch.Tensor, scale: torch.Tensor,
+                  minimum: torch.Tensor) -> torch.Tensor:
+        """``[T, N]`` float32 products of ``x`` with the 4-bit matrix
+        ``q`` ``[N, Kp / 2]`` (packed nibbles), ``scale`` and ``minimum``
+        ``[N, Kp / 32]`` float16."""
+        t, kp = x.values.shape
+        n = q.shape[0]
+        y = torch.empty(t, n)
+        self._q4(q.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, kp,
+                 x.values.data_ptr(), x.scale.data_ptr(), x.scaled_sums.data_ptr(), t,
+                 y.data_ptr(), torch.get_num_threads())
+        return y
+
+    def q8_matmul(self, x: QuantizedRows, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``[T, N]`` float32 products of ``x`` with the int8 matrix ``q``
+        ``[N, Kp]`` (chunk layout) and its float32 row ``scale`` ``[N]``."""
+        t, kp = x.values.shape
+        n = q.shape[0]
+        y = torch.empty(t, n)
+        self._q8(q.data_ptr(), scale.data_ptr(), n, kp, x.values.data_ptr(),
+                 x.scale.data_ptr(), t, y.data_ptr(), torch.get_num_threads())
+        return y
+
+
+# -- layouts -------------------------------------------------------------------------
+
+def to_chunks(v: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` values (K a multiple of 256) in the kernels' chunk order:
+    within each block of 8 groups, chunk ``i`` holds values ``4i..4i+3`` of
+    each group in turn."""
+    n, k = v.shape
+    return v.reshape(n, k // BLOCK, 8, 8, 4).transpose(2, 3).reshape(n, k)
+
+
+def from_chunks(v: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`to_chunks`."""
+    n, k = v.shape
+    return v.reshape(n, k // BLOCK, 8, 8, 4).transpose(2, 3).reshape(n, k)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values ``[N, K]`` (uint8 in 0..15, K a multiple of 256) as the
+    q4 kernel reads them, ``[N, K / 2]``: chunk ``i`` of a block in 16
+    bytes, byte ``4L + b`` holding value ``4i + b`` of group ``L`` low and
+    of group ``L + 4`` high."""
+    n, k = q.shape
+    c = to_chunks(q).reshape(n, k // BLOCK, 8, 2, 16)   # chunk, (groups 0-3 | 4-7), byte
+    return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_nibbles`."""
+    n, half = packed.shape
+    c = packed.reshape(n, half // 128, 8, 1, 16)
+    return from_chunks(torch.cat([c & 15, c >> 4], dim=3).reshape(n, 2 * half))
+
+
+# -- building and loading ------------------------------------------------------------
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def calibration_key() -> str:
+    """What stored measurements must match: whether the native kernels are
+    turned off, else their source's digest (without building them)."""
+    if _switched_off():
+        return "off"
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
+def _switched_off() -> bool:
+    return os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def native_kernels() -> NativeKernels | None:
+    """The kernels, built and checked on the first call; None where they
+    can't run here (:func:`unavailable_reason` says why)."""
+    with _lock:
+        if "kernels" not in _state:
+            try:
+                _state["kernels"], _state["reason"] = _load(), None
+            except _Unavailable as exc:
+                _state["kernels"], _state["reason"] = None, str(exc)
+        return _state["kernels"]  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`native_kernels` gives None (None when it doesn't)."""
+    native_kernels()
+    return _state["reason"]  # type: ignore[return-value]
+
+
+def reset() -> None:
+    """Forget the loaded state, so the next call decides again (tests)."""
+    with _lock:
+        _state.clear()
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _load() -> NativeKernels:
+    if _switched_off():
+        raise _Unavailable(f"turned off by {SWITCH}={os.environ[SWITCH]}")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise _Unavailable(f"they are written for x86-64 CPUs, this is {platform.machine()}")
+    missing = _missing_cpu_flags()
+    if missing:
+        raise _Unavailable(f"this CPU lacks {', '.join(missing)}")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise _Unavailable("no C compiler was found (install gcc, or set CC)")
+    path = _build(compiler)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        path.unlink(missing_ok=True)          # a damaged file: build it once more
+        lib = ctypes.CDLL(str(_build(compiler)))
+    if lib.fr_abi_version() != ABI_VERSION:
+        raise _Unavailable(f"{path} is of another version; remove it")
+    kernels = NativeKernels(lib, path)
+    _self_check(kernels)
+    return kernels
+
+
+def _missing_cpu_flags() -> list[str]:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return ["AVX2"]
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []                             # torch's AVX2 implies FMA and F16C
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return [f.upper() for f in ("avx2", "fma", "f16c") if f not in flags]
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=60).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise _Unavailable(f"the C compiler {compiler} does not run ({exc})") from exc
+    key = hashlib.sha256(b"|".join([source, " ".join(FLAGS).encode(), compiler.encode(),
+                                    "".join(version).encode()])).hexdigest()[:16]
+    try:
+        from ..paths import cache_dir
+        folder = cache_dir() / "kernels"
+        folder.mkdir(parents=True, exist_ok=True)
+    except Exception:                        # a cache that can't be written: a temporary one
+        folder = Path(tempfile.mkdtemp(prefix="forerun-kernels-"))
+    path = folder / f"{SOURCE.stem}-{key}.so"
+    if path.is_file():
+        return path
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise _Unavailable(f"{compiler} failed to build {SOURCE.name}: "
+                               f"{done.stderr.strip()[-400:]}")
+        os.replace(tmp, path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise _Unavailable(f"{compiler} failed to build {SOURCE.name} ({exc})") from exc
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return path
+
+
+def _self_check(kernels: NativeKernels) -> None:
+    """Both products on random values, against the same sums in float64
+    from the quantized activations the library itself made."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 40, 300                            # padding, and a part row chunk
+    x = torch.randn(5, k, generator=gen)
+    rows = kernels.quantize(x)
+    kp = padded(k)
+    xq = from_chunks(rows.values).double() * rows.scale.double().repeat_interleave(GROUP, 1)
+    if not torch.allclose(xq[:, :k], x.double(), atol=float(x.abs().max()) / 200):
+        raise _Unavailable("the built library quantizes activations wrongly")
+    q4 = torch.randint(0, 16, (n, kp), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(n, kp // GROUP, generator=gen) + 0.5).half()
+    minimum = (-8 * scale.float()).half()
+    w4 = q4.double() * scale.double().repeat_interleave(GROUP, 1) + \
+        minimum.double().repeat_interleave(GROUP, 1)
+    q8 = torch.randint(-128, 128, (n, kp), dtype=torch.int8, generator=gen)
+    s8 = torch.rand(n, generator=gen) + 0.5
+    w8 = q8.double() * s8.double()[:, None]
+    got4 = kernels.q4_matmul(rows, pack_nibbles(q4), scale, minimum)
+    got8 = kernels.q8_matmul(rows, to_chunks(q8).contiguous(), s8)
+    for got, w, name in ((got4, w4, "4-bit"), (got8, w8, "8-bit")):
+        want = xq @ w.t()
+        if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-3 * float(want.abs().max())):
+            raise _Unavailable(f"the built library computes {name} products wrongly "
+                               f"(largest error {float((got.double() - want).abs().max()):.3g})")

@@ -1,0 +1,313 @@
+"""forerun's native CPU kernels: their layouts, their products against
+float64 sums of the same quantized values, row and thread invariance, and
+what happens when they can't be built, are damaged, or are built by two
+processes at once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from forerun.engines.linear import make_linear, quantize_int4, quantize_int8
+from forerun.engines.native_linear import NativeInt4Linear, NativeInt8Linear
+from forerun.engines.torch_engine import TorchDecoder
+from forerun.kernels import native
+
+from engines.test_linear import _network
+from tiny_models import VOCAB
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture()
+def kernels(monkeypatch):
+    """The native kernels (the test is skipped where they can't run)."""
+    monkeypatch.delenv(native.SWITCH, raising=False)
+    native.reset()
+    if native.native_kernels() is None:
+        pytest.skip(f"forerun's native kernels don't run here: {native.unavailable_reason()}")
+    yield native.native_kernels()
+    native.reset()
+
+
+@pytest.fixture()
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty forerun cache, so the library is built again, and the
+    loaded state forgotten before and after."""
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(native.SWITCH, raising=False)
+    native.reset()
+    yield tmp_path / "cache" / "kernels"
+    native.reset()
+
+
+def _dequantized_rows(rows: native.QuantizedRows, k: int) -> torch.Tensor:
+    """The activations the kernels multiply, in float64, natural order."""
+    values = native.from_chunks(rows.values).double()
+    return (values * rows.scale.double().repeat_interleave(native.GROUP, 1))[:, :k]
+
+
+def _random_q4(n: int, k: int, gen: torch.Generator):
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3
+    zero = torch.randn(n, k // 32, generator=gen) * 0.01
+    from forerun.engines.linear import Int4Groups
+    return Int4Groups(q, scale, zero)
+
+
+# -- layouts --------------------------------------------------------------------------
+
+def test_layouts_round_trip():
+    gen = torch.Generator().manual_seed(0)
+    v = torch.randint(-128, 128, (5, 512), dtype=torch.int8, generator=gen)
+    chunks = native.to_chunks(v)
+    assert not torch.equal(chunks, v) and torch.equal(native.from_chunks(chunks), v)
+    # Chunk i of a block holds values 4i..4i+3 of each of its 8 groups.
+    assert torch.equal(chunks[0, 32:36], v[0, 4:8]) and torch.equal(chunks[0, 36:40], v[0, 36:40])
+    q = torch.randint(0, 16, (5, 512), dtype=torch.uint8, generator=gen)
+    packed = native.pack_nibbles(q)
+    assert packed.shape == (5, 256) and torch.equal(native.unpack_nibbles(packed), q)
+    # Byte 0 holds value 0 of group 0 (low) and of group 4 (high).
+    assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 128]) << 4
+
+
+def test_activations_are_quantized_per_group_of_32(kernels):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 300, generator=gen) * torch.rand(3, 300, generator=gen) * 5
+    x[1] = 0                                          # an all-zero row: no 0/0
+    rows = kernels.quantize(x)
+    assert rows.values.shape == (3, 512) and rows.scale.shape == (3, 16)
+    got = _dequantized_rows(rows, 512)
+    step = rows.scale.double().repeat_interleave(32, 1)
+    assert ((got[:, :300] - x.double()).abs() <= step[:, :300] / 2 + 1e-7).all()
+    assert (got[:, 300:] == 0).all() and (rows.scale[:, 10:] == 0).all()   # the padding
+    assert (got[1] == 0).all() and torch.isfinite(rows.scale).all()
+    sums = native.from_chunks(rows.values).double().reshape(3, 16, 32).sum(-1)
+    torch.testing.assert_close(rows.scaled_sums.double(), rows.scale.double() * sums)
+    # Each group's largest value maps onto +-127.
+    group_max = native.from_chunks(rows.values).reshape(3, 16, 32)[0, :9].abs().amax(-1)
+    assert (group_max == 127).all()
+
+
+# -- products -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k", [(1, 32), (17, 96), (40, 256), (33, 896), (16, 1568)])
+def test_the_4bit_product_is_the_sum_of_its_values(kernels, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    values = _random_q4(n, k, gen)
+    layer = NativeInt4Linear.build(values, None)
+    for t in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(t, k, generator=gen)
+        want = _dequantized_rows(kernels.quantize(x), k) @ layer.weight_rows().double().t()
+        got = layer(x).double()
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6, t
+
+
+@pytest.mark.parametrize("n,k", [(1, 32), (17, 100), (40, 256), (33, 896), (16, 1568)])
+def test_the_8bit_product_is_the_sum_of_its_values(kernels, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    values = quantize_int8(torch.randn(n, k, generator=gen))
+    values.q[0, :5] = -128                             # the one value that has no negation
+    layer = NativeInt8Linear.build(values, None)
+    assert torch.equal(layer.weight_rows(), values.dequantize())
+    for t in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(t, k, generator=gen)
+        want = _dequantized_rows(kernels.quantize(x), k) @ values.dequantize().double().t()
+        got = layer(x).double()
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6, t
+
+
+def test_weights_keep_their_values(kernels):
+    """q4's float16 scale and minimum are the layer's only rounding."""
+    gen = torch.Generator().manual_seed(2)
+    values = _random_q4(24, 896, gen)
+    layer = NativeInt4Linear.build(values, torch.randn(24, generator=gen))
+    scale = values.scale.half().double().repeat_interleave(32, 1)
+    minimum = (values.zero - 8 * values.scale).half().double().repeat_interleave(32, 1)
+    torch.testing.assert_close(layer.weight_rows().double(), values.q.double() * scale + minimum)
+    index = torch.tensor([3, 0, 23])
+    assert torch.equal(layer.weight_rows(index), layer.weight_rows()[index])
+    x = torch.randn(2, 896, generator=gen)
+    no_bias = NativeInt4Linear.build(values, None)
+    assert torch.equal(layer(x), no_bias(x) + layer.bias)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_a_row_is_the_same_alone_or_among_others(kernels, fmt):
+    """Bit for bit, for every batch size up to 17 and every place in it."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 896, generator=gen) * 0.05
+    layer = make_linear(quantize_int4(w) if fmt == "q4" else quantize_int8(w), None, fmt, CPU)
+    assert getattr(layer, "kernel", None) == "native"
+    x = torch.randn(17, 896, generator=gen)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(17)])
+    for t in range(2, 18):
+        assert torch.equal(layer(x[:t]), alone[:t]), t
+    assert torch.equal(layer(x[5:12]), alone[5:12])
+
+
+def test_the_thread_count_does_not_change_a_result(kernels):
+    gen = torch.Generator().manual_seed(5)
+    layer = make_linear(quantize_int4(torch.randn(300, 1536, generator=gen)), None, "q4", CPU)
+    x = torch.randn(6, 1536, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_threads_can_share_a_layer(kernels):
+    gen = torch.Generator().manual_seed(6)
+    layer = make_linear(torch.randn(256, 512, generator=gen), None, "q4", CPU)
+    inputs = [torch.randn(3, 512, generator=gen) for _ in range(4)]
+    want = [layer(x) for x in inputs]
+    bad = []
+
+    def run(i: int) -> None:
+        for _ in range(30):
+            if not torch.equal(layer(inputs[i]), want[i]):
+                bad.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not bad
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_verification_is_one_position_feeds_without_grouping(kernels, fmt, arch):
+    """A whole model on the native kernels: 9 positions fed at once (and as
+    a tree through forward()) give the logits of 9 one-position feeds, with
+    no cut into groups, so greedy speculation is plain decoding."""
+    network = _network(fmt, arch)
+    assert network.matrix_kernels == "native"
+    decoder = TorchDecoder(network, 256)
+    tokens = [int(t) for t in torch.randint(3, VOCAB, (170,),
+                                            generator=torch.Generator().manual_seed(1))]
+    decoder.verify_group = 16
+    decoder.feed(tokens[:150], last_only=True)
+    more = tokens[160:169]
+    one_by_one = torch.cat([decoder.feed([t]).logits for t in more])
+    decoder.rollback(150)
+    assert torch.equal(decoder.feed(more).logits, one_by_one)
+    decoder.rollback(150)
+    mask = torch.ones(9, 159, dtype=torch.bool).tril(diagonal=150)
+    assert torch.equal(decoder.forward(more, torch.arange(150, 159), mask).logits, one_by_one)
+
+
+# -- building, and when it fails -----------------------------------------------------
+
+def test_the_kernels_load_where_they_can(monkeypatch):
+    """On an x86-64 CPU with AVX2 and a C compiler they must load: a build
+    or self-check that fails there is a bug, not a fallback to hide."""
+    import platform
+    import shutil
+
+    if (platform.machine().lower() not in ("x86_64", "amd64")
+            or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+            or not (shutil.which("cc") or shutil.which("gcc"))):
+        pytest.skip("no AVX2 or no C compiler here")
+    monkeypatch.delenv(native.SWITCH, raising=False)
+    native.reset()
+    try:
+        assert native.native_kernels() is not None, native.unavailable_reason()
+    finally:
+        native.reset()
+
+
+def test_turned_off_by_the_switch(monkeypatch):
+    monkeypatch.setenv(native.SWITCH, "0")
+    native.reset()
+    try:
+        assert native.native_kernels() is None
+        assert native.SWITCH in native.unavailable_reason()
+        assert native.calibration_key() == "off"
+        layer = make_linear(torch.randn(32, 64), None, "q4", CPU)
+        assert getattr(layer, "kernel", "torch") == "torch" and layer.format == "q4"
+    finally:
+        native.reset()
+
+
+def test_no_compiler_means_torch_kernels(fresh_cache, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    kernels = native.native_kernels()
+    assert kernels is None and "/nonexistent/cc" in native.unavailable_reason()
+    assert getattr(make_linear(torch.randn(32, 64), None, "q8", CPU), "kernel", "torch") == "torch"
+
+
+def test_a_build_error_is_reported(fresh_cache, monkeypatch, tmp_path):
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    assert native.native_kernels() is None
+    assert "failed to build broken.c" in native.unavailable_reason()
+    assert not list(fresh_cache.glob("*.so*"))          # no half-written library left
+
+
+def _load_in_a_process(cache) -> str:
+    """``native_kernels()`` in a fresh Python (a process that already
+    loaded the library would get its old copy back from the loader)."""
+    script = ("from forerun.kernels import native; k = native.native_kernels(); "
+              "print(k is not None, native.unavailable_reason())")
+    env = {**os.environ, "FORERUN_CACHE": str(cache)}
+    env.pop(native.SWITCH, None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    return done.stdout.strip()
+
+
+def test_a_damaged_library_is_built_again(fresh_cache):
+    assert _load_in_a_process(fresh_cache.parent) == "True None"
+    (built,) = fresh_cache.glob("*.so")
+    built.unlink()
+    built.write_bytes(b"\x7fELF damaged")
+    assert _load_in_a_process(fresh_cache.parent) == "True None"
+    assert built.stat().st_size > 1000
+
+
+def test_a_library_that_computes_wrongly_is_refused(fresh_cache, monkeypatch, tmp_path):
+    """The self-check catches a build that computes other numbers (here the
+    source with its nibbles unpacked in the wrong order)."""
+    source = native.SOURCE.read_text()
+    swapped = source.replace("_mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0)",
+                             "_mm256_set_epi32(0, 0, 0, 0, 4, 4, 4, 4)")
+    assert swapped != source
+    wrong = tmp_path / native.SOURCE.name
+    wrong.write_text(swapped)
+    monkeypatch.setattr(native, "SOURCE", wrong)
+    assert native.native_kernels() is None
+    assert "computes 4-bit products wrongly" in native.unavailable_reason()
+
+
+def test_two_processes_building_at_once_both_get_a_whole_library(fresh_cache):
+    script = ("from forerun.kernels import native; k = native.native_kernels(); "
+              "print(k is not None, native.unavailable_reason())")
+    env = {**os.environ, "FORERUN_CACHE": str(fresh_cache.parent)}
+    runs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    outputs = [run.communicate(timeout=300)[0].strip() for run in runs]
+    assert outputs == ["True None", "True None"]
+    assert len(list(fresh_cache.glob("*.so"))) == 1 and not list(fresh_cache.glob("*.tmp"))
+
+
+def test_threads_loading_at_once_share_one_library(fresh_cache):
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(native.native_kernels()))
+               for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(got) == 4 and got[0] is not None and all(k is got[0] for k in got)
