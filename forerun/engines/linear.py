@@ -156,6 +156,8 @@ class Linear:
     """``y = x @ W.T + b`` for float32 ``x``; subclasses hold ``W`` in one format."""
 
     format = "?"
+    # Whose kernel runs the product: "torch", or "native" (forerun.kernels).
+    kernel = "torch"
     out_features: int
     in_features: int
     bias: torch.Tensor | None = None
@@ -440,14 +442,14 @@ def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, f
     if fmt == "q8":
         if not isinstance(weight, Int8Rows):
             weight = quantize_int8(weight)
-        return _int8_layer(weight, bias, device)
+        return int8_layer(weight, bias, device)
     if fmt == "q4":
         if isinstance(weight, torch.Tensor):
             if weight.shape[1] % INT4_GROUP:
-                return _int8_layer(quantize_int8(weight), bias, device)
+                return int8_layer(quantize_int8(weight), bias, device)
             weight = quantize_int4(weight)
         if isinstance(weight, Int8Rows):
-            return _int8_layer(weight, bias, device)
+            return int8_layer(weight, bias, device)
         from .native_linear import native_layer
         layer = native_layer(weight, bias, device)
         if layer is not None:
@@ -455,12 +457,12 @@ def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, f
         n, k = weight.shape
         if n % INT4_ROWS or k % weight.group:
             # A shape torch's int4 kernel can't pack: int8.
-            return _int8_layer(quantize_int8(weight), bias, device)
+            return int8_layer(quantize_int8(weight), bias, device)
         return Int4Linear(weight, bias, device)
     raise ConfigError(f"unknown weight format {fmt!r}")
 
 
-def _int8_layer(values: Int8Rows, bias: torch.Tensor | None, device: torch.device) -> Linear:
+def int8_layer(values: Int8Rows, bias: torch.Tensor | None, device: torch.device) -> Linear:
     """forerun's native int8 layer where it runs, else torch's."""
     from .native_linear import native_layer
     return native_layer(values, bias, device) or Int8Linear(values, bias, device)

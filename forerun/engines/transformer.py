@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..errors import ConfigError, ModelFormatError
 from ..kv_cache import KVCache
+from ..kernels.native import from_chunks
 from .linear import (WEIGHT_FORMATS, DenseLinear, Int8Linear, Int8Rows, Linear, check_kernels,
-                     fuse_linear,
-                     quantize_int8, restore_linear)
+                     fuse_linear, int8_layer, quantize_int8, restore_linear)
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -44,7 +44,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class Embedding:
     """Token embeddings: a float table, or int8 rows with a scale each
-    (which a tied LM head shares)."""
+    (which a tied LM head shares).  ``chunked``: the rows are a native int8
+    LM head's, in its kernel's layout and padded (:meth:`sharing`), and this
+    is the true row length."""
+
+    chunked: int | None = None
 
     def __init__(self, table: "torch.Tensor | Int8Rows", device: torch.device) -> None:
         if isinstance(table, Int8Rows):
@@ -55,10 +59,21 @@ class Embedding:
             self.table = table.to(device)
             self.q = self.scale = None
 
+    @classmethod
+    def sharing(cls, head: Linear) -> "Embedding":
+        """The embedding whose rows are the tied native int8 ``head``'s."""
+        self = cls.__new__(cls)
+        self.q, self.scale, self.table = head.q, head.scale, None
+        self.chunked = head.in_features
+        return self
+
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return F.embedding(tokens, self.table).float()
-        return self.q[tokens].float() * self.scale[tokens].float()[:, None]
+        rows = self.q[tokens]
+        if self.chunked is not None:
+            rows = from_chunks(rows)[:, :self.chunked]
+        return rows.float() * self.scale[tokens].float()[:, None]
 
 
 class Transformer:
@@ -103,11 +118,17 @@ class Transformer:
             # The embedding table as int8 rows; a tied LM head reads the same rows.
             if not isinstance(embed, Int8Rows):
                 embed = quantize_int8(embed)
-            self.embed = Embedding(embed, self.device)
-            self.lm_head = (Int8Linear(embed, None, self.device) if tied else
-                            linear([("lm_head.weight", (c.vocab_size, h))]))
-            if tied and hasattr(self.lm_head, "q"):
-                self.lm_head.q = self.embed.q          # one copy of the rows
+            if not tied:
+                self.embed = Embedding(embed, self.device)
+                self.lm_head = linear([("lm_head.weight", (c.vocab_size, h))])
+            else:
+                self.lm_head = int8_layer(embed, None, self.device)
+                if self.lm_head.kernel == "native":
+                    self.embed = Embedding.sharing(self.lm_head)   # one copy of the rows
+                else:
+                    self.embed = Embedding(embed, self.device)
+                    if hasattr(self.lm_head, "q"):
+                        self.lm_head.q = self.embed.q          # one copy of the rows
         else:
             dense = embed if isinstance(embed, torch.Tensor) else embed.dequantize()
             self.embed = Embedding(dense.to(self.dtype), self.device)
@@ -180,6 +201,8 @@ class Transformer:
                            for name in ("qkv", "o", "gate_up", "down")})
         meta = {"weights_format": self.weights_format, "dtype": str(self.dtype),
                 "lm_head": head, "layers": layers}
+        if self.embed.chunked is not None:
+            meta["embed_chunked"] = self.embed.chunked
         return meta, {k: t.contiguous() for k, t in tensors.items()}
 
     @classmethod
@@ -204,9 +227,17 @@ class Transformer:
             dev = self.device
             if "embed.table" in tensors:
                 self.embed = Embedding(tensors["embed.table"], dev)
-            else:
+            elif meta.get("embed_chunked") is None:
                 self.embed = Embedding(Int8Rows(tensors["embed.q"], tensors["embed.scale"]), dev)
-            if meta["lm_head"] != "tied":
+            if meta.get("embed_chunked") is not None:
+                if meta["lm_head"] != "tied":
+                    raise ConfigError("an embedding in the LM head's layout needs a tied head")
+                self.lm_head = restore_linear(
+                    {"kind": "q8", "kernel": "native",
+                     "shape": [config.vocab_size, int(meta["embed_chunked"])]},
+                    {"q": tensors["embed.q"], "scale": tensors["embed.scale"]}, dev)
+                self.embed = Embedding.sharing(self.lm_head)
+            elif meta["lm_head"] != "tied":
                 self.lm_head = restore_linear(meta["lm_head"], group("lm_head"), dev)
             elif self.embed.table is not None:
                 self.lm_head = DenseLinear(self.embed.table, None, self.embed.table.dtype, dev)
@@ -252,9 +283,8 @@ class Transformer:
     def matrix_kernels(self) -> str:
         """``"native"`` where the quantized layers run forerun's native
         kernels (:mod:`forerun.kernels.native`), else ``"torch"``."""
-        return "native" if getattr(self.lm_head, "kernel", None) == "native" or any(
-            getattr(p, "kernel", None) == "native"
-            for layer in self.layers for part in (layer.qkv, layer.gate_up)
+        return "native" if self.lm_head.kernel == "native" or any(
+            p.kernel == "native" for layer in self.layers for part in (layer.qkv, layer.gate_up)
             for p in getattr(part, "parts", [part])) else "torch"
 
     def int8_layers(self) -> list[Int8Linear]:
