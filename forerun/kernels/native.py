@@ -36,7 +36,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("avx2_int_products.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
-ABI_VERSION = 1
+# Bumped whenever the layouts or the functions' signatures change (the
+# packed-weight cache is keyed by it).
+ABI_VERSION = 2
 SWITCH = "FORERUN_NATIVE_KERNELS"
 # Input lengths are padded to a multiple of this (8 groups of 32).
 BLOCK = 256
@@ -131,18 +133,18 @@ def from_chunks(v: torch.Tensor) -> torch.Tensor:
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """4-bit values ``[N, K]`` (uint8 in 0..15, K a multiple of 256) as the
-    q4 kernel reads them, ``[N, K / 2]``: chunk ``i`` of a block in 16
-    bytes, byte ``4L + b`` holding value ``4i + b`` of group ``L`` low and
-    of group ``L + 4`` high."""
+    q4 kernel reads them, ``[N, K / 2]``: chunks ``2p`` and ``2p + 1`` of a
+    block in 32 bytes, byte ``j`` holding byte ``j`` of the first chunk low
+    and of the second high."""
     n, k = q.shape
-    c = to_chunks(q).reshape(n, k // BLOCK, 8, 2, 16)   # chunk, (groups 0-3 | 4-7), byte
+    c = to_chunks(q).reshape(n, k // BLOCK, 4, 2, 32)   # pair, (first | second), byte
     return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(n, k // 2)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`pack_nibbles`."""
     n, half = packed.shape
-    c = packed.reshape(n, half // 128, 8, 1, 16)
+    c = packed.reshape(n, half // 128, 4, 1, 32)
     return from_chunks(torch.cat([c & 15, c >> 4], dim=3).reshape(n, 2 * half))
 
 

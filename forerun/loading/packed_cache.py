@@ -40,10 +40,11 @@ def packed_entry(digest: str, fmt: str, device: torch.device) -> CacheEntry:
     ``digest``, built for ``device``."""
     from ..paths import cache_dir
 
-    from ..kernels.native import native_kernels
+    from ..kernels.native import ABI_VERSION, native_kernels
 
     # The layers' layout depends on whether forerun's native kernels run here.
-    kernels = "native" if device.type == "cpu" and native_kernels() is not None else "torch"
+    kernels = (f"native{ABI_VERSION}" if device.type == "cpu" and native_kernels() is not None
+               else "torch")
     key = hashlib.sha256(f"{digest}|{fmt}|{device.type}|{torch.__version__}|{kernels}"
                          .encode()).hexdigest()[:32]
     return CacheEntry(cache_dir() / "packed" / key,

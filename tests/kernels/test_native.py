@@ -72,8 +72,8 @@ def test_layouts_round_trip():
     q = torch.randint(0, 16, (5, 512), dtype=torch.uint8, generator=gen)
     packed = native.pack_nibbles(q)
     assert packed.shape == (5, 256) and torch.equal(native.unpack_nibbles(packed), q)
-    # Byte 0 holds value 0 of group 0 (low) and of group 4 (high).
-    assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 128]) << 4
+    # Byte 0 holds value 0 of group 0 (chunk 0, low) and its value 4 (chunk 1, high).
+    assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 4]) << 4
 
 
 def test_activations_are_quantized_per_group_of_32(kernels):
@@ -279,10 +279,9 @@ def test_a_damaged_library_is_built_again(fresh_cache):
 
 def test_a_library_that_computes_wrongly_is_refused(fresh_cache, monkeypatch, tmp_path):
     """The self-check catches a build that computes other numbers (here the
-    source with its nibbles unpacked in the wrong order)."""
+    source with the low nibbles read as the high ones)."""
     source = native.SOURCE.read_text()
-    swapped = source.replace("_mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0)",
-                             "_mm256_set_epi32(0, 0, 0, 0, 4, 4, 4, 4)")
+    swapped = source.replace("_mm256_maddubs_epi16(w0,", "_mm256_maddubs_epi16(w1,")
     assert swapped != source
     wrong = tmp_path / native.SOURCE.name
     wrong.write_text(swapped)
