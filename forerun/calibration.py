@@ -24,8 +24,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-from .kernels.native import calibration_key as native_calibration_key
-
 STORE_VERSION = 1
 # Bumped whenever forerun's own computation of a forward changes (a record
 # measured on older code says nothing about the new one).
@@ -58,6 +56,11 @@ def _cpuinfo() -> tuple[str, set[str]]:
     except OSError:
         pass
     return model, flags
+
+
+def _native_kernels_key() -> str:
+    from .kernels.native import calibration_key
+    return calibration_key()
 
 
 def cpu_flags() -> set[str]:
@@ -98,7 +101,7 @@ class CalibrationStore:
 
         self.key = {"kind": kind, "version": STORE_VERSION, "machine": machine_fingerprint(),
                     "numerics": ENGINE_NUMERICS_VERSION,
-                    "native_kernels": native_calibration_key(), **key}
+                    "native_kernels": _native_kernels_key(), **key}
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode())
         safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in label)[:80]
         name = f"{safe}-{digest.hexdigest()[:16]}.json" if safe else f"{digest.hexdigest()[:16]}.json"

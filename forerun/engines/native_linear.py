@@ -108,10 +108,9 @@ class NativeInt4Linear(_NativeLinear):
         return cls._restored(meta, tensors, ("q", "scale", "minimum"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = self._kernels()
-        rows = kernels.quantize(x.reshape(-1, self.in_features))
-        y = kernels.q4_matmul(rows, self.q, self.scale, self.minimum)
-        return self._add_bias(y.reshape(*x.shape[:-1], self.out_features))
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        y = self._kernels().q4_linear(x2, self.q, self.scale, self.minimum)
+        return self._add_bias(y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features))
 
 
 class NativeInt8Linear(_NativeLinear):
@@ -149,7 +148,6 @@ class NativeInt8Linear(_NativeLinear):
         return cls._restored(meta, tensors, ("q", "scale"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = self._kernels()
-        rows = kernels.quantize(x.reshape(-1, self.in_features))
-        y = kernels.q8_matmul(rows, self.q, self.scale)
-        return self._add_bias(y.reshape(*x.shape[:-1], self.out_features))
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        y = self._kernels().q8_linear(x2, self.q, self.scale)
+        return self._add_bias(y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features))

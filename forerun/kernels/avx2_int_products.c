@@ -34,6 +34,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define GROUP 32
 #define BLOCK 256        /* 8 groups */
@@ -41,7 +42,7 @@
 #define TILE 4           /* activation rows sharing one pass over a weight row */
 #define PREFETCH 2048    /* bytes ahead of the 4-bit weights being read */
 
-int fr_abi_version(void) { return 2; }
+int fr_abi_version(void) { return 3; }
 
 /* x: [T, K] float32 (row stride K).  a: [T, Kp] int8 in the chunk layout;
  * sa, sasum: [T, Kp / 32] float32, the scale of each group and the scale
@@ -199,4 +200,37 @@ void fr_q8_matmul(const int8_t *q, const float *scale, int N, int Kp, const int8
            Kp, TT_, y + (size_t)t0 * N + n, N)
         FOR_TILES(Q8_CALL)
     }
+}
+
+/* A layer's whole product in one call: x [T, K] float32 quantized into
+ * scratch memory of this call's own (so concurrent callers share nothing),
+ * then multiplied.  Returns 0, or -1 when the scratch can't be allocated. */
+static int scratch(int T, int Kp, int8_t **a, float **sa, float **sasum) {
+    const size_t groups = (size_t)T * (Kp / GROUP);
+    *a = malloc((size_t)T * Kp);
+    *sa = malloc(groups * sizeof(float));
+    *sasum = malloc(groups * sizeof(float));
+    if (*a && *sa && *sasum) return 0;
+    free(*a); free(*sa); free(*sasum);
+    return -1;
+}
+
+int fr_q4_linear(const float *x, int T, int K, int Kp, const uint8_t *q,
+                 const uint16_t *scale, const uint16_t *min, int N, float *y, int threads) {
+    int8_t *a; float *sa, *sasum;
+    if (scratch(T, Kp, &a, &sa, &sasum)) return -1;
+    fr_quantize_rows(x, T, K, Kp, a, sa, sasum);
+    fr_q4_matmul(q, scale, min, N, Kp, a, sa, sasum, T, y, threads);
+    free(a); free(sa); free(sasum);
+    return 0;
+}
+
+int fr_q8_linear(const float *x, int T, int K, int Kp, const int8_t *q, const float *scale,
+                 int N, float *y, int threads) {
+    int8_t *a; float *sa, *sasum;
+    if (scratch(T, Kp, &a, &sa, &sasum)) return -1;
+    fr_quantize_rows(x, T, K, Kp, a, sa, sasum);
+    fr_q8_matmul(q, scale, N, Kp, a, sa, T, y, threads);
+    free(a); free(sa); free(sasum);
+    return 0;
 }

@@ -38,7 +38,7 @@ SOURCE = Path(__file__).with_name("avx2_int_products.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Bumped whenever the layouts or the functions' signatures change (the
 # packed-weight cache is keyed by it).
-ABI_VERSION = 2
+ABI_VERSION = 3
 SWITCH = "FORERUN_NATIVE_KERNELS"
 # Input lengths are padded to a multiple of this (8 groups of 32).
 BLOCK = 256
@@ -78,6 +78,12 @@ class NativeKernels:
         self._q8 = lib.fr_q8_matmul
         self._q8.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, _I]
         self._q8.restype = None
+        self._q4_linear = lib.fr_q4_linear
+        self._q4_linear.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _I]
+        self._q4_linear.restype = _I
+        self._q8_linear = lib.fr_q8_linear
+        self._q8_linear.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I]
+        self._q8_linear.restype = _I
 
     def quantize(self, x: torch.Tensor) -> QuantizedRows:
         """``x`` float32 ``[T, K]`` quantized to int8 per group of 32."""
@@ -112,6 +118,31 @@ class NativeKernels:
         y = torch.empty(t, n)
         self._q8(q.data_ptr(), scale.data_ptr(), n, kp, x.values.data_ptr(),
                  x.scale.data_ptr(), t, y.data_ptr(), torch.get_num_threads())
+        return y
+
+
+    def q4_linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                  minimum: torch.Tensor) -> torch.Tensor:
+        """:meth:`quantize` then :meth:`q4_matmul` in one call (what a
+        layer runs: no tensors for the quantized activations)."""
+        x = x.float().contiguous()
+        t, k = x.shape
+        n = q.shape[0]
+        y = torch.empty(t, n)
+        if self._q4_linear(x.data_ptr(), t, k, 2 * q.shape[1], q.data_ptr(), scale.data_ptr(),
+                           minimum.data_ptr(), n, y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
+        return y
+
+    def q8_linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """:meth:`quantize` then :meth:`q8_matmul` in one call."""
+        x = x.float().contiguous()
+        t, k = x.shape
+        n = q.shape[0]
+        y = torch.empty(t, n)
+        if self._q8_linear(x.data_ptr(), t, k, q.shape[1], q.data_ptr(), scale.data_ptr(), n,
+                           y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
         return y
 
 
@@ -239,17 +270,19 @@ def _build(compiler: str) -> Path:
         raise _Unavailable(f"the C compiler {compiler} does not run ({exc})") from exc
     key = hashlib.sha256(b"|".join([source, " ".join(FLAGS).encode(), compiler.encode(),
                                     "".join(version).encode()])).hexdigest()[:16]
+    name = f"{SOURCE.stem}-{key}.so"
     try:
         from ..paths import cache_dir
         folder = cache_dir() / "kernels"
+        if (folder / name).is_file():
+            return folder / name
         folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
     except Exception:                        # a cache that can't be written: a temporary one
         folder = Path(tempfile.mkdtemp(prefix="forerun-kernels-"))
-    path = folder / f"{SOURCE.stem}-{key}.so"
-    if path.is_file():
-        return path
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
     os.close(fd)
+    path = folder / name
     try:
         done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp],
                               capture_output=True, text=True, timeout=300)
@@ -285,6 +318,9 @@ def _self_check(kernels: NativeKernels) -> None:
     w8 = q8.double() * s8.double()[:, None]
     got4 = kernels.q4_matmul(rows, pack_nibbles(q4), scale, minimum)
     got8 = kernels.q8_matmul(rows, to_chunks(q8).contiguous(), s8)
+    if not (torch.equal(kernels.q4_linear(x, pack_nibbles(q4), scale, minimum), got4)
+            and torch.equal(kernels.q8_linear(x, to_chunks(q8).contiguous(), s8), got8)):
+        raise _Unavailable("the built library's one-call products differ from its two-call ones")
     for got, w, name in ((got4, w4, "4-bit"), (got8, w8, "8-bit")):
         want = xq @ w.t()
         if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-3 * float(want.abs().max())):

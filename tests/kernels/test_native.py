@@ -310,3 +310,21 @@ def test_threads_loading_at_once_share_one_library(fresh_cache):
     for th in threads:
         th.join()
     assert len(got) == 4 and got[0] is not None and all(k is got[0] for k in got)
+
+
+def test_a_read_only_cache_builds_in_a_temporary_folder(fresh_cache, monkeypatch, tmp_path):
+    import stat
+
+    if os.geteuid() == 0:
+        # root writes into read-only folders; fail the cache's writes instead.
+        def refuse(*args, **kwargs):
+            raise PermissionError("read-only")
+        real = native.tempfile.mkstemp
+        monkeypatch.setattr(native.tempfile, "mkstemp",
+                            lambda *a, **k: refuse() if str(fresh_cache) in str(k.get("dir"))
+                            else real(*a, **k))
+    else:
+        fresh_cache.mkdir(parents=True)
+        fresh_cache.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    kernels = native.native_kernels()
+    assert kernels is not None and fresh_cache not in kernels.path.parents
