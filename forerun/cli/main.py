@@ -169,7 +169,7 @@ def _generate(args: argparse.Namespace, prompt: str, draft: str | None) -> int:
     else:
         sys.stdout.write("\n")
     if args.stats:
-        print_stats(result, sys.stderr)
+        print_stats(result, sys.stderr, model.decoder.settings)
     return 0
 
 
@@ -229,9 +229,10 @@ def resolve_draft_option(args: argparse.Namespace) -> str | None:
     return draft
 
 
-def print_stats(result, out) -> None:
+def print_stats(result, out, settings: dict | None = None) -> None:
     s = result.stats
-    lines = [f"method: {s.method}",
+    lines = [engine_line(settings)] if settings else []
+    lines += [f"method: {s.method}",
              f"finish reason: {result.finish_reason}",
              f"prompt tokens: {s.prompt_tokens}",
              f"new tokens: {s.new_tokens}",
@@ -256,6 +257,21 @@ def print_stats(result, out) -> None:
             lines.append(f"verification: up to {s.verify_group} positions per forward "
                          f"(the largest exact group measured on this machine)")
     out.write("\n".join(lines) + "\n")
+
+
+def engine_line(settings: dict) -> str:
+    """What ran the model: engine, device, weight format and kernels."""
+    line = f"engine: {settings.get('engine')} on {settings.get('device')}"
+    if "weights" in settings:
+        line += f", weights {settings['weights']}"
+        if settings.get("kernels") == "native":
+            line += " (forerun's native kernels)"
+        elif settings.get("weights") in ("q4", "q8"):
+            line += " (torch's kernels)"
+    if "threads" in settings:
+        n = settings["threads"]
+        line += f", {n} thread{'' if n == 1 else 's'}"
+    return line
 
 
 def _async_lines(s) -> list[str]:

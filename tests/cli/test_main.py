@@ -65,6 +65,21 @@ def test_generate_streams_text_and_stats(preset_gguf, capsys):
     captured = capsys.readouterr()
     assert captured.out.strip()
     assert "new tokens:" in captured.err and "tokens/s" in captured.err
+    assert "engine: torch on cpu, weights " in captured.err
+
+
+@pytest.mark.parametrize("settings, line", [
+    ({"engine": "torch", "device": "cpu", "weights": "q4", "kernels": "native", "threads": 2},
+     "engine: torch on cpu, weights q4 (forerun's native kernels), 2 threads"),
+    ({"engine": "torch", "device": "cpu", "weights": "q8", "kernels": "torch", "threads": 1},
+     "engine: torch on cpu, weights q8 (torch's kernels), 1 thread"),
+    ({"engine": "torch", "device": "cpu", "weights": "float32", "kernels": "torch"},
+     "engine: torch on cpu, weights float32"),
+    ({"engine": "llama.cpp", "device": "cpu", "threads": 2}, "engine: llama.cpp on cpu, 2 threads"),
+])
+def test_stats_say_what_ran_the_model(settings, line):
+    from forerun.cli.main import engine_line
+    assert engine_line(settings) == line
 
 
 @pytest.mark.real_model
