@@ -328,3 +328,31 @@ def test_a_read_only_cache_builds_in_a_temporary_folder(fresh_cache, monkeypatch
         fresh_cache.chmod(stat.S_IRUSR | stat.S_IXUSR)
     kernels = native.native_kernels()
     assert kernels is not None and fresh_cache not in kernels.path.parents
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_a_tied_head_shares_its_rows_with_the_embedding(kernels, fmt):
+    """A tied int8 LM head runs on the native kernel, the embedding reads
+    the same rows from its layout (one copy), and the network stored and
+    restored computes the same logits, still sharing them."""
+    from forerun.config import ModelConfig
+    from forerun.engines.transformer import Transformer
+    from tiny_models import hf_model
+
+    model = hf_model("qwen2", hidden_size=96, intermediate_size=256, num_attention_heads=4,
+                     num_key_value_heads=2, tie_word_embeddings=True)
+    config = ModelConfig.from_hf(model.config.to_dict())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    network = Transformer(config, state, weights_format=fmt)
+    head, embed = network.lm_head, network.embed
+    assert head.kernel == "native" and embed.q is head.q and embed.chunked == 96
+    tokens = torch.tensor([0, 5, VOCAB - 1])
+    assert torch.equal(embed(tokens), head.weight_rows(tokens))
+    want = quantize_int8(state["model.embed_tokens.weight"]).dequantize()[tokens]
+    assert torch.equal(embed(tokens), want)
+    prompt = list(range(3, 30))
+    logits = TorchDecoder(network, 64).feed(prompt).logits
+    meta, tensors = network.state()
+    copy = Transformer.from_state(config, meta, tensors)
+    assert copy.embed.q is copy.lm_head.q and copy.embed.chunked == 96
+    assert torch.equal(TorchDecoder(copy, 64).feed(prompt).logits, logits)
