@@ -14,8 +14,12 @@ The library is built once per source, compiler and flags, into
 ``<cache>/kernels/`` (written to a temporary name and renamed, so two
 processes building at once both end with a whole file), loaded, and
 checked against a float64 product on random values before any layer uses
-it.  Where it can't be had (no AVX2, no C compiler, a failed build or
-check, ``FORERUN_NATIVE_KERNELS=0``), :func:`native_kernels` returns None,
+it.  They are used only where they beat torch's own on the machine in
+hand: a q4 MLP block is timed both ways once per machine and kept in the
+calibration store (:func:`time_against_torch`; ``FORERUN_NATIVE_KERNELS=1``
+skips the timing and uses them).  Where they can't be had or lost (no AVX2,
+no C compiler, a failed build or check, torch's kernels faster,
+``FORERUN_NATIVE_KERNELS=0``), :func:`native_kernels` returns None,
 :func:`unavailable_reason` says why, and the layers run torch's kernels.
 """
 
@@ -190,11 +194,16 @@ def calibration_key() -> str:
     turned off, else their source's digest (without building them)."""
     if _switched_off():
         return "off"
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return f"forced-{digest}" if _forced_on() else digest
 
 
 def _switched_off() -> bool:
-    return os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+    return os.environ.get(SWITCH, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def _forced_on() -> bool:
+    return os.environ.get(SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def native_kernels() -> NativeKernels | None:
@@ -246,6 +255,8 @@ def _load() -> NativeKernels:
         raise _Unavailable(f"{path} is of another version; remove it")
     kernels = NativeKernels(lib, path)
     _self_check(kernels)
+    if not _forced_on():
+        _check_faster(kernels)
     return kernels
 
 
@@ -326,3 +337,84 @@ def _self_check(kernels: NativeKernels) -> None:
         if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-3 * float(want.abs().max())):
             raise _Unavailable(f"the built library computes {name} products wrongly "
                                f"(largest error {float((got.double() - want).abs().max()):.3g})")
+
+
+# The shapes the kernels are timed on against torch's: an MLP block of
+# Qwen2.5-1.5B (hidden 1536, intermediate 8960), at these positions.
+TIMED_SHAPE = (1536, 8960)
+TIMED_POSITIONS = (1, 4)
+
+
+def _check_faster(kernels: NativeKernels) -> None:
+    """Use the kernels only where they beat torch's on this machine: a q4
+    MLP block timed both ways at 1 and 4 positions, once per machine and
+    thread count (kept in the calibration store).  Raises _Unavailable,
+    naming both times, where torch's are faster."""
+    from ..calibration import CalibrationStore
+
+    key = {"shape": list(TIMED_SHAPE), "positions": list(TIMED_POSITIONS),
+           "threads": torch.get_num_threads(), "torch": torch.__version__}
+    store = CalibrationStore("native-kernels", key, label="q4-mlp")
+
+    def valid(value):
+        try:
+            ok = all(len(value[k]) == len(TIMED_POSITIONS) and
+                     all(isinstance(v, (int, float)) and 0 < v < 1e6 for v in value[k])
+                     for k in ("native", "torch"))
+            return value if ok else None
+        except (KeyError, TypeError):
+            return None
+
+    ms = store.load_or_measure(valid, lambda: time_against_torch(kernels),
+                               "whether forerun's native kernels beat torch's")
+    if sum(ms["torch"]) < sum(ms["native"]):
+        shown = ", ".join(f"{k} {'/'.join(f'{v:.1f}' for v in ms[k])} ms"
+                          for k in ("native", "torch"))
+        raise _Unavailable(f"torch's kernels were faster on this machine (a q4 MLP block at "
+                           f"{'/'.join(map(str, TIMED_POSITIONS))} positions: {shown}); "
+                           f"{SWITCH}=1 uses the native ones anyway")
+
+
+class _RawProduct:
+    """A native q4 product with the call shape of a layer (for the timing,
+    which runs while the kernels are being loaded)."""
+
+    def __init__(self, kernels: NativeKernels, layer) -> None:
+        self.kernels, self.layer = kernels, layer
+        self.in_features = layer.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q4_linear(x, self.layer.q, self.layer.scale, self.layer.minimum)
+
+
+def time_against_torch(kernels: NativeKernels, repeats: int = 3) -> dict[str, list[float]]:
+    """Milliseconds of a q4 MLP block of :data:`TIMED_SHAPE` by the native
+    kernels and by torch's, at :data:`TIMED_POSITIONS` (best of
+    ``repeats``, distinct weights per run)."""
+    import itertools
+
+    from ..engines.format_choice import _random_weights, time_mlp_blocks
+    from ..engines.linear import Int4Linear
+    from ..engines.native_linear import NativeInt4Linear
+
+    h, i = TIMED_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+    copies = repeats + 4                # 7 blocks of 20 MB: more than the caches hold
+    values = [(_random_weights("q4", 2 * i, h, gen), _random_weights("q4", h, i, gen))
+              for _ in range(copies)]
+    result = {}
+    for name in ("native", "torch"):
+        if name == "native":
+            blocks = [tuple(_RawProduct(kernels, NativeInt4Linear.build(v, None)) for v in pair)
+                      for pair in values]
+        else:
+            blocks = [tuple(Int4Linear(v, None, cpu) for v in pair) for pair in values]
+        turn = itertools.count()
+        # A pass over every block first: a process's first products ran
+        # 10x slower on an AMD EPYC (16 ms for a 1 ms block), both kinds.
+        time_mlp_blocks(blocks, torch.randn(1, h, generator=gen), len(blocks), turn)
+        result[name] = [time_mlp_blocks(blocks, torch.randn(t, h, generator=gen), repeats, turn)
+                        for t in TIMED_POSITIONS]
+        del blocks
+    return result

@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
 @pytest.fixture()
 def kernels(monkeypatch):
     """The native kernels (the test is skipped where they can't run)."""
-    monkeypatch.delenv(native.SWITCH, raising=False)
+    monkeypatch.setenv(native.SWITCH, "1")
     native.reset()
     if native.native_kernels() is None:
         pytest.skip(f"forerun's native kernels don't run here: {native.unavailable_reason()}")
@@ -40,7 +40,7 @@ def fresh_cache(tmp_path, monkeypatch):
     """An empty forerun cache, so the library is built again, and the
     loaded state forgotten before and after."""
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(native.SWITCH, raising=False)
+    monkeypatch.setenv(native.SWITCH, "1")          # building, not timing, is tested here
     native.reset()
     yield tmp_path / "cache" / "kernels"
     native.reset()
@@ -219,7 +219,7 @@ def test_the_kernels_load_where_they_can(monkeypatch):
             or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
             or not (shutil.which("cc") or shutil.which("gcc"))):
         pytest.skip("no AVX2 or no C compiler here")
-    monkeypatch.delenv(native.SWITCH, raising=False)
+    monkeypatch.setenv(native.SWITCH, "1")
     native.reset()
     try:
         assert native.native_kernels() is not None, native.unavailable_reason()
@@ -234,6 +234,10 @@ def test_turned_off_by_the_switch(monkeypatch):
         assert native.native_kernels() is None
         assert native.SWITCH in native.unavailable_reason()
         assert native.calibration_key() == "off"
+        monkeypatch.setenv(native.SWITCH, "1")
+        assert native.calibration_key().startswith("forced-")
+        monkeypatch.delenv(native.SWITCH)
+        assert len(native.calibration_key()) == 12
         layer = make_linear(torch.randn(32, 64), None, "q4", CPU)
         assert getattr(layer, "kernel", "torch") == "torch" and layer.format == "q4"
     finally:
@@ -261,8 +265,7 @@ def _load_in_a_process(cache) -> str:
     loaded the library would get its old copy back from the loader)."""
     script = ("from forerun.kernels import native; k = native.native_kernels(); "
               "print(k is not None, native.unavailable_reason())")
-    env = {**os.environ, "FORERUN_CACHE": str(cache)}
-    env.pop(native.SWITCH, None)
+    env = {**os.environ, "FORERUN_CACHE": str(cache), native.SWITCH: "1"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
     return done.stdout.strip()
@@ -356,3 +359,39 @@ def test_a_tied_head_shares_its_rows_with_the_embedding(kernels, fmt):
     copy = Transformer.from_state(config, meta, tensors)
     assert copy.embed.q is copy.lm_head.q and copy.embed.chunked == 96
     assert torch.equal(TorchDecoder(copy, 64).feed(prompt).logits, logits)
+
+
+
+@pytest.mark.parametrize("winner", ["native", "torch"])
+def test_they_run_only_where_they_beat_torchs(fresh_cache, monkeypatch, winner):
+    """Without the switch, the kernels are timed against torch's once per
+    machine (kept), and used only where they are faster."""
+    monkeypatch.delenv(native.SWITCH)
+    calls = []
+
+    def timing(kernels, repeats=3):
+        calls.append(1)
+        fast, slow = [10.0, 20.0], [30.0, 40.0]
+        return {"native": fast, "torch": slow} if winner == "native" else \
+            {"native": slow, "torch": fast}
+
+    monkeypatch.setattr(native, "time_against_torch", timing)
+    got = native.native_kernels()
+    assert (got is not None) == (winner == "native") and calls == [1]
+    if winner == "torch":
+        assert "torch's kernels were faster" in native.unavailable_reason()
+        assert "30.0/40.0" in native.unavailable_reason()
+        assert getattr(make_linear(torch.randn(32, 64), None, "q4", CPU), "kernel") == "torch"
+    native.reset()
+    assert (native.native_kernels() is not None) == (winner == "native") and calls == [1]
+    for record in (fresh_cache.parent / "calibration" / "native-kernels").glob("*.json"):
+        record.write_text('{"native": [1.0]}')          # damaged: measured again
+    native.reset()
+    native.native_kernels()
+    assert calls == [1, 1]
+
+
+def test_the_timing_against_torch_runs(kernels):
+    ms = native.time_against_torch(kernels, repeats=1)
+    assert set(ms) == {"native", "torch"}
+    assert all(len(v) == 2 and all(0 < t < 1e4 for t in v) for v in ms.values())
