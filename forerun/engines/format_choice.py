@@ -82,6 +82,14 @@ CYCLED_BYTES = 128 << 20
 _BYTES_PER_WEIGHT = {"q4": 0.5, "q8": 1, "bfloat16": 2, "float32": 4}
 
 
+def block_copies(hidden: int, intermediate: int, fmt: str, repeats: int) -> int:
+    """How many distinct MLP blocks of these sizes in ``fmt`` a timing of
+    ``repeats`` runs cycles through: :data:`CYCLED_BYTES` of them (at most
+    16), and at least one per run and the warm-up."""
+    block_bytes = 3 * hidden * intermediate * _BYTES_PER_WEIGHT[fmt]
+    return max(repeats + 1, min(16, -(-CYCLED_BYTES // int(block_bytes))))
+
+
 def time_formats(config: ModelConfig, candidates: tuple[str, ...], device: torch.device,
                  *, repeats: int = 3) -> dict[str, list[float]]:
     """Milliseconds per forward of one MLP block (gate/up and down) of
@@ -93,8 +101,7 @@ def time_formats(config: ModelConfig, candidates: tuple[str, ...], device: torch
     gen = torch.Generator().manual_seed(0)
     result: dict[str, list[float]] = {}
     for fmt in candidates:
-        block_bytes = 3 * h * i * _BYTES_PER_WEIGHT[fmt]
-        copies = max(repeats + 1, min(16, -(-CYCLED_BYTES // int(block_bytes))))
+        copies = block_copies(h, i, fmt, repeats)
         blocks = [(make_linear(_random_weights(fmt, 2 * i, h, gen), None, fmt, device),
                    make_linear(_random_weights(fmt, h, i, gen), None, fmt, device))
                   for _ in range(copies)]

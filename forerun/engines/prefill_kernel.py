@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from .format_choice import CYCLED_BYTES, _random_weights, time_mlp_blocks
+from .format_choice import _random_weights, block_copies, time_mlp_blocks
 from .grouping_probe import MAX_GROUP
 from .linear import Int8Linear
 
@@ -80,7 +80,7 @@ def time_prefill_kernels(config: ModelConfig, device: torch.device, *,
     from memory as in a whole model."""
     h, i = config.hidden_size, config.intermediate_size
     gen = torch.Generator().manual_seed(0)
-    copies = max(repeats + 1, min(16, -(-CYCLED_BYTES // (3 * h * i))))
+    copies = block_copies(h, i, "q8", repeats)
     blocks = [(Int8Linear(_random_weights("q8", 2 * i, h, gen), None, device),
                Int8Linear(_random_weights("q8", h, i, gen), None, device))
               for _ in range(copies)]

@@ -26,6 +26,7 @@ no C compiler, a failed build or check, torch's kernels faster,
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -194,8 +195,15 @@ def calibration_key() -> str:
     turned off, else their source's digest (without building them)."""
     if _switched_off():
         return "off"
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = _source_digest(SOURCE)
     return f"forced-{digest}" if _forced_on() else digest
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest(source: Path) -> str:
+    """The digest of the C source (read once: every calibration record's
+    key asks for it)."""
+    return hashlib.sha256(source.read_bytes()).hexdigest()[:12]
 
 
 def _switched_off() -> bool:
@@ -340,9 +348,9 @@ def _self_check(kernels: NativeKernels) -> None:
 
 
 # The shapes the kernels are timed on against torch's: an MLP block of
-# Qwen2.5-1.5B (hidden 1536, intermediate 8960), at these positions.
+# Qwen2.5-1.5B (hidden 1536, intermediate 8960), at the positions the
+# format choice times (forerun.engines.format_choice.TIMED_POSITIONS).
 TIMED_SHAPE = (1536, 8960)
-TIMED_POSITIONS = (1, 4)
 
 
 def _check_faster(kernels: NativeKernels) -> None:
@@ -351,6 +359,7 @@ def _check_faster(kernels: NativeKernels) -> None:
     thread count (kept in the calibration store).  Raises _Unavailable,
     naming both times, where torch's are faster."""
     from ..calibration import CalibrationStore
+    from ..engines.format_choice import TIMED_POSITIONS
 
     key = {"shape": list(TIMED_SHAPE), "positions": list(TIMED_POSITIONS),
            "threads": torch.get_num_threads(), "torch": torch.__version__}
@@ -389,18 +398,19 @@ class _RawProduct:
 
 def time_against_torch(kernels: NativeKernels, repeats: int = 3) -> dict[str, list[float]]:
     """Milliseconds of a q4 MLP block of :data:`TIMED_SHAPE` by the native
-    kernels and by torch's, at :data:`TIMED_POSITIONS` (best of
+    kernels and by torch's, at the format choice's positions (best of
     ``repeats``, distinct weights per run)."""
     import itertools
 
-    from ..engines.format_choice import _random_weights, time_mlp_blocks
+    from ..engines.format_choice import (TIMED_POSITIONS, _random_weights, block_copies,
+                                         time_mlp_blocks)
     from ..engines.linear import Int4Linear
     from ..engines.native_linear import NativeInt4Linear
 
     h, i = TIMED_SHAPE
     gen = torch.Generator().manual_seed(0)
     cpu = torch.device("cpu")
-    copies = repeats + 4                # 7 blocks of 20 MB: more than the caches hold
+    copies = block_copies(h, i, "q4", repeats)
     values = [(_random_weights("q4", 2 * i, h, gen), _random_weights("q4", h, i, gen))
               for _ in range(copies)]
     result = {}
