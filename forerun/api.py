@@ -492,11 +492,13 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
     ``weights`` is the PyTorch engine's weight format: ``"float32"``,
     ``"bfloat16"``, ``"q8"`` (int8, a scale per row), ``"q4"`` (4-bit groups
     of 32; a GGUF's Q4_K/Q4_0/Q4_1 tensors keep their own values, its
-    5-to-8-bit ones become int8), or ``"auto"``: for a GGUF file, the
+    5-to-8-bit ones become int8), ``"q4-all"`` (every matrix in 4-bit
+    groups, the 5-to-8-bit ones requantized: the format draft models run
+    in, never picked by ``auto``), or ``"auto"``: for a GGUF file, the
     fastest of these on this machine, measured once per machine and model
     shape; for a Hugging Face folder, float32 (quantizing a float model is
     left to an explicit ``bfloat16``/``q8``/``q4``).  The
-    q8 and q4 formats read the GGUF directly, with no float32 conversion
+    quantized formats read the GGUF directly, with no float32 conversion
     cache.  See :mod:`forerun.engines.linear`.
     """
     from .engines.linear import check_format
@@ -548,7 +550,7 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
     from .engines.transformer import Transformer
 
     try:
-        if files.weights is None:   # a GGUF in q4/q8: the packed network
+        if files.weights is None:   # a GGUF in q4, q8 or q4-all: the packed network
             from .loading.load import _known_digest
             from .loading.packed_cache import packed_network
 
@@ -578,11 +580,12 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
 def _torch_model_files(model, weights: str, dtype: torch.dtype, device: torch.device,
                        progress: bool):
     """The files of ``model`` for the torch engine in weight format
-    ``weights`` (``"auto"`` resolved here), and that format.  A GGUF in q4
-    or q8 comes with ``weights`` None: its network is built from the GGUF
+    ``weights`` (``"auto"`` resolved here), and that format.  A GGUF in a
+    quantized format (q4, q8, q4-all) comes with ``weights`` None: its network is built from the GGUF
     itself, or read from the packed-weight cache
     (:mod:`forerun.loading.packed_cache`); other models come through the
     float32 conversion cache."""
+    from .engines.linear import QUANTIZED_FORMATS
     from .loading.load import load_gguf_files, load_model_files, resolve_spec
 
     path = resolve_spec(model, progress=progress)
@@ -593,12 +596,12 @@ def _torch_model_files(model, weights: str, dtype: torch.dtype, device: torch.de
         # A float model keeps its precision unless asked otherwise.
         return load_model_files(model, progress=progress), \
             "float32" if weights == "auto" else weights
-    if weights in ("auto", "q4", "q8"):
+    if weights == "auto" or weights in QUANTIZED_FORMATS:
         # The header (config, tokenizer) alone; the weights read lazily.
         files = load_gguf_files(model, engine="torch", progress=progress)
         if weights == "auto":
             weights = choose_weights(files.name, files.config, device).format
-        if weights in ("q4", "q8"):
+        if weights in QUANTIZED_FORMATS:
             files.weights = None   # built from the GGUF or the packed cache by load()
             return files, weights
     return load_model_files(model, progress=progress), weights

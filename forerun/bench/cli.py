@@ -28,9 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the engine of forerun's rows, model and draft: torch (default) or "
                         "llama.cpp (GGUF models, quantized weights; needs forerun[llama])")
     p.add_argument("--weights", default="auto",
-                   choices=("auto", "float32", "bfloat16", "q8", "q4"),
-                   help="the torch engine's weight format for the model and the draft "
-                        "(default auto: for a GGUF, the fastest on this machine)")
+                   choices=("auto", "float32", "bfloat16", "q8", "q4", "q4-all"),
+                   help="the torch engine's weight format for the model (default auto: "
+                        "for a GGUF, the fastest on this machine); beside a quantized model "
+                        "the draft runs in q4-all")
     p.add_argument("--draft", "-d", default=None,
                    help="the draft model of the draft methods: a preset, .gguf file or folder "
                         "sharing the model's tokenizer (default: the preset's own draft, "

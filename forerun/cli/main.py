@@ -23,10 +23,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "with llama.cpp (needs: pip install 'forerun[llama]'); a draft "
                         "model given by name runs on the same engine")
     p.add_argument("--weights", default="auto",
-                   choices=("auto", "float32", "bfloat16", "q8", "q4"),
+                   choices=("auto", "float32", "bfloat16", "q8", "q4", "q4-all"),
                    help="the torch engine's weight format: q4 (4-bit groups; a GGUF's Q4 "
-                        "tensors as they are), q8 (int8), bfloat16, float32, or auto "
-                        "(default: for a GGUF, the fastest on this machine, measured once)")
+                        "tensors as they are, its 5-to-8-bit ones as int8), q4-all (every "
+                        "matrix 4-bit: smaller, less faithful; what a draft runs in), q8 "
+                        "(int8), bfloat16, float32, or auto (default: for a GGUF, the "
+                        "fastest on this machine, measured once)")
     p.add_argument("--draft", "-d", default=None,
                    help="speculative decoding with this draft: a preset, .gguf file or "
                         "folder sharing the model's tokenizer, 'ngram' (prompt lookup), "
@@ -169,7 +171,9 @@ def _generate(args: argparse.Namespace, prompt: str, draft: str | None) -> int:
     else:
         sys.stdout.write("\n")
     if args.stats:
-        print_stats(result, sys.stderr, model.decoder.settings)
+        drafts = [d for d in model.drafts if d is not model]
+        print_stats(result, sys.stderr, model.decoder.settings,
+                    drafts[-1].decoder.settings if drafts else None)
     return 0
 
 
@@ -229,9 +233,12 @@ def resolve_draft_option(args: argparse.Namespace) -> str | None:
     return draft
 
 
-def print_stats(result, out, settings: dict | None = None) -> None:
+def print_stats(result, out, settings: dict | None = None,
+                draft_settings: dict | None = None) -> None:
     s = result.stats
     lines = [engine_line(settings)] if settings else []
+    if draft_settings:
+        lines.append(engine_line(draft_settings, "draft engine"))
     lines += [f"method: {s.method}",
              f"finish reason: {result.finish_reason}",
              f"prompt tokens: {s.prompt_tokens}",
@@ -259,14 +266,15 @@ def print_stats(result, out, settings: dict | None = None) -> None:
     out.write("\n".join(lines) + "\n")
 
 
-def engine_line(settings: dict) -> str:
-    """What ran the model: engine, device, weight format and kernels."""
-    line = f"engine: {settings.get('engine')} on {settings.get('device')}"
+def engine_line(settings: dict, label: str = "engine") -> str:
+    """What ran the model (or, under another ``label``, its draft model):
+    engine, device, weight format and kernels."""
+    line = f"{label}: {settings.get('engine')} on {settings.get('device')}"
     if "weights" in settings:
         line += f", weights {settings['weights']}"
         if settings.get("kernels") == "native":
             line += " (forerun's native kernels)"
-        elif settings.get("weights") in ("q4", "q8"):
+        elif settings.get("weights") in ("q4", "q8", "q4-all"):
             line += " (torch's kernels)"
     if "threads" in settings:
         n = settings["threads"]

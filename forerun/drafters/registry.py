@@ -62,18 +62,35 @@ def default_draft(model: str | None, draft: str | None) -> str | None:
     return preset.default_draft if preset is not None else None
 
 
+def draft_weights(target_weights: str) -> str:
+    """The weight format a draft model loads in beside a target in
+    ``target_weights`` (the torch engine's formats): ``q4-all`` beside a
+    quantized target, so every draft matrix is 4-bit, else the target's
+    own.  A draft's precision changes how often its proposals are
+    accepted, never the output, and fewer bytes make each draft step
+    cheaper: on an AMD EPYC (AVX2), the 0.5B Qwen draft's step read 0.53 GB
+    in q4 (its GGUF keeps most matrices in 5 to 8 bits) and 0.40 GB in
+    q4-all, and draft-model speculative decoding of the 1.5B went from
+    13.4 to 14.3 tok/s at an acceptance of 0.76 and 0.74."""
+    from ..engines.linear import QUANTIZED_FORMATS
+
+    return "q4-all" if target_weights in QUANTIZED_FORMATS else target_weights
+
+
 def load_draft_model(target: "Model", spec: Any, *, progress: bool = False) -> "Model":
     """The draft model ``spec`` names (a preset, path, or a loaded
     :class:`~forerun.api.Model`, returned as it is), loaded on ``target``'s
-    engine, in its weight format, on its device and with its context
-    length, and checked against it (:func:`check_draft_model`)."""
+    engine, in the weight format :func:`draft_weights` gives for the
+    target's, on its device and with its context length, and checked
+    against it (:func:`check_draft_model`)."""
     from ..api import Model, load
 
     draft = spec
     if not isinstance(spec, Model):
         decoder = target.decoder
         settings = decoder.settings
-        options = {"weights": settings["weights"]} if "weights" in settings else {}
+        options = ({"weights": draft_weights(settings["weights"])} if "weights" in settings
+                   else {})
         draft = load(spec, engine=settings["engine"], context_length=decoder.context_length,
                      device=decoder.device, progress=progress, **options)
     check_draft_model(target, draft)

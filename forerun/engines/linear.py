@@ -14,7 +14,13 @@ business:
   scale and a zero point, ``w = (q - 8) * scale + zero``
   (``torch._weight_int4pack_mm_for_cpu``), bfloat16 activations.  A GGUF
   Q4_K, Q4_0 or Q4_1 tensor maps onto this exactly, up to rounding the scale
-  and zero to bfloat16.
+  and zero to bfloat16; its 5-to-8-bit tensors stay int8 (``q8``).
+* ``q4-all``: ``q4`` with every matrix in 4-bit groups, a GGUF's 5-to-8-bit
+  tensors requantized too (the embedding and a tied LM head stay int8).
+  The fewest bytes per step and the least faithful: what a draft model
+  runs in (:func:`forerun.drafters.registry.draft_weights`), since a
+  draft's precision changes how often its proposals are accepted, never
+  the output.
 
 The weight-only kernels are private torch ops; :func:`check_kernels` calls
 each once on a tiny matrix, so a changed signature in a new torch fails
@@ -33,7 +39,10 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "q8", "q4")
+WEIGHT_FORMATS = ("float32", "bfloat16", "q8", "q4", "q4-all")
+#: the formats of quantized layers, which read a GGUF's blocks directly
+#: (no float32 conversion) and keep the embedding as int8 rows
+QUANTIZED_FORMATS = ("q8", "q4", "q4-all")
 INT4_GROUP = 32
 # The int4 kernel packs output rows in blocks of this many.
 INT4_ROWS = 16
@@ -132,6 +141,15 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> Int4Groups:
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15)
     zero = lo + 8 * scale            # w = (q - 8) * scale + zero
     return Int4Groups(q.reshape(n, k).to(torch.uint8), scale, zero, group)
+
+
+def as_int4(w: "torch.Tensor | Quantized") -> "torch.Tensor | Quantized":
+    """``w`` as 4-bit groups (``q4-all``): 4-bit values as they are, others
+    (float, int8) requantized from their values; a matrix whose rows are
+    not whole groups is returned unchanged."""
+    if isinstance(w, Int4Groups) or w.shape[1] % INT4_GROUP:
+        return w
+    return quantize_int4(w if isinstance(w, torch.Tensor) else w.dequantize())
 
 
 def concat_rows(parts: list) -> "Quantized | torch.Tensor":
@@ -380,7 +398,10 @@ def fuse_linear(parts: list, bias: torch.Tensor | None, fmt: str,
     """One layer of format ``fmt`` computing the matrices ``parts`` stacked
     along their output rows (q/k/v, gate/up): fused into one matrix when
     they are of one kind, else a :class:`ConcatLinear` of one layer each
-    (quantized parts of different kinds are never requantized to fuse)."""
+    (quantized parts of different kinds are never requantized to fuse,
+    except under ``q4-all``, where every part becomes 4-bit first)."""
+    if fmt == "q4-all":
+        parts, fmt = [as_int4(p) for p in parts], "q4"
     if len(parts) == 1 or all(type(p) is type(parts[0]) for p in parts) or fmt in (
             "float32", "bfloat16"):
         if fmt in ("float32", "bfloat16"):
@@ -434,7 +455,9 @@ def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, f
     already quantized, e.g. a GGUF's own 4-bit blocks).  A float matrix is
     quantized here; quantized values asked for as ``float32``/``bfloat16``
     are dequantized.  Under ``q4``, values that are not 4-bit (an 8-bit or
-    6-bit GGUF tensor) stay int8: 4 bits would lose what they hold."""
+    6-bit GGUF tensor) stay int8: 4 bits would lose what they hold.  Under
+    ``q4-all`` they are requantized to 4 bits all the same (a layer of
+    format ``q4``); only rows that are not whole groups stay int8."""
     if fmt in ("float32", "bfloat16"):
         dense = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
         dtype = torch.float32 if fmt == "float32" else torch.bfloat16
@@ -443,6 +466,8 @@ def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, f
         if not isinstance(weight, Int8Rows):
             weight = quantize_int8(weight)
         return int8_layer(weight, bias, device)
+    if fmt == "q4-all":
+        weight, fmt = as_int4(weight), "q4"
     if fmt == "q4":
         if isinstance(weight, torch.Tensor):
             if weight.shape[1] % INT4_GROUP:

@@ -20,8 +20,9 @@ from ..config import ModelConfig
 from ..errors import ConfigError, ModelFormatError
 from ..kv_cache import KVCache
 from ..kernels.native import from_chunks
-from .linear import (WEIGHT_FORMATS, DenseLinear, Int8Linear, Int8Rows, Linear, check_kernels,
-                     fuse_linear, int8_layer, quantize_int8, restore_linear)
+from .linear import (QUANTIZED_FORMATS, WEIGHT_FORMATS, DenseLinear, Int8Linear, Int8Rows,
+                     Linear, check_kernels, fuse_linear, int8_layer, quantize_int8,
+                     restore_linear)
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -114,7 +115,7 @@ class Transformer:
         if tied and not c.tie_word_embeddings:
             raise ModelFormatError("the weights lack 'lm_head.weight' and the config "
                                    "does not tie word embeddings")
-        if fmt in ("q4", "q8"):
+        if fmt in QUANTIZED_FORMATS:
             # The embedding table as int8 rows; a tied LM head reads the same rows.
             if not isinstance(embed, Int8Rows):
                 embed = quantize_int8(embed)
@@ -168,7 +169,7 @@ class Transformer:
         # Activations: float32, except the dense bfloat16 format of old
         # (dtype=torch.bfloat16), which runs everything in bfloat16.
         self.dtype = dtype if fmt in ("float32", "bfloat16") and dtype != torch.float32 else torch.float32
-        if fmt in ("q4", "q8"):
+        if fmt in QUANTIZED_FORMATS:
             check_kernels(self.device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim

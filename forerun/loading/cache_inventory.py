@@ -6,7 +6,8 @@ The cache (:func:`~forerun.paths.cache_dir`) holds:
   ``.manifest.json`` beside each);
 * ``converted/<key>/``: GGUF files converted for the torch engine;
 * ``gguf-header/<key>/``: parsed GGUF headers for the llama.cpp engine;
-* ``packed/<key>/``: GGUF models built in the torch engine's q4/q8 formats;
+* ``packed/<key>/``: GGUF models built in the torch engine's quantized formats
+  (q4, q8, q4-all);
 * ``digests/``: remembered SHA-256 digests of model files (the keys above);
 * anything else (calibrations, Medusa training caches), listed as ``other``.
 

@@ -53,8 +53,8 @@ def packed_entry(digest: str, fmt: str, device: torch.device) -> CacheEntry:
 
 def packed_network(gguf_path: Path, config: ModelConfig, fmt: str, device: torch.device, *,
                    digest: str | None = None, progress: bool = True) -> Transformer:
-    """The ``fmt`` (``"q4"`` or ``"q8"``) network of ``gguf_path`` on
-    ``device``: read from the cache, or built from the GGUF and stored."""
+    """The ``fmt`` (``"q4"``, ``"q8"`` or ``"q4-all"``) network of
+    ``gguf_path`` on ``device``: read from the cache, or built from the GGUF and stored."""
     from .content_key import file_digest
     from .gguf_quantized import GGUFQuantizedWeights
 

@@ -82,6 +82,14 @@ def test_stats_say_what_ran_the_model(settings, line):
     assert engine_line(settings) == line
 
 
+def test_stats_say_what_ran_the_draft_model():
+    from forerun.cli.main import engine_line
+    settings = {"engine": "torch", "device": "cpu", "weights": "q4-all", "kernels": "native",
+                "threads": 2}
+    assert engine_line(settings, "draft engine") == (
+        "draft engine: torch on cpu, weights q4-all (forerun's native kernels), 2 threads")
+
+
 @pytest.mark.real_model
 def test_prompt_longer_than_context_is_a_clean_error(preset_gguf):
     preset_gguf("smollm2-135m")

@@ -12,7 +12,7 @@ import forerun
 from forerun.drafters.medusa import MedusaHeads
 from forerun.drafters.ngram import NgramDrafter
 from forerun.drafters.registry import (check_draft_model, default_draft, draft_kind,
-                                       load_draft_model)
+                                       draft_weights, load_draft_model)
 from forerun.errors import ConfigError, GenerationConfigError, TokenizerError
 from tiny_models import hf_folders
 
@@ -77,6 +77,21 @@ def test_a_draft_path_loads_like_the_target(tiny):
     assert draft.decoder.context_length == target.decoder.context_length
     assert draft.decoder.settings["weights"] == target.decoder.settings["weights"]
     assert draft.decoder.settings["engine"] == target.decoder.settings["engine"]
+
+
+def test_a_quantized_targets_draft_runs_every_matrix_in_4_bits(tiny):
+    """Beside a q4 or q8 target the draft loads in q4-all (its precision
+    never changes the output); beside a float target, in the target's
+    format."""
+    assert [draft_weights(f) for f in ("q4", "q8", "q4-all", "float32", "bfloat16")] == \
+        ["q4-all", "q4-all", "q4-all", "float32", "bfloat16"]
+    target, draft_folder = tiny
+    quantized = forerun.load(target.source, context_length=64, device="cpu", weights="q8",
+                             progress=False)
+    draft = load_draft_model(quantized, draft_folder)
+    assert draft.decoder.settings["weights"] == "q4-all"
+    layer = draft.decoder.model.layers[0].gate_up
+    assert layer.format == "q4"
 
 
 def test_api_draft_none_is_plain_decoding(tiny):

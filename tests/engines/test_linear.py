@@ -13,9 +13,8 @@ from gguf import GGMLQuantizationType as GGMLType
 import forerun
 from forerun.engines.grouping_probe import exact_group_size
 from forerun.engines.linear import (QUANTIZE_ROWS, WEIGHT_FORMATS, ConcatLinear, Int4Groups,
-                                    check_kernels,
-                                    fuse_linear, make_linear, quantize_int4, quantize_int8,
-                                    restore_linear)
+                                    check_kernels, concat_rows, fuse_linear, make_linear,
+                                    quantize_int4, quantize_int8, restore_linear)
 from forerun.engines.torch_engine import TorchDecoder
 from forerun.engines.transformer import Transformer
 from forerun.errors import ConfigError, EngineError
@@ -100,8 +99,9 @@ def test_each_format_computes_the_product(fmt):
     b = torch.randn(48, generator=gen)
     x = torch.randn(5, 64, generator=gen)
     layer = make_linear(w, b, fmt, CPU)
-    assert layer.format == fmt and (layer.out_features, layer.in_features) == (48, 64)
-    tolerance = {"float32": 1e-5, "bfloat16": 3e-2, "q8": 5e-2, "q4": 0.25}[fmt]
+    assert layer.format == {"q4-all": "q4"}.get(fmt, fmt)
+    assert (layer.out_features, layer.in_features) == (48, 64)
+    tolerance = {"float32": 1e-5, "bfloat16": 3e-2, "q8": 5e-2, "q4": 0.25, "q4-all": 0.25}[fmt]
     torch.testing.assert_close(layer(x), x @ w.t() + b, rtol=0, atol=tolerance)
     torch.testing.assert_close(layer.weight_rows(torch.tensor([3, 7])),
                                w[[3, 7]], rtol=0, atol=tolerance / 4)
@@ -166,6 +166,27 @@ def test_parts_of_different_kinds_keep_their_own_values(matrix_kernels):
     assert not isinstance(fuse_linear(parts[:2], None, "q4", CPU), ConcatLinear)
 
 
+def test_q4_all_makes_every_matrix_4_bit(matrix_kernels):
+    """Under q4-all the 8-bit part of a q/k/v is requantized to 4 bits and
+    fused with the 4-bit parts into one 4-bit layer (the 4-bit parts keep
+    their own values); rows that are not whole groups stay int8."""
+    gen = torch.Generator().manual_seed(5)
+    parts = [quantize_int4(torch.randn(32, 64, generator=gen)),
+             quantize_int4(torch.randn(16, 64, generator=gen)),
+             quantize_int8(torch.randn(16, 64, generator=gen))]
+    layer = fuse_linear(parts, None, "q4-all", CPU)
+    assert not isinstance(layer, ConcatLinear) and layer.format == "q4"
+    want = make_linear(concat_rows([parts[0], parts[1], quantize_int4(parts[2].dequantize())]),
+                       None, "q4", CPU)
+    x = torch.randn(3, 64, generator=gen)
+    assert torch.equal(layer(x), want(x))
+    four_bit = quantize_int4(parts[2].dequantize())
+    step = four_bit.scale.repeat_interleave(32, dim=1)
+    assert ((layer.weight_rows()[48:] - parts[2].dequantize()).abs() <= step).all()
+    assert make_linear(quantize_int8(torch.randn(32, 40)), None, "q4-all", CPU).format == "q8"
+    assert make_linear(parts[2], None, "q4", CPU).format == "q8"      # q4 keeps 8 bits
+
+
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS + ("mixed",))
 def test_a_layer_restored_from_its_state_computes_the_same(fmt, matrix_kernels):
     """What the packed-weight cache stores rebuilds the layer bit for bit,
@@ -205,15 +226,15 @@ def _network(fmt: str, arch: str = "qwen2") -> Transformer:
     return Transformer(config, state, weights_format=fmt)
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "q8", "q4"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "q8", "q4", "q4-all"])
 def test_logit_parity_with_the_float32_reference(fmt):
     prompt = list(range(5, 45))
     ref = TorchDecoder(_network("float32"), 128).feed(prompt).logits
     got = TorchDecoder(_network(fmt), 128).feed(prompt).logits
     cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
-    assert float(cos.min()) > {"bfloat16": 0.999, "q8": 0.99, "q4": 0.95}[fmt]
+    assert float(cos.min()) > {"bfloat16": 0.999, "q8": 0.99, "q4": 0.95, "q4-all": 0.95}[fmt]
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
-    assert float(agree) >= {"bfloat16": 0.95, "q8": 0.9, "q4": 0.75}[fmt]
+    assert float(agree) >= {"bfloat16": 0.95, "q8": 0.9, "q4": 0.75, "q4-all": 0.75}[fmt]
 
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
@@ -279,7 +300,7 @@ def test_weights_apply_to_the_torch_engine_only(preset_gguf):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("fmt", ["q4", "q8", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "bfloat16", "q4-all"])
 def test_real_model_formats_agree_with_float32(preset_model, fmt):
     """SmolLM2 (Q4_1 and Q8_0/Q6_K tensors) in each format against its
     float32 dequantization, over real text."""
@@ -291,7 +312,7 @@ def test_real_model_formats_agree_with_float32(preset_model, fmt):
     ref.decoder.reset()
     got = model.decoder.feed(ids).logits
     agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
-    assert agree >= {"bfloat16": 0.97, "q8": 0.9, "q4": 0.95}[fmt], agree
+    assert agree >= {"bfloat16": 0.97, "q8": 0.9, "q4": 0.95, "q4-all": 0.9}[fmt], agree
 
 
 @pytest.mark.real_model
@@ -305,10 +326,13 @@ def test_real_model_greedy_speculation_is_plain_decoding(preset_gguf, fmt):
                                          "List the first ten prime numbers, then repeat "
                                          "the list backwards."}])
     plain = model.generate(prompt_ids=ids, max_new_tokens=40, ignore_eos=True)
-    for draft, k in (("ngram", None), ("ngram", 6), (model, 4)):
+    # By name, the draft is a second copy loaded in q4-all.
+    for draft, k in (("ngram", None), ("ngram", 6), (model, 4), ("smollm2-135m", 4)):
         out = model.generate(prompt_ids=ids, max_new_tokens=40, ignore_eos=True,
                              draft=draft, draft_k=k)
         assert out.tokens == plain.tokens, (draft, k)
         # A fixed draft length always drafts; the adaptive one may take plain
         # steps where this machine's measured costs say drafting won't pay.
         assert out.stats.drafted > 0 or k is None, (draft, k)
+    assert model.drafts[-1] is not model
+    assert model.drafts[-1].decoder.settings["weights"] == "q4-all"
