@@ -3,13 +3,20 @@ acceptance: the :class:`~forerun.decoding.speculative.Planner` of
 :class:`~forerun.drafters.draft_model_tree.DraftModelTreeDrafter`.
 
 Before drafting, the depth: about two levels past the accepted length of
-recent rounds, when a tree of the recent size, accepting what recent trees
-accepted, would beat a plain step at the measured costs.  Where it would
-not, the cheapest tree: a chain of the draft's first choices, of the length
-that maximises tokens per second from the per-level acceptance of past
-rounds, as :class:`~forerun.decoding.draft_length.AdaptiveDraftLength`
-chooses a chain's length (so the adaptive tree drafts at least where the
-adaptive chain would); and where no chain pays either, a plain step.  Like
+recent tree rounds, when a tree of the recent size, accepting what recent
+trees accepted, would beat both a plain step and the best chain at the
+measured costs.  Where it would not, the cheapest tree: a chain of the
+draft's first choices, of the length that maximises tokens per second from
+the per-level acceptance of past rounds, as
+:class:`~forerun.decoding.draft_length.AdaptiveDraftLength` chooses a
+chain's length (so the adaptive tree drafts at least where the adaptive
+chain would, and trees only where they beat it); and where no chain pays
+either, a plain step.  A tree's estimates come from tree rounds only, so
+until the first tree round, and again every ``stale_every`` rounds, a tree
+that beats a plain step is drafted even where the chain looks better: its
+acceptance is only known by drafting one.  (On code, with the 0.5B Qwen
+draft on an AMD EPYC, trees four to eight levels deep accepted 5 to 6.5
+tokens a round but drafted for 200 ms, and ran at half the chain's speed.)  Like
 the adaptive draft length, it explores
 (:class:`~forerun.decoding.draft_length.Exploration`): a chain of one draft
 every few plain rounds where drafting could pay at all, and one level or
@@ -42,7 +49,7 @@ import torch
 from ..sampling import TokenSampler
 from .base import check_count
 from .draft_length import (OPTIMISTIC_ACCEPTANCE, AcceptanceEstimate, Exploration,
-                           VerifyCosts, best_chain_length)
+                           VerifyCosts, best_chain_length, expected_tokens)
 from .draft_tree import DraftTree
 from .tree import MAX_TREE_NODES
 
@@ -75,6 +82,8 @@ class NodeBudgetPolicy:
         #: the node budget of the next round with sampled siblings, chosen
         #: from the last round's drafts (see DraftTreePlanner.draft)
         self.planned = 4
+        self._tree_rounds = 0        # tree rounds learned from
+        self._since_tree = 0         # depth() calls since the last tree
 
     @property
     def confidence_scale(self) -> float:
@@ -88,23 +97,35 @@ class NodeBudgetPolicy:
     def depth(self, cap: int, draft_seconds) -> int:
         """Levels to draft (0: a plain step), and whether as a chain
         (:attr:`chain`); ``draft_seconds(depth, chain)``: the drafter's
-        cost.  Exploring follows :class:`Exploration`: a chain of one
-        draft, or, on a stale round, one chain level or one tree node
-        (:meth:`budget`) more than chosen."""
+        cost.  A tree where it beats a plain step and the best chain (or
+        its acceptance is unknown: no tree round yet, or none for
+        ``stale_every`` rounds).  Exploring follows :class:`Exploration`: a
+        chain of one draft, or, on a stale round, one chain level or one
+        tree node (:meth:`budget`) more than chosen."""
         depth = self.natural_depth(cap)
         nodes = max(1, min(cap, round(self.nodes)))
         self.exploring = self.chain = self._probe = False
         tree = (1.0 + self.accepted) / (self.costs(nodes + 1) + draft_seconds(depth, False))
-        if tree > 1.0 / self.costs(1):
+        chain = self.chain_length(cap, self.levels.rate, draft_seconds)
+        self._since_tree += 1
+        unknown = self._tree_rounds == 0 or self._since_tree >= self.exploration.stale_every
+        if tree > 1.0 / self.costs(1) and (
+                unknown or tree > self.chain_rate(chain, self.levels.rate, draft_seconds)):
+            self._since_tree = 0
             self._probe = self.exploring = self.exploration.adjust(depth, lambda: False) > depth
             return depth
-        chain = self.chain_length(cap, self.levels.rate, draft_seconds)
         optimistic = max(self.levels.rate, OPTIMISTIC_ACCEPTANCE)
         k = min(cap, self.max_depth, self.exploration.adjust(
             chain, lambda: self.chain_length(cap, optimistic, draft_seconds) > 0))
         self.chain = k > 0
         self.exploring = k > chain
         return k
+
+    def chain_rate(self, k: int, rate: float, draft_seconds) -> float:
+        """Expected tokens per second of a round drafting a chain of ``k``
+        (0: a plain step) accepted level by level with probability ``rate``."""
+        cost = (draft_seconds(k, True) if k else 0.0) + self.costs(k + 1)
+        return expected_tokens(k, rate) / cost
 
     def chain_length(self, cap: int, rate: float, draft_seconds) -> int:
         """The chain length in ``0..min(cap, max_depth)`` with the most
@@ -134,8 +155,10 @@ class NodeBudgetPolicy:
         depth."""
         self.levels.update(depth, accepted)
         decay = 0.9
-        self.accepted = decay * self.accepted + (1 - decay) * accepted
-        self.nodes = decay * self.nodes + (1 - decay) * len(scores)
+        if not self.chain:    # a tree's estimates: from tree rounds only
+            self._tree_rounds += 1
+            self.accepted = decay * self.accepted + (1 - decay) * accepted
+            self.nodes = decay * self.nodes + (1 - decay) * len(scores)
         self._predicted = decay * self._predicted + sum(scores)
         self._actual = decay * self._actual + accepted
 

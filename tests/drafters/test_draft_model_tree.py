@@ -255,6 +255,35 @@ def test_where_a_tree_would_not_pay_the_policy_drafts_the_best_chain():
     assert policy.depth(8, no_cost) == policy.natural_depth(8) and not policy.chain
 
 
+def test_a_tree_the_best_chain_beats_gives_way_to_the_chain():
+    """Once a tree round has shown what trees accept, a tree is drafted only
+    where it beats the best chain as well as a plain step; chain rounds
+    leave the tree's estimates alone, and a tree is tried again every
+    ``stale_every`` rounds (as on code, where deep trees accepted more but
+    drafted for so long that the chain ran twice as fast)."""
+    policy = NodeBudgetPolicy(max_nodes=8, stale_every=4)
+    policy.costs.seconds = [None] + [1 + 0.25 * n for n in range(9)]
+    policy.levels.successes, policy.levels.failures = 9.0, 1.0      # 90% per level
+    policy.accepted, policy.nodes = 4.0, 8.0
+    # A tree's level costs ten times a chain's: 5 tokens for 3.85 s against
+    # a chain's 6.1 for 3.3 s, and a plain step's 1 for 1.25 s.
+    cost = lambda depth, chain=False: (0.01 if chain else 0.1) * depth   # noqa: E731
+    assert policy.depth(8, cost) == 6 and not policy.chain       # no tree round yet
+    policy.learn([0.9] * 8, 4, 6)
+    chains = []
+    for _ in range(4):
+        depth = policy.depth(8, cost)
+        chains.append(policy.chain)
+        assert depth > 0 and policy.accepted == pytest.approx(4.0)   # from tree rounds only
+        policy.learn([0.9] * (depth if policy.chain else 8), 1, depth)
+    assert chains == [True, True, True, False]                   # the fourth: a tree again
+    assert policy.accepted < 4.0
+    # Where the tree beats the chain, trees.
+    policy.levels.successes, policy.levels.failures = 3.0, 7.0      # chains accept 30%
+    policy.accepted = 4.0
+    assert policy.depth(8, cost) == 6 and not policy.chain
+
+
 def test_the_chain_fallback_is_plain_greedy_and_verifies_no_side_branch():
     prompt = PROMPTS[1]
     plain = greedy_tokens(PlainDecoding(decoder("llama", "self")), prompt, N_NEW)
