@@ -110,7 +110,7 @@ def _build_service(args: argparse.Namespace):
     tree_options(draft, args.draft_k, args.draft_tree, args.tree_nodes, None)
     drafts = {}
     if draft_kind(draft) == "model":
-        # On the target's engine, in its weight format, with its context.
+        # On the target's engine, with its context (in q4-all beside a quantized target).
         loaded = load_draft_model(model, draft, progress=not args.quiet)
         drafts = {draft: loaded}
         if loaded.name != draft:

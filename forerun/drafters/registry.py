@@ -11,8 +11,9 @@ through these functions, so they follow the same rules:
 * a :class:`~forerun.drafters.base.Drafter` object: used as it is;
 * anything else, a :class:`~forerun.api.Model`, a preset name, a ``.gguf``
   path or a Hugging Face folder: a draft model.  A draft model runs on the
-  target's engine, in its weight format, device and context length, and
-  must share its tokenizer.
+  target's engine, device and context length, in the weight format
+  :func:`draft_weights` gives for the target's (q4-all beside a quantized
+  target), and must share its tokenizer.
 
 On the command line, a model run without ``--draft`` uses its preset's own
 draft (:func:`default_draft`).
