@@ -581,10 +581,10 @@ def _torch_model_files(model, weights: str, dtype: torch.dtype, device: torch.de
                        progress: bool):
     """The files of ``model`` for the torch engine in weight format
     ``weights`` (``"auto"`` resolved here), and that format.  A GGUF in a
-    quantized format (q4, q8, q4-all) comes with ``weights`` None: its network is built from the GGUF
-    itself, or read from the packed-weight cache
-    (:mod:`forerun.loading.packed_cache`); other models come through the
-    float32 conversion cache."""
+    quantized format (q4, q8, q4-all) comes with ``weights`` None: its
+    network is built from the GGUF itself, or read from the packed-weight
+    cache (:mod:`forerun.loading.packed_cache`); other models come through
+    the float32 conversion cache."""
     from .engines.linear import QUANTIZED_FORMATS
     from .loading.load import load_gguf_files, load_model_files, resolve_spec
 

@@ -8,6 +8,8 @@ import datetime as _dt
 import sys
 from pathlib import Path
 
+from ..cli.main import WEIGHT_CHOICES
+
 DEFAULT_METHODS = "plain,draft,ngram"
 
 
@@ -28,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the engine of forerun's rows, model and draft: torch (default) or "
                         "llama.cpp (GGUF models, quantized weights; needs forerun[llama])")
     p.add_argument("--weights", default="auto",
-                   choices=("auto", "float32", "bfloat16", "q8", "q4", "q4-all"),
+                   choices=WEIGHT_CHOICES,
                    help="the torch engine's weight format for the model (default auto: "
                         "for a GGUF, the fastest on this machine); beside a quantized model "
                         "the draft runs in q4-all")

@@ -10,6 +10,10 @@ from typing import Sequence
 
 from ..errors import ForerunError
 
+#: ``--weights`` values: "auto" and forerun.engines.linear.WEIGHT_FORMATS,
+#: written out so that parsing the command line does not import torch
+WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "q8", "q4", "q4-all")
+
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
@@ -23,7 +27,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "with llama.cpp (needs: pip install 'forerun[llama]'); a draft "
                         "model given by name runs on the same engine")
     p.add_argument("--weights", default="auto",
-                   choices=("auto", "float32", "bfloat16", "q8", "q4", "q4-all"),
+                   choices=WEIGHT_CHOICES,
                    help="the torch engine's weight format: q4 (4-bit groups; a GGUF's Q4 "
                         "tensors as they are, its 5-to-8-bit ones as int8), q4-all (every "
                         "matrix 4-bit: smaller, less faithful; what a draft runs in), q8 "
@@ -269,12 +273,14 @@ def print_stats(result, out, settings: dict | None = None,
 def engine_line(settings: dict, label: str = "engine") -> str:
     """What ran the model (or, under another ``label``, its draft model):
     engine, device, weight format and kernels."""
+    from ..engines.linear import QUANTIZED_FORMATS
+
     line = f"{label}: {settings.get('engine')} on {settings.get('device')}"
     if "weights" in settings:
         line += f", weights {settings['weights']}"
         if settings.get("kernels") == "native":
             line += " (forerun's native kernels)"
-        elif settings.get("weights") in ("q4", "q8", "q4-all"):
+        elif settings.get("weights") in QUANTIZED_FORMATS:
             line += " (torch's kernels)"
     if "threads" in settings:
         n = settings["threads"]

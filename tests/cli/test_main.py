@@ -82,6 +82,12 @@ def test_stats_say_what_ran_the_model(settings, line):
     assert engine_line(settings) == line
 
 
+def test_the_weights_option_offers_every_weight_format():
+    from forerun.cli.main import WEIGHT_CHOICES
+    from forerun.engines.linear import WEIGHT_FORMATS
+    assert WEIGHT_CHOICES == ("auto",) + WEIGHT_FORMATS
+
+
 def test_stats_say_what_ran_the_draft_model():
     from forerun.cli.main import engine_line
     settings = {"engine": "torch", "device": "cpu", "weights": "q4-all", "kernels": "native",
