@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..errors import ConfigError, ModelFormatError
 from ..kv_cache import KVCache
+from ..kernels import native
 from ..kernels.native import from_chunks
 from .linear import (QUANTIZED_FORMATS, WEIGHT_FORMATS, DenseLinear, Int8Linear, Int8Rows,
                      Linear, check_kernels, fuse_linear, int8_layer, quantize_int8,
@@ -171,6 +172,11 @@ class Transformer:
         self.dtype = dtype if fmt in ("float32", "bfloat16") and dtype != torch.float32 else torch.float32
         if fmt in QUANTIZED_FORMATS:
             check_kernels(self.device)
+        # forerun's native layer operations, where they run (float32 on a
+        # CPU with the library built): a decoding step's norms, gating and
+        # attention in one call each instead of dozens of torch operators.
+        self.layer_ops = (native.layer_ops() if self.device.type == "cpu"
+                          and self.dtype == torch.float32 else None)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
 
@@ -350,8 +356,35 @@ class Transformer:
         t = tokens.shape[0]
         start = cache.length
         cache.check_room(t)
-        end = start + t
         cos, sin = self.rope.cos_sin(positions, self.dtype)
+        x = self.embed(tokens).to(self.dtype)
+        ops = self.layer_ops
+        if ops is not None and (t == 1 or rowwise):
+            # Every position on its own, as a one-position forward computes it.
+            rows = None if mask is None else mask.to(torch.uint8).contiguous()
+            cos, sin = cos.contiguous(), sin.contiguous()
+            for n, layer in enumerate(self.layers):
+                qkv = layer.qkv(ops.rms_norm(x, layer.attn_norm, c.rms_norm_eps))
+                attn = ops.attention(qkv, cos, sin, cache.keys[n], cache.values[n], start,
+                                     rows, c.num_heads)
+                x = x + layer.o(attn)
+                h = ops.rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
+                x = x + layer.down(ops.silu_mul(layer.gate_up(h)))
+        else:
+            x = self._layers_in_torch(x, cos, sin, cache, start, mask, rowwise)
+        cache.advance(t)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        hidden = rms_norm(x, self.norm, c.rms_norm_eps)
+        logits = self.lm_head(hidden).float()
+        return logits, hidden
+
+    def _layers_in_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         cache: KVCache, start: int, mask: torch.Tensor | None,
+                         rowwise: bool) -> torch.Tensor:
+        """The decoder blocks in torch's operators (any device and dtype)."""
+        c, t = self.config, x.shape[0]
+        end = start + t
         visible: list[torch.Tensor | int] | None = None
         if rowwise and t > 1:
             # Per row: the end of a causal prefix, or the slots a mask allows.
@@ -360,7 +393,6 @@ class Transformer:
         elif mask is None and t > 1:
             mask = causal_mask(start, t, self.device)
         attn_mask = None if mask is None else mask[None, None]
-        x = self.embed(tokens).to(self.dtype)
         for n, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
             qkv = layer.qkv(h).to(self.dtype)
@@ -384,12 +416,7 @@ class Transformer:
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(h).to(self.dtype).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up).to(self.dtype)
-        cache.advance(t)
-        if logits_rows is not None:
-            x = x[logits_rows]
-        hidden = rms_norm(x, self.norm, c.rms_norm_eps)
-        logits = self.lm_head(hidden).float()
-        return logits, hidden
+        return x
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gqa: bool

@@ -1,6 +1,8 @@
 """forerun's native CPU kernels: the 4-bit and 8-bit matrix products of
-``avx2_int_products.c``, compiled with the machine's C compiler on first
-use and called through :mod:`ctypes`.
+``avx2_int_products.c`` and the per-position layer operations of
+``avx2_layer_ops.c`` (RMSNorm, SiLU gating, RoPE with attention), compiled
+with the machine's C compiler into one library on first use and called
+through :mod:`ctypes`.
 
 Why forerun has its own: torch's weight-only kernels multiply bfloat16
 activations, which costs an order of magnitude more instructions per weight
@@ -21,6 +23,11 @@ skips the timing and uses them).  Where they can't be had or lost (no AVX2,
 no C compiler, a failed build or check, torch's kernels faster,
 ``FORERUN_NATIVE_KERNELS=0``), :func:`native_kernels` returns None,
 :func:`unavailable_reason` says why, and the layers run torch's kernels.
+
+The layer operations replace dozens of torch operators per layer, whose
+dispatch costs more than their arithmetic at a few positions; they don't
+depend on the matrices' format, so :func:`layer_ops` gives them wherever
+the library built and passed its check, whichever kernels won the timing.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("avx2_int_products.c")
+LAYER_OPS_SOURCE = Path(__file__).with_name("avx2_layer_ops.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Bumped whenever the layouts or the functions' signatures change (the
 # packed-weight cache is keyed by it).
@@ -89,6 +97,15 @@ class NativeKernels:
         self._q8_linear = lib.fr_q8_linear
         self._q8_linear.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I]
         self._q8_linear.restype = _I
+        self._rms_norm = lib.fr_rms_norm
+        self._rms_norm.argtypes = [_P, _I, _I, _P, ctypes.c_float, _P]
+        self._rms_norm.restype = None
+        self._silu_mul = lib.fr_silu_mul
+        self._silu_mul.argtypes = [_P, _I, _I, _P]
+        self._silu_mul.restype = None
+        self._attention = lib.fr_attention
+        self._attention.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _I]
+        self._attention.restype = _I
 
     def quantize(self, x: torch.Tensor) -> QuantizedRows:
         """``x`` float32 ``[T, K]`` quantized to int8 per group of 32."""
@@ -151,6 +168,64 @@ class NativeKernels:
         return y
 
 
+    # -- layer operations (float32, contiguous, CPU) --------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * x / sqrt(mean(x ** 2) + eps)`` per row of ``x`` ``[T, H]``."""
+        x = _float_rows(x)
+        t, h = x.shape
+        y = torch.empty(t, h)
+        self._rms_norm(x.data_ptr(), t, h, weight.data_ptr(), eps, y.data_ptr())
+        return y
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``gate_up = [gate | up]`` ``[T, 2I]``: ``[T, I]``."""
+        gate_up = _float_rows(gate_up)
+        t, width = gate_up.shape
+        y = torch.empty(t, width // 2)
+        self._silu_mul(gate_up.data_ptr(), t, width // 2, y.data_ptr())
+        return y
+
+    def attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, start: int,
+                  mask: torch.Tensor | None, heads: int) -> torch.Tensor:
+        """One layer's attention for the ``T`` positions whose fused q/k/v
+        projections are ``qkv`` ``[T, (heads + 2 KV) D]``, at cache slots
+        ``start ..``: rotates their queries and keys by ``cos``/``sin``
+        ``[T, D]`` (in place, in ``qkv``), writes their keys and values into
+        the layer's cache ``keys``/``values`` ``[KV, capacity, D]``, and
+        returns ``[T, heads D]``.  ``mask``: None (causal) or uint8
+        ``[T, start + T]``, nonzero where a position sees a slot."""
+        qkv = _float_rows(qkv)
+        t = qkv.shape[0]
+        kv, capacity, d = keys.shape
+        if not (keys.dtype == values.dtype == torch.float32 and keys.is_contiguous()
+                and values.shape == keys.shape and values.is_contiguous()
+                and qkv.shape[1] == (heads + 2 * kv) * d and heads % kv == 0
+                and cos.shape == sin.shape == (t, d) and 0 <= start <= capacity - t
+                and (mask is None or (mask.dtype == torch.uint8 and mask.is_contiguous()
+                                      and mask.shape == (t, start + t)))):
+            raise ValueError(
+                "attention needs float32 contiguous caches [KV, capacity, D] with room for "
+                "T slots at start, q/k/v [T, (heads + 2 KV) D], angles [T, D] and a uint8 "
+                f"mask [T, start + T]; got q/k/v {tuple(qkv.shape)}, caches "
+                f"{tuple(keys.shape)} {keys.dtype}, start {start}, angles {tuple(cos.shape)}, "
+                f"mask {None if mask is None else tuple(mask.shape)}")
+        cos, sin = _float_rows(cos), _float_rows(sin)
+        out = torch.empty(t, heads * d)
+        if self._attention(qkv.data_ptr(), t, heads, kv, d, cos.data_ptr(), sin.data_ptr(),
+                           keys.data_ptr(), values.data_ptr(), capacity, start,
+                           None if mask is None else mask.data_ptr(), out.data_ptr(),
+                           torch.get_num_threads()):
+            raise MemoryError(f"no memory for the attention scores of {start + t} slots")
+        return out
+
+
+def _float_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the float32 contiguous rows the library reads."""
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+
+
 # -- layouts -------------------------------------------------------------------------
 
 def to_chunks(v: torch.Tensor) -> torch.Tensor:
@@ -195,15 +270,15 @@ def calibration_key() -> str:
     turned off, else their source's digest (without building them)."""
     if _switched_off():
         return "off"
-    digest = _source_digest(SOURCE)
+    digest = _source_digest(SOURCE, LAYER_OPS_SOURCE)
     return f"forced-{digest}" if _forced_on() else digest
 
 
 @functools.lru_cache(maxsize=None)
-def _source_digest(source: Path) -> str:
-    """The digest of the C source (read once: every calibration record's
+def _source_digest(*sources: Path) -> str:
+    """The digest of the C sources (read once: every calibration record's
     key asks for it)."""
-    return hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    return hashlib.sha256(b"".join(s.read_bytes() for s in sources)).hexdigest()[:12]
 
 
 def _switched_off() -> bool:
@@ -215,15 +290,43 @@ def _forced_on() -> bool:
 
 
 def native_kernels() -> NativeKernels | None:
-    """The kernels, built and checked on the first call; None where they
-    can't run here (:func:`unavailable_reason` says why)."""
+    """The kernels for the matrix products, built and checked on the first
+    call; None where they can't run here or lost to torch's
+    (:func:`unavailable_reason` says why)."""
     with _lock:
         if "kernels" not in _state:
             try:
-                _state["kernels"], _state["reason"] = _load(), None
+                kernels = _library()
+                if not _forced_on():
+                    _check_faster(kernels)
+                _state["kernels"], _state["reason"] = kernels, None
             except _Unavailable as exc:
                 _state["kernels"], _state["reason"] = None, str(exc)
         return _state["kernels"]  # type: ignore[return-value]
+
+
+def layer_ops() -> NativeKernels | None:
+    """The library for its layer operations (:meth:`NativeKernels.rms_norm`,
+    :meth:`~NativeKernels.silu_mul`, :meth:`~NativeKernels.attention`):
+    wherever it built and passed its check, whether or not its matrix
+    products beat torch's; None where it can't run here."""
+    with _lock:
+        try:
+            return _library()
+        except _Unavailable:
+            return None
+
+
+def _library() -> NativeKernels:
+    """The built and checked library (under ``_lock``); raises _Unavailable."""
+    if "library" not in _state:
+        try:
+            _state["library"], _state["library_reason"] = _load(), None
+        except _Unavailable as exc:
+            _state["library"], _state["library_reason"] = None, str(exc)
+    if _state["library"] is None:
+        raise _Unavailable(_state["library_reason"])
+    return _state["library"]  # type: ignore[return-value]
 
 
 def unavailable_reason() -> str | None:
@@ -263,8 +366,7 @@ def _load() -> NativeKernels:
         raise _Unavailable(f"{path} is of another version; remove it")
     kernels = NativeKernels(lib, path)
     _self_check(kernels)
-    if not _forced_on():
-        _check_faster(kernels)
+    _check_layer_ops(kernels)
     return kernels
 
 
@@ -281,7 +383,8 @@ def _missing_cpu_flags() -> list[str]:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    sources = (SOURCE, LAYER_OPS_SOURCE)
+    source = b"".join(s.read_bytes() for s in sources)
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                                  timeout=60).stdout.splitlines()[:1]
@@ -303,14 +406,15 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     path = folder / name
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp],
+        done = subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", tmp],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
-            raise _Unavailable(f"{compiler} failed to build {SOURCE.name}: "
+            raise _Unavailable(f"{compiler} failed to build "
+                               f"{' and '.join(s.name for s in sources)}: "
                                f"{done.stderr.strip()[-400:]}")
         os.replace(tmp, path)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise _Unavailable(f"{compiler} failed to build {SOURCE.name} ({exc})") from exc
+        raise _Unavailable(f"{compiler} failed to build the kernels ({exc})") from exc
     finally:
         Path(tmp).unlink(missing_ok=True)
     return path
@@ -345,6 +449,57 @@ def _self_check(kernels: NativeKernels) -> None:
         if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-3 * float(want.abs().max())):
             raise _Unavailable(f"the built library computes {name} products wrongly "
                                f"(largest error {float((got.double() - want).abs().max()):.3g})")
+
+
+def _check_layer_ops(kernels: NativeKernels) -> None:
+    """The layer operations on random values, against float64 formulas:
+    RMSNorm, SiLU gating, and attention with grouped heads over a cache,
+    causal and masked."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 40, generator=gen), torch.randn(40, generator=gen)
+    want = w.double() * x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    worst = {"RMSNorm": (kernels.rms_norm(x, w, 1e-6).double() - want).abs().max()}
+    gu = 4 * torch.randn(3, 2 * 20, generator=gen, dtype=torch.float64)
+    gate, up = gu.chunk(2, dim=-1)
+    worst["SiLU gating"] = (kernels.silu_mul(gu.float()).double()
+                            - gate * torch.sigmoid(gate) * up).abs().max()
+    heads, kv, d, capacity, start, t = 4, 2, 12, 16, 5, 3
+    qkv = torch.randn(t, (heads + 2 * kv) * d, generator=gen)
+    angles = torch.rand(t, d // 2, generator=gen, dtype=torch.float64) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    mask = torch.rand(t, start + t, generator=gen) < 0.7
+    mask[:, 0] = True
+    for rows in (None, mask):
+        keys = torch.randn(kv, capacity, d, generator=gen)
+        values = torch.randn(kv, capacity, d, generator=gen)
+        cache_k, cache_v = keys.double().clone(), values.double().clone()
+        fed = qkv.double().view(t, heads + 2 * kv, d)
+
+        def rotated(v):
+            half = d // 2
+            return v * cos[:, None] + torch.cat([-v[..., half:], v[..., :half]], -1) * sin[:, None]
+
+        q, k = rotated(fed[:, :heads]), rotated(fed[:, heads:heads + kv])
+        cache_k[:, start:start + t] = k.transpose(0, 1)
+        cache_v[:, start:start + t] = fed[:, heads + kv:].transpose(0, 1)
+        sees = (torch.arange(start + t)[None] <= torch.arange(start, start + t)[:, None]
+                if rows is None else rows)
+        group = heads // kv
+        scores = torch.einsum("thd,hsd->ths", q, cache_k[:, :start + t].repeat_interleave(
+            group, 0)) / d ** 0.5
+        probs = scores.masked_fill(~sees[:, None], float("-inf")).softmax(-1)
+        want = torch.einsum("ths,hsd->thd", probs, cache_v[:, :start + t].repeat_interleave(
+            group, 0)).reshape(t, heads * d)
+        got = kernels.attention(qkv.clone(), cos.float(), sin.float(), keys, values, start,
+                                None if rows is None else rows.to(torch.uint8), heads)
+        name = "attention" if rows is None else "masked attention"
+        worst[name] = max((got.double() - want).abs().max(),
+                          (keys.double() - cache_k).abs().max(),
+                          (values.double() - cache_v).abs().max())
+    for name, error in worst.items():
+        if not error < 1e-4:
+            raise _Unavailable(f"the built library computes {name} wrongly "
+                               f"(largest error {float(error):.3g})")
 
 
 # The shapes the kernels are timed on against torch's: an MLP block of

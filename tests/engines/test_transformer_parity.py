@@ -1,8 +1,11 @@
-"""forerun's engine against transformers on tiny random models (fp32)."""
+"""forerun's engine against transformers on tiny random models (fp32),
+with its layers' small operations in forerun's native library and in
+torch's operators."""
 
 import pytest
 import torch
 
+from forerun.kernels import native
 from tiny_models import VOCAB, forerun_decoder, hf_model
 
 TOL = 1e-4
@@ -19,11 +22,24 @@ CASES = [
 IDS = ["qwen2", "qwen2-tied", "llama", "llama3-rope", "linear-rope", "llama-mha"]
 
 
+@pytest.fixture(params=["native", "torch"])
+def layer_ops(request):
+    """Which runs a layer's norms, gating and attention (one position at a
+    time, or rowwise): forerun's native library or torch's operators."""
+    if request.param == "native" and native.layer_ops() is None:
+        pytest.skip(f"forerun's native library doesn't run here: {native.unavailable_reason()}")
+    return request.param
+
+
 @pytest.fixture(params=range(len(CASES)), ids=IDS)
-def pair(request):
+def pair(request, layer_ops):
     arch, overrides = CASES[request.param]
     model = hf_model(arch, seed=request.param, **overrides)
-    return model, forerun_decoder(model)
+    decoder = forerun_decoder(model)
+    assert (decoder.model.layer_ops is not None) == (native.layer_ops() is not None)
+    if layer_ops == "torch":
+        decoder.model.layer_ops = None
+    return model, decoder
 
 
 def reference_logits(model, ids):
@@ -86,3 +102,20 @@ def test_mixed_chunks_match(pair):
         rows.append(dec.feed(ids[i:i + size]).logits)
         i += size
     assert (torch.cat(rows) - ref).abs().max().item() < TOL
+
+
+def test_a_tree_matches_each_branch(pair):
+    """A tree of drafts in one forward (two branches sharing a first node):
+    each node's logits are those of its branch fed as a sequence."""
+    model, dec = pair
+    ids = prompt(44)
+    head, (a, b, c, d) = ids[:40], ids[40:]
+    dec.feed(head, last_only=True)
+    mask = torch.zeros(4, 44, dtype=torch.bool)
+    mask[:, :40] = True
+    for node, parents in enumerate([[], [0], [0], [0, 2]]):   # a; b <- a; c <- a; d <- c <- a
+        mask[node, [40 + p for p in parents] + [40 + node]] = True
+    out = dec.forward([a, b, c, d], [40, 41, 41, 42], mask).logits
+    left, right = reference_logits(model, head + [a, b]), reference_logits(model, head + [a, c, d])
+    want = torch.stack([left[40], left[41], right[41], right[42]])
+    assert (out - want).abs().max().item() < TOL

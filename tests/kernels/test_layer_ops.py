@@ -1,0 +1,191 @@
+"""forerun's native layer operations (``avx2_layer_ops.c``): RMSNorm,
+SiLU gating, and RoPE with the cache write and attention, against torch's
+operators; a position's result alone and among others; bad arguments; a
+library that computes them wrongly; and their use where torch's matrix
+kernels won the timing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forerun.engines.linear import make_linear
+from forerun.engines.rope import apply_rotary
+from forerun.engines.transformer import rms_norm
+from forerun.kernels import native
+
+CPU = torch.device("cpu")
+
+
+def _angles(positions: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    freqs = positions.float()[:, None] * inv[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _torch_attention(qkv, cos, sin, keys, values, start, mask, heads):
+    """What the transformer's torch path computes, on copies of the cache."""
+    t = qkv.shape[0]
+    kv, _, d = keys.shape
+    q, k, v = qkv.split((heads * d, kv * d, kv * d), dim=-1)
+    q = apply_rotary(q.reshape(t, heads, d).transpose(0, 1), cos, sin)
+    k = apply_rotary(k.reshape(t, kv, d).transpose(0, 1), cos, sin)
+    keys, values = keys.clone(), values.clone()
+    keys[:, start:start + t], values[:, start:start + t] = k, v.reshape(t, kv, d).transpose(0, 1)
+    if mask is None:
+        mask = torch.arange(start + t)[None] <= torch.arange(start, start + t)[:, None]
+    out = F.scaled_dot_product_attention(q[None], keys[None, :, :start + t],
+                                         values[None, :, :start + t], attn_mask=mask[None, None],
+                                         enable_gqa=heads != kv)
+    return out[0].transpose(0, 1).reshape(t, heads * d), keys, values
+
+
+def _case(heads, kv, d, start, t, capacity=300, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, (heads + 2 * kv) * d, generator=gen)
+    keys = torch.randn(kv, capacity, d, generator=gen)
+    values = torch.randn(kv, capacity, d, generator=gen)
+    cos, sin = _angles(torch.arange(start, start + t), d)
+    return qkv, cos, sin, keys, values
+
+
+def test_rms_norm_and_gating_match_torch(kernels):
+    gen = torch.Generator().manual_seed(0)
+    for h in (8, 40, 896, 1539):                        # whole vectors, and tails
+        x, w = torch.randn(5, h, generator=gen), torch.randn(h, generator=gen)
+        assert torch.allclose(kernels.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6),
+                              rtol=1e-5, atol=1e-5)
+        gate_up = 6 * torch.randn(5, 2 * h, generator=gen)
+        gate, up = gate_up.chunk(2, dim=-1)
+        assert torch.allclose(kernels.silu_mul(gate_up), F.silu(gate) * up,
+                              rtol=1e-5, atol=1e-5)
+    # Gates far out: silu(-100) is about 0 and silu(1e30) 1e30, not NaN or inf.
+    extreme = torch.tensor([[-100.0, 100.0, 0.0, -1e30, 1e30, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    assert torch.allclose(kernels.silu_mul(extreme), torch.tensor([[0.0, 100.0, 0.0, 0.0, 1e30]]),
+                          rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,kv,d", [(4, 2, 16), (4, 4, 12), (14, 2, 64), (12, 2, 128),
+                                        (3, 1, 10)])
+@pytest.mark.parametrize("start,t", [(0, 1), (37, 1), (200, 5), (0, 9)])
+def test_attention_matches_torchs(kernels, heads, kv, d, start, t):
+    """Grouped and plain heads, head sizes with and without a tail of 8,
+    an empty cache, one position and several: the output, and the rotated
+    keys and the values written into the cache, are torch's."""
+    qkv, cos, sin, keys, values = _case(heads, kv, d, start, t)
+    want, want_keys, want_values = _torch_attention(qkv, cos, sin, keys, values, start, None,
+                                                    heads)
+    got = kernels.attention(qkv.clone(), cos, sin, keys, values, start, None, heads)
+    assert torch.allclose(got, want, atol=2e-5)
+    assert torch.allclose(keys[:, :start + t], want_keys[:, :start + t], atol=2e-5)
+    assert torch.equal(values[:, :start + t], want_values[:, :start + t])
+
+
+def test_a_masked_attention_sees_only_its_slots(kernels):
+    """A tree's mask: each position attends over exactly the slots allowed."""
+    heads, kv, d, start, t = 4, 2, 16, 50, 6
+    qkv, cos, sin, keys, values = _case(heads, kv, d, start, t, seed=3)
+    mask = torch.rand(t, start + t, generator=torch.Generator().manual_seed(4)) < 0.5
+    mask[:, start:] = torch.eye(t, dtype=torch.bool) | (torch.rand(t, t) < 0.3).tril()
+    want, want_keys, _ = _torch_attention(qkv, cos, sin, keys, values, start, mask, heads)
+    got = kernels.attention(qkv.clone(), cos, sin, keys, values, start,
+                            mask.to(torch.uint8), heads)
+    assert torch.allclose(got, want, atol=2e-5)
+    # A slot it may not see changes nothing; one it sees changes its output.
+    hidden = int(torch.nonzero(~mask[0, :start])[0])
+    seen = int(torch.nonzero(mask[0, :start])[0])
+    for slot, changes in ((hidden, False), (seen, True)):
+        keys2, values2 = keys.clone(), values.clone()
+        values2[:, slot] += 1.0
+        again = kernels.attention(qkv.clone(), cos, sin, keys2, values2, start,
+                                  mask.to(torch.uint8), heads)
+        assert torch.equal(again[0], got[0]) != changes
+
+
+def test_a_position_is_the_same_alone_or_among_others(kernels):
+    """Row invariance: a position's output is bit-identical fed alone (as a
+    one-position step sees the slots before it) or anywhere among up to 17
+    positions, on 1 or 2 threads."""
+    heads, kv, d, start = 14, 2, 64, 120
+    qkv, cos, sin, keys, values = _case(heads, kv, d, start, 17, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            cache_k, cache_v = keys.clone(), values.clone()
+            together = kernels.attention(qkv.clone(), cos, sin, cache_k, cache_v, start, None,
+                                         heads)
+            for t in (2, 9, 17):
+                got = kernels.attention(qkv[:t].clone(), cos[:t], sin[:t], keys.clone(),
+                                        values.clone(), start, None, heads)
+                assert torch.equal(got, together[:t])
+            cache_k, cache_v = keys.clone(), values.clone()
+            for i in range(17):
+                alone = kernels.attention(qkv[i:i + 1].clone(), cos[i:i + 1], sin[i:i + 1],
+                                          cache_k, cache_v, start + i, None, heads)
+                assert torch.equal(alone[0], together[i]), (n, i)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_arguments_are_refused_before_any_write(kernels):
+    """Shapes that would make the library write past the cache or read
+    past the mask raise, and leave the cache as it was."""
+    heads, kv, d = 4, 2, 16
+    qkv, cos, sin, keys, values = _case(heads, kv, d, 0, 3, capacity=10)
+    before = keys.clone()
+    mask = torch.ones(3, 11, dtype=torch.uint8)
+    bad = {
+        "no room": dict(start=8),
+        "a negative start": dict(start=-1),
+        "a mask of the wrong shape": dict(start=8 - 3, mask=torch.ones(3, 4, dtype=torch.uint8)),
+        "a bool mask": dict(start=8, mask=mask.bool()),
+        "a half cache": dict(keys=keys.half()),
+        "a cache view": dict(keys=keys[:, ::2]),
+        "too few heads' values": dict(heads=3),
+        "angles of the wrong size": dict(cos=cos[:, :8]),
+    }
+    for what, change in bad.items():
+        args = dict(qkv=qkv.clone(), cos=cos, sin=sin, keys=keys, values=values, start=0,
+                    mask=None, heads=heads)
+        args.update(change)
+        with pytest.raises(ValueError, match="attention needs"):
+            kernels.attention(**args)
+        assert torch.equal(keys, before), what
+
+
+def test_a_library_whose_attention_is_wrong_is_refused(fresh_cache, monkeypatch, tmp_path):
+    """The load-time check catches layer operations that compute other
+    numbers (here attention scaled by 1/D instead of 1/sqrt(D))."""
+    source = native.LAYER_OPS_SOURCE.read_text()
+    wrong = source.replace("1.0f / sqrtf((float)D)", "1.0f / (float)D")
+    assert wrong != source
+    path = tmp_path / native.LAYER_OPS_SOURCE.name
+    path.write_text(wrong)
+    monkeypatch.setattr(native, "LAYER_OPS_SOURCE", path)
+    assert native.layer_ops() is None and native.native_kernels() is None
+    assert "computes attention wrongly" in native.unavailable_reason()
+
+
+def test_they_run_where_torchs_matrix_kernels_won(fresh_cache, monkeypatch):
+    """The layer operations don't depend on the matrices' kernels: where
+    torch's won the timing, the layers multiply with torch's and still
+    run their norms and attention natively."""
+    monkeypatch.delenv(native.SWITCH)
+    monkeypatch.setattr(native, "time_against_torch",
+                        lambda kernels, repeats=3: {"native": [30.0, 40.0],
+                                                    "torch": [10.0, 20.0]})
+    assert native.native_kernels() is None
+    assert native.layer_ops() is not None
+    assert getattr(make_linear(torch.randn(32, 64), None, "q4", CPU), "kernel") == "torch"
+
+
+def test_turned_off_by_the_switch_with_the_products(monkeypatch):
+    monkeypatch.setenv(native.SWITCH, "0")
+    native.reset()
+    try:
+        assert native.layer_ops() is None
+    finally:
+        native.reset()
