@@ -5,6 +5,7 @@ models with the float32 reference, exact verification groups per format
 
 from __future__ import annotations
 
+import math
 import numpy as np
 import pytest
 import torch
@@ -311,8 +312,9 @@ def test_real_model_formats_agree_with_float32(preset_model, fmt):
     want = ref.decoder.feed(ids).logits
     ref.decoder.reset()
     got = model.decoder.feed(ids).logits
-    agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
-    assert agree >= {"bfloat16": 0.97, "q8": 0.9, "q4": 0.95, "q4-all": 0.9}[fmt], agree
+    agree = int((got.argmax(-1) == want.argmax(-1)).sum())     # counted: 152/160 is 95%
+    share = {"bfloat16": 0.97, "q8": 0.9, "q4": 0.95, "q4-all": 0.9}[fmt]
+    assert agree >= math.ceil(share * len(ids) - 1e-9), f"{agree} of {len(ids)}"
 
 
 @pytest.mark.real_model
