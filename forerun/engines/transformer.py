@@ -351,6 +351,12 @@ class Transformer:
         kernels round differently for one query and for several, by ~1e-7,
         which the layers above can amplify past a near-tie).  What a
         verification uses; a prefill attends for all positions at once.
+
+        One position, or a rowwise forward, runs its norms, gating, RoPE and
+        attention in forerun's native layer operations where
+        :attr:`layer_ops` has them (every position computed on its own, in
+        a fixed order); anything else, and every other device, in torch's
+        operators.
         """
         c = self.config
         t = tokens.shape[0]

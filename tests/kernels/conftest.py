@@ -27,3 +27,18 @@ def fresh_cache(tmp_path, monkeypatch):
     native.reset()
     yield tmp_path / "cache" / "kernels"
     native.reset()
+
+
+@pytest.fixture()
+def altered_source(fresh_cache, monkeypatch, tmp_path):
+    """``alter(attribute, old, new)``: the library is built from a copy of
+    the C source ``native.<attribute>`` with ``old`` replaced by ``new``."""
+    def alter(attribute: str, old: str, new: str) -> None:
+        source = getattr(native, attribute)
+        text = source.read_text()
+        assert old in text
+        copy = tmp_path / source.name
+        copy.write_text(text.replace(old, new))
+        monkeypatch.setattr(native, attribute, copy)
+
+    return alter

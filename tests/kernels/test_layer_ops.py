@@ -156,15 +156,10 @@ def test_bad_arguments_are_refused_before_any_write(kernels):
         assert torch.equal(keys, before), what
 
 
-def test_a_library_whose_attention_is_wrong_is_refused(fresh_cache, monkeypatch, tmp_path):
+def test_a_library_whose_attention_is_wrong_is_refused(altered_source):
     """The load-time check catches layer operations that compute other
     numbers (here attention scaled by 1/D instead of 1/sqrt(D))."""
-    source = native.LAYER_OPS_SOURCE.read_text()
-    wrong = source.replace("1.0f / sqrtf((float)D)", "1.0f / (float)D")
-    assert wrong != source
-    path = tmp_path / native.LAYER_OPS_SOURCE.name
-    path.write_text(wrong)
-    monkeypatch.setattr(native, "LAYER_OPS_SOURCE", path)
+    altered_source("LAYER_OPS_SOURCE", "1.0f / sqrtf((float)D)", "1.0f / (float)D")
     assert native.layer_ops() is None and native.native_kernels() is None
     assert "computes attention wrongly" in native.unavailable_reason()
 
