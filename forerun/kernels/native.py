@@ -172,16 +172,22 @@ class NativeKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * x / sqrt(mean(x ** 2) + eps)`` per row of ``x`` ``[T, H]``."""
-        x = _float_rows(x)
+        x = x.float().contiguous()
         t, h = x.shape
+        if not (weight.dtype == torch.float32 and weight.is_contiguous()
+                and weight.shape == (h,)):
+            raise ValueError(f"RMSNorm needs a float32 contiguous weight of {h} values, got "
+                             f"{weight.dtype} {tuple(weight.shape)}")
         y = torch.empty(t, h)
         self._rms_norm(x.data_ptr(), t, h, weight.data_ptr(), eps, y.data_ptr())
         return y
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of ``gate_up = [gate | up]`` ``[T, 2I]``: ``[T, I]``."""
-        gate_up = _float_rows(gate_up)
+        gate_up = gate_up.float().contiguous()
         t, width = gate_up.shape
+        if width % 2:
+            raise ValueError(f"SiLU gating needs [gate | up] of even width, got {width}")
         y = torch.empty(t, width // 2)
         self._silu_mul(gate_up.data_ptr(), t, width // 2, y.data_ptr())
         return y
@@ -196,7 +202,7 @@ class NativeKernels:
         the layer's cache ``keys``/``values`` ``[KV, capacity, D]``, and
         returns ``[T, heads D]``.  ``mask``: None (causal) or uint8
         ``[T, start + T]``, nonzero where a position sees a slot."""
-        qkv = _float_rows(qkv)
+        qkv = qkv.float().contiguous()
         t = qkv.shape[0]
         kv, capacity, d = keys.shape
         if not (keys.dtype == values.dtype == torch.float32 and keys.is_contiguous()
@@ -211,7 +217,7 @@ class NativeKernels:
                 f"mask [T, start + T]; got q/k/v {tuple(qkv.shape)}, caches "
                 f"{tuple(keys.shape)} {keys.dtype}, start {start}, angles {tuple(cos.shape)}, "
                 f"mask {None if mask is None else tuple(mask.shape)}")
-        cos, sin = _float_rows(cos), _float_rows(sin)
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
         out = torch.empty(t, heads * d)
         if self._attention(qkv.data_ptr(), t, heads, kv, d, cos.data_ptr(), sin.data_ptr(),
                            keys.data_ptr(), values.data_ptr(), capacity, start,
@@ -219,11 +225,6 @@ class NativeKernels:
                            torch.get_num_threads()):
             raise MemoryError(f"no memory for the attention scores of {start + t} slots")
         return out
-
-
-def _float_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the float32 contiguous rows the library reads."""
-    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
 
 
 # -- layouts -------------------------------------------------------------------------
@@ -270,8 +271,13 @@ def calibration_key() -> str:
     turned off, else their source's digest (without building them)."""
     if _switched_off():
         return "off"
-    digest = _source_digest(SOURCE, LAYER_OPS_SOURCE)
+    digest = _source_digest(*_sources())
     return f"forced-{digest}" if _forced_on() else digest
+
+
+def _sources() -> tuple[Path, Path]:
+    """The C files the library is built from."""
+    return SOURCE, LAYER_OPS_SOURCE
 
 
 @functools.lru_cache(maxsize=None)
@@ -383,7 +389,7 @@ def _missing_cpu_flags() -> list[str]:
 
 
 def _build(compiler: str) -> Path:
-    sources = (SOURCE, LAYER_OPS_SOURCE)
+    sources = _sources()
     source = b"".join(s.read_bytes() for s in sources)
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True,

@@ -156,6 +156,15 @@ def test_bad_arguments_are_refused_before_any_write(kernels):
         assert torch.equal(keys, before), what
 
 
+def test_a_norm_weight_or_gating_width_that_does_not_fit_is_refused(kernels):
+    x = torch.randn(2, 16)
+    for weight in (torch.randn(15), torch.randn(16).double(), torch.randn(32)[::2]):
+        with pytest.raises(ValueError, match="RMSNorm needs"):
+            kernels.rms_norm(x, weight, 1e-6)
+    with pytest.raises(ValueError, match="even width"):
+        kernels.silu_mul(torch.randn(2, 15))
+
+
 def test_a_library_whose_attention_is_wrong_is_refused(altered_source):
     """The load-time check catches layer operations that compute other
     numbers (here attention scaled by 1/D instead of 1/sqrt(D))."""
