@@ -110,8 +110,8 @@ class Model:
                ignore_eos: bool = False, cancel=None, draft=None,
                draft_k: int | None = None, draft_async: bool = False,
                draft_threads: int | None = None, target_threads: int | None = None,
-               draft_tree: bool = False, tree_nodes: int | None = None
-               ) -> "GenerationStream":
+               draft_tree: bool = False, tree_nodes: int | None = None,
+               draft_lookup: bool = False) -> "GenerationStream":
         """Like :meth:`generate`, but returns an iterator of text deltas; its
         ``result`` attribute holds the :class:`GenerationResult` once the
         iteration has ended.
@@ -139,7 +139,8 @@ class Model:
                                         f"choose it every round), got {draft_k!r}")
         split = async_split(draft, draft_async, draft_threads, target_threads)
         tree = tree_options(draft, draft_k, draft_tree, tree_nodes, split)
-        method, drafts = self._method(draft, draft_k, split, tree)
+        lookup = lookup_option(draft, draft_lookup, draft_k, tree, split)
+        method, drafts = self._method(draft, draft_k, split, tree, lookup)
         return GenerationStream(self._run(method, drafts, ids, params, cancel))
 
     def _run(self, method, drafts: list["Model"], ids: list[int], params: GenerationParams,
@@ -190,6 +191,13 @@ class Model:
         ``tree_nodes`` (which also implies ``draft_tree``).  With Medusa
         heads, ``tree_nodes`` fixes the tree's node count.  ``draft_k``
         keeps meaning a chain of that length.
+
+        ``draft_lookup=True`` adds prompt lookup to a draft model: each
+        round drafts by looking the last tokens up in the prompt and the
+        text so far, or with the draft model, whichever is expected to
+        commit more tokens per second; the draft model then reads at most
+        the first and last 256 tokens of a long prompt
+        (:mod:`forerun.decoding.lookup_or_draft`).
         """
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
@@ -198,11 +206,12 @@ class Model:
 
     def _method(self, draft=None, draft_k: int | None = None,
                 split: tuple[int | None, int | None] | None = None,
-                tree: int | bool = False):
+                tree: int | bool = False, lookup: bool = False):
         """The decoding method for ``draft``, and the draft models it uses.
         ``split``: ``(draft_threads, target_threads)`` for asynchronous
         drafting, ``None`` for synchronous.  ``tree``: what
-        :func:`tree_options` made of the tree arguments.  A new method is
+        :func:`tree_options` made of the tree arguments.  ``lookup``: prompt
+        lookup beside the draft model (:func:`lookup_option`).  A new method is
         built holding this model (building may load a draft model and
         measure this one)."""
         from .decoding.plain import PlainDecoding
@@ -212,7 +221,7 @@ class Model:
             if draft_k is not None:
                 raise GenerationConfigError("draft_k needs a draft (draft=...)")
             return PlainDecoding(self.decoder), []
-        key = (draft if isinstance(draft, str) else id(draft), draft_k, split, tree)
+        key = (draft if isinstance(draft, str) else id(draft), draft_k, split, tree, lookup)
         built = self._methods.get(key)
         if built is None:
             with Holds([self._lock]):
@@ -222,6 +231,8 @@ class Model:
                     nodes = None if isinstance(tree, bool) else tree
                     if split is not None:
                         method = self._build_async(draft, draft_k, *split)
+                    elif lookup:
+                        method = self._build_lookup_or_draft(draft)
                     elif tree is not False and draft_kind(draft) == "model":
                         method = self._build_draft_tree(draft, nodes)
                     else:   # a chain, or Medusa's tree (nodes: its node count)
@@ -277,6 +288,19 @@ class Model:
         method = SpeculativeDecoding(self.decoder, planner=DraftTreePlanner(drafter,
                                                                             nodes=nodes))
         method.cost_store = cost_store(self, "+draft-tree")
+        return method
+
+    def _build_lookup_or_draft(self, draft):
+        """Prompt lookup and a draft model, each round drafting with the one
+        expected to pay more (:mod:`forerun.decoding.lookup_or_draft`)."""
+        from .decoding.lookup_or_draft import LOOKUP_DRAFT_WINDOW, LookupOrDraftPlanner
+        from .decoding.speculative import SpeculativeDecoding
+        from .drafters.draft_model import DraftModelDrafter
+
+        model = DraftModelDrafter(self._draft_decoder(draft), window=LOOKUP_DRAFT_WINDOW)
+        self.verification_grouping()
+        method = SpeculativeDecoding(self.decoder, planner=LookupOrDraftPlanner(model))
+        method.cost_store = cost_store(self)
         return method
 
     def _build_speculative(self, draft, draft_k: int | None):
@@ -423,6 +447,31 @@ def tree_options(draft, draft_k, draft_tree, tree_nodes, split) -> int | bool:
         raise GenerationConfigError("asynchronous drafting drafts chains; drop draft_async "
                                     "or draft_tree/tree_nodes")
     return True if tree_nodes is None else tree_nodes
+
+
+def lookup_option(draft, draft_lookup, draft_k, tree, split) -> bool:
+    """Whether :meth:`Model.stream` drafts with prompt lookup beside a
+    draft model (``draft_lookup``); every wrong combination is a
+    GenerationConfigError."""
+    from .drafters.registry import draft_kind
+
+    if not isinstance(draft_lookup, bool):
+        raise GenerationConfigError(f"draft_lookup must be True or False, got "
+                                    f"{draft_lookup!r}")
+    if not draft_lookup:
+        return False
+    if draft_kind(draft) != "model":
+        raise GenerationConfigError(
+            f"draft_lookup (--draft-lookup) adds prompt lookup to a draft model (a Model, "
+            f"preset or path), got draft={draft!r}; for prompt lookup alone use "
+            f"draft='ngram'")
+    if draft_k is not None:
+        raise GenerationConfigError("draft_lookup chooses each round's drafter and length "
+                                    "from measured costs; drop draft_k (--draft-k)")
+    if tree is not False or split is not None:
+        raise GenerationConfigError("draft_lookup drafts chains in the model's own thread; "
+                                    "drop draft_tree/tree_nodes and draft_async")
+    return True
 
 
 def cost_store(model: "Model", tag: str = "") -> "CalibrationStore":

@@ -123,6 +123,13 @@ register_method("plain", lambda: ForerunMethod("plain", description="plain decod
 register_method("draft", lambda: ForerunMethod("draft", use_draft_model=True,
                                                description="draft model, adaptive length"),
                 "speculative decoding with the draft model, adaptive draft length")
+register_method("draft-lookup",
+                lambda: ForerunMethod("draft-lookup", use_draft_model=True,
+                                      options={"draft_lookup": True},
+                                      description="prompt lookup or the draft model, "
+                                                  "whichever pays more each round"),
+                "prompt lookup beside the draft model: Model.generate(draft=..., "
+                "draft_lookup=True)")
 register_pattern(r"draft-k(\d+)", _draft_k, "draft-kN",
                  "speculative decoding with the draft model, draft length fixed at N")
 register_pattern(r"draft-tree(?:-n(\d+))?", _draft_tree, "draft-tree[-nN]",

@@ -54,6 +54,13 @@ def _add_tree_options(p: argparse.ArgumentParser) -> None:
                         "the node count of a Medusa tree")
 
 
+def _add_lookup_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-lookup", action="store_true",
+                   help="prompt lookup beside the draft model: each round drafts from the "
+                        "prompt and the text so far, or with the draft model, whichever "
+                        "is expected to pay more")
+
+
 def _add_async_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-async", action="store_true",
                    help="run the draft model in a thread of its own, drafting ahead while "
@@ -89,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(gen)
     _add_async_options(gen)
     _add_tree_options(gen)
+    _add_lookup_option(gen)
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is, without the chat template")
     gen.add_argument("--system", default=None, help="a system message for the chat template")
@@ -122,7 +130,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ..api import async_split, tree_options
+    from ..api import async_split, lookup_option, tree_options
     from ..generation.params import GenerationParams
     from ..sampling import SamplingParams
 
@@ -137,7 +145,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                            "folder, or leave --model out for the default")
     draft = resolve_draft_option(args)
     split = async_split(draft, args.draft_async, args.draft_threads, args.target_threads)
-    tree_options(draft, args.draft_k, args.draft_tree, args.tree_nodes, split)
+    tree = tree_options(draft, args.draft_k, args.draft_tree, args.tree_nodes, split)
+    lookup_option(draft, args.draft_lookup, args.draft_k, tree, split)
     with calibration_notices(shown=not args.quiet):
         return _generate(args, prompt, draft)
 
@@ -164,7 +173,7 @@ def _generate(args: argparse.Namespace, prompt: str, draft: str | None) -> int:
                           draft_k=args.draft_k, draft_async=args.draft_async,
                           draft_threads=args.draft_threads,
                           target_threads=args.target_threads, draft_tree=args.draft_tree,
-                          tree_nodes=args.tree_nodes)
+                          tree_nodes=args.tree_nodes, draft_lookup=args.draft_lookup)
     for delta in stream:
         if not args.json:
             sys.stdout.write(delta)

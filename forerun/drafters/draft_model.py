@@ -11,61 +11,51 @@ from ..decoder import Decoder
 from ..decoding.draft_length import refine_seconds
 from ..sampling import TokenSampler
 from .base import Draft
+from .draft_context import DraftContext
 
 
 class DraftModelDrafter:
     """Drafts autoregressively with its own Decoder.
 
-    Its cache always holds a prefix of the committed sequence (plus, during a
-    round, its own drafts); each proposal first feeds the committed tokens it
-    lacks, then drafts.  After verification nothing is re-fed that the cache
-    already holds: a rejected tail is rolled back in O(1).
+    Its cache always holds a prefix of its view of the committed sequence
+    (plus, during a round, its own drafts; :mod:`.draft_context`); each
+    proposal first feeds the committed tokens it lacks, then drafts.  After
+    verification nothing is re-fed that the cache already holds: a rejected
+    tail is rolled back in O(1).  ``window``: the most tokens of a prompt
+    it reads (:class:`~.draft_context.DraftContext`).
     """
 
     name = "draft"
 
-    def __init__(self, decoder: Decoder) -> None:
+    def __init__(self, decoder: Decoder, *, window: int | None = None) -> None:
         self.decoder = decoder
-        self._fed: list[int] = []     # tokens held in the draft cache, in order
-        self._known_committed = 0     # length of the last committed sequence seen
+        # What the cache holds: the view of the committed sequence (all of
+        # it, or a long prompt cut to ``window`` tokens), then drafts.
+        self.context = DraftContext(decoder, window)
+        self._known_committed = 0     # view length of the last committed sequence seen
         self._step_ema: float | None = None
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
-        self.decoder.reset()
-        self._fed = []
+        self.context.begin(prompt_ids)
         self._known_committed = 0
 
-    def _sync(self, sequence: Sequence[int]) -> list[int]:
-        """Roll the cache back to the longest common prefix with ``sequence``
-        and return the tokens still to feed."""
-        n = 0
-        limit = min(len(self._fed), len(sequence))
-        while n < limit and self._fed[n] == sequence[n]:
-            n += 1
-        if n < len(self._fed):
-            self.decoder.rollback(n)
-            del self._fed[n:]
-        return list(sequence[n:])
-
     def propose(self, sequence: Sequence[int], k: int, sampler: TokenSampler) -> Draft:
-        self._known_committed = len(sequence)
+        view = self.context.view(sequence)
+        self._known_committed = len(view)
         if k <= 0:
             return Draft([])
-        room = self.decoder.context_length - len(sequence)
-        k = min(k, room)
+        k = min(k, self.decoder.context_length - len(view))
         if k <= 0:
             return Draft([])
-        todo = self._sync(sequence)
-        if not todo:  # the whole sequence is cached: re-feed its last token
-            self.decoder.rollback(len(self._fed) - 1)
-            todo = [self._fed.pop()]
+        todo = self.context.catch_up(view)
+        fed = self.context.fed
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         step_seconds = []
         for i in range(k):
             start = time.perf_counter()
             logits = self.decoder.feed(todo, last_only=True).logits[-1]
-            self._fed.extend(todo)
+            fed.extend(todo)
             if sampler.greedy:
                 token = int(torch.argmax(logits))
             else:
@@ -98,10 +88,7 @@ class DraftModelDrafter:
         # Only the sequence seen at the last proposal is known to be
         # committed; anything fed after it is a draft that may have been
         # rejected.
-        keep = min(length, self._known_committed, len(self._fed))
-        if keep < len(self._fed):
-            self.decoder.rollback(max(keep, self.decoder.committed_length))
-            del self._fed[self.decoder.length:]
+        self.context.settle(min(self.context.view_length(length), self._known_committed))
 
     def step_seconds(self) -> float:
         return self._step_ema if self._step_ema is not None else 0.0

@@ -44,6 +44,7 @@ from ..decoding.draft_length import refine_seconds
 from ..decoding.draft_tree import DraftTree, topology
 from ..errors import ConfigError
 from ..sampling import TokenSampler
+from .draft_context import DraftContext
 
 
 @dataclass
@@ -86,7 +87,8 @@ class DraftModelTreeDrafter:
     needs_hidden = False
 
     def __init__(self, decoder: Decoder, *, width: int = 4, beam: int = 4,
-                 sample_siblings: bool = True, sibling_coverage: float = 0.8) -> None:
+                 sample_siblings: bool = True, sibling_coverage: float = 0.8,
+                 window: int | None = None) -> None:
         if not decoder.capabilities.tree_masks:
             raise ConfigError(f"a draft model drafts trees with tree attention masks over its "
                               f"own cache, which the {decoder.engine} engine does not take; "
@@ -102,8 +104,10 @@ class DraftModelTreeDrafter:
         self.width = width
         self.beam = beam
         self.sample_siblings = sample_siblings
-        self._fed: list[int] = []     # committed tokens held in the draft cache
-        self._known_committed = 0
+        # The committed tokens the cache holds, of the draft's view of the
+        # sequence (all of it, or a long prompt cut to ``window`` tokens).
+        self.context = DraftContext(decoder, window)
+        self._known_committed = 0     # view length of the last committed sequence seen
         self._last_depth: int | None = None     # the last round's depth
         # Seconds of one level forward: of ``beam`` nodes (False), of a
         # chain's one node (True).
@@ -111,27 +115,17 @@ class DraftModelTreeDrafter:
         self._catch_up_seconds: float | None = None
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
-        self.decoder.reset()
-        self._fed = []
+        self.context.begin(prompt_ids)
         self._known_committed = 0
         self._last_depth = None
 
     # -- drafting ----------------------------------------------------------------
-    def _catch_up(self, sequence: Sequence[int]) -> torch.Tensor:
-        """Feed the committed tokens the cache lacks; the draft's logits
-        after the root."""
-        n = 0
-        limit = min(len(self._fed), len(sequence))
-        while n < limit and self._fed[n] == sequence[n]:
-            n += 1
-        if n == len(sequence):          # all cached: feed the root again
-            n -= 1
-        if n < self.decoder.length:
-            self.decoder.rollback(n)
-        del self._fed[n:]
-        todo = list(sequence[n:])
+    def _catch_up(self, view: Sequence[int]) -> torch.Tensor:
+        """Feed the committed tokens of ``view`` the cache lacks; the draft's
+        logits after the root."""
+        todo = self.context.catch_up(view)
         logits = self.decoder.feed(todo, last_only=True).logits[-1]
-        self._fed.extend(todo)
+        self.context.fed.extend(todo)
         return logits
 
     def _children(self, logits: torch.Tensor, sampler: TokenSampler,
@@ -182,11 +176,12 @@ class DraftModelTreeDrafter:
         # of plain steps) is not what a round of drafting costs: timed, it
         # made the policy believe drafting never pays, and stop drafting
         # (even exploring) for good.
+        view = self.context.view(sequence)
         steady = (self._last_depth is not None
-                  and len(sequence) - self._known_committed <= self._last_depth + 1)
+                  and len(view) - self._known_committed <= self._last_depth + 1)
         t0 = time.perf_counter()
-        logits = self._catch_up(sequence)
-        self._known_committed = len(sequence)
+        logits = self._catch_up(view)
+        self._known_committed = len(view)
         self._last_depth = depth
         t1 = time.perf_counter()
         if steady:
@@ -302,10 +297,7 @@ class DraftModelTreeDrafter:
         """Nothing to do: the next round feeds the committed tokens."""
 
     def settle(self, length: int) -> None:
-        keep = min(length, self._known_committed, len(self._fed))
-        if keep < self.decoder.length:
-            self.decoder.rollback(max(keep, self.decoder.committed_length))
-        del self._fed[self.decoder.length:]
+        self.context.settle(min(self.context.view_length(length), self._known_committed))
 
     def draft_seconds(self, depth: int, chain: bool = False) -> float:
         """Estimated seconds to draft ``depth`` levels (of a chain:

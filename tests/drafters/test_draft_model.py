@@ -146,10 +146,10 @@ def test_settle_keeps_only_what_is_known_committed():
     assert inner.length == 7              # prompt + 4 fed drafts
     drafter.settle(9)                     # the drafts were never confirmed: dropped
     assert inner.length == 3
-    assert drafter._fed == inner.tokens == prompt
+    assert drafter.context.fed == inner.tokens == prompt
     drafts = drafter.propose(prompt, 3, sampler()).tokens
     drafter.settle(2)                     # below what it saw committed
-    assert inner.length == 2 and drafter._fed == prompt[:2]
+    assert inner.length == 2 and drafter.context.fed == prompt[:2]
     # it carries on from there, feeding only what it lacks
     sequence = prompt + drafts[:1]
     counted.feeds.clear()
@@ -260,7 +260,7 @@ def test_settle_after_a_rejected_round_keeps_no_rejected_draft():
     sequence = prompt + [extra]
     drafter.settle(len(sequence))
     assert inner.length <= len(sequence)
-    assert drafter._fed == inner.tokens                        # its record is right
+    assert drafter.context.fed == inner.tokens                        # its record is right
     assert inner.tokens == sequence[:inner.length], (
         f"settle kept rejected draft {inner.tokens[len(prompt):]} where the sequence "
         f"has {[extra]}")
