@@ -15,7 +15,7 @@ DEFAULT_PREFIX_CACHE_MB = 1024
 
 
 def add_parser(sub) -> None:
-    from .main import _add_model_options, _add_tree_options
+    from .main import _add_lookup_option, _add_model_options, _add_tree_options
 
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (needs: pip install 'forerun[server]')",
@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
                     "/v1/models), with speculative decoding and an exact prefix cache.")
     _add_model_options(p)
     _add_tree_options(p)
+    _add_lookup_option(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
                    "127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -95,7 +96,7 @@ def _build_service(args: argparse.Namespace):
     from ..server.app import Service
     from ..server.metrics import Metrics
     from ..server.prefix_cache import PrefixCache
-    from ..api import tree_options
+    from ..api import lookup_option, tree_options
     from ..drafters.registry import default_draft, draft_kind, load_draft_model
     from ..server.translate import Translator
     from ..server.worker import EngineWorker
@@ -107,7 +108,8 @@ def _build_service(args: argparse.Namespace):
     draft = default_draft(args.model, args.draft)
     if draft is None and args.draft_k is not None:
         raise ConfigError("--draft-k needs a draft: add --draft PRESET|PATH|ngram")
-    tree_options(draft, args.draft_k, args.draft_tree, args.tree_nodes, None)
+    tree = tree_options(draft, args.draft_k, args.draft_tree, args.tree_nodes, None)
+    lookup_option(draft, args.draft_lookup, args.draft_k, tree, None)
     drafts = {}
     if draft_kind(draft) == "model":
         # On the target's engine, with its context (in q4-all beside a quantized target).
@@ -118,7 +120,7 @@ def _build_service(args: argparse.Namespace):
     ids = [model.name] + ([name] if name != model.name else [])
     translator = Translator(model, ids, drafts, draft,
                             {"draft_k": args.draft_k, "draft_tree": args.draft_tree,
-                             "tree_nodes": args.tree_nodes})
+                             "tree_nodes": args.tree_nodes, "draft_lookup": args.draft_lookup})
     # Check the default drafter now, not on the first request.
     model.generate(prompt_ids=[0], max_new_tokens=1, **translator.default_options())
     prefix_cache = PrefixCache(model.decoder, limit_bytes=int(args.prefix_cache_mb * 2 ** 20),
@@ -133,5 +135,6 @@ def _build_service(args: argparse.Namespace):
                       created=int(time.time()))
     engine = model.decoder.engine
     shape = (f", trees of {args.tree_nodes} nodes" if args.tree_nodes else
-             ", trees" if args.draft_tree else f", k={args.draft_k}" if args.draft_k else "")
+             ", trees" if args.draft_tree else f", k={args.draft_k}" if args.draft_k else
+             ", with prompt lookup" if args.draft_lookup else "")
     return service, f"{model.name} ({engine}, draft: {draft or 'none'}{shape})"

@@ -99,20 +99,32 @@ class LookupOrDraftPlanner:
         """Expected committed tokens per second of a ``k``-token draft."""
         return expected_tokens(k, alpha) / (draft_seconds + self.policy.costs(k + 1))
 
+    def model_length(self, room: int) -> int:
+        """How many tokens the draft model would draft this round (0: a
+        plain step): the adaptive draft length, with its exploration."""
+        return max(0, min(self.policy.choose(self.model.step_seconds()), room))
+
+    def lookup_length(self, found: list[int], k_model: int) -> int:
+        """How many of the lookup's ``found`` tokens to draft this round,
+        or 0 to leave the round to the model (which would draft
+        ``k_model``): the best length at the lookup's acceptance, if its
+        expected tokens per second are at least the model's."""
+        alpha = self.lookup_acceptance.rate
+        k = best_draft_length(len(found), alpha, 0.0, self.policy.costs)
+        model_rate = self._rate(k_model, self.policy.acceptance.rate,
+                                k_model * self.model.step_seconds())
+        return k if k and self._rate(k, alpha, 0.0) >= model_rate else 0
+
     def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
               sampler: TokenSampler) -> DraftTree:
-        step = self.model.step_seconds()
-        k_model = max(0, min(self.policy.choose(step), room))
+        k_model = self.model_length(room)
         found = self.lookup.propose(sequence, min(self.max_k, room), sampler).tokens
         self._found, self._drafted_at = found, len(sequence)
-        if found:
-            alpha = self.lookup_acceptance.rate
-            k = best_draft_length(len(found), alpha, 0.0, self.policy.costs)
-            if k and self._rate(k, alpha, 0.0) >= self._rate(
-                    k_model, self.policy.acceptance.rate, k_model * step):
-                self.source = "lookup"
-                self.rounds["lookup"] += 1
-                return DraftTree.chain(sequence[-1], found[:k])
+        k = self.lookup_length(found, k_model) if found else 0
+        if k:
+            self.source = "lookup"
+            self.rounds["lookup"] += 1
+            return DraftTree.chain(sequence[-1], found[:k])
         self.source = "model"
         self.rounds["model"] += 1
         if not k_model:

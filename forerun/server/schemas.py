@@ -30,7 +30,8 @@ class Speculative(BaseModel):
     loaded; ``draft_k``: a fixed draft length (default: adaptive);
     ``draft_tree``: the draft model drafts a token tree (its node budget
     adaptive); ``tree_nodes``: a fixed node budget for that tree, or the
-    node count of a Medusa tree."""
+    node count of a Medusa tree; ``draft_lookup``: prompt lookup beside the
+    draft model, each round drafting with whichever pays more."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -38,6 +39,7 @@ class Speculative(BaseModel):
     draft_k: int | None = Field(default=None, ge=1, le=64)
     draft_tree: bool | None = None
     tree_nodes: int | None = Field(default=None, ge=1)
+    draft_lookup: bool | None = None
 
 
 class StreamOptions(_Body):

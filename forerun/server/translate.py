@@ -182,8 +182,9 @@ class Translator:
         spec = req.speculative
         name = self.default_draft if spec is None or spec.draft is None else spec.draft
         if spec is not None and (spec.draft_k is not None or spec.draft_tree is not None
-                                 or spec.tree_nodes is not None):
-            shape = _shape(spec.draft_k, spec.draft_tree, spec.tree_nodes)
+                                 or spec.tree_nodes is not None
+                                 or spec.draft_lookup is not None):
+            shape = _shape(spec.draft_k, spec.draft_tree, spec.tree_nodes, spec.draft_lookup)
         elif spec is None or spec.draft is None:
             shape = self.default_shape
         else:
@@ -212,14 +213,15 @@ class Translator:
 
 
 def _shape(draft_k: int | None = None, draft_tree: bool | None = None,
-           tree_nodes: int | None = None) -> dict[str, Any]:
-    return {"draft_k": draft_k, "draft_tree": bool(draft_tree), "tree_nodes": tree_nodes}
+           tree_nodes: int | None = None, draft_lookup: bool | None = None) -> dict[str, Any]:
+    return {"draft_k": draft_k, "draft_tree": bool(draft_tree), "tree_nodes": tree_nodes,
+            "draft_lookup": bool(draft_lookup)}
 
 
 def _check_shape(draft, shape: dict[str, Any]) -> None:
     """400 for a drafter shape the drafter cannot take (a tree of n-grams,
     a chain length and a tree at once, too many nodes)."""
-    from ..api import tree_options
+    from ..api import lookup_option, tree_options
     from ..decoding.tree import MAX_TREE_NODES
 
     nodes = shape["tree_nodes"]
@@ -228,10 +230,16 @@ def _check_shape(draft, shape: dict[str, Any]) -> None:
         raise bad_request(f"speculative.tree_nodes is at most {MAX_TREE_NODES}, got {nodes}",
                           param=param)
     try:
-        tree_options(draft, shape["draft_k"], shape["draft_tree"], nodes, None)
+        tree = tree_options(draft, shape["draft_k"], shape["draft_tree"], nodes, None)
     except ForerunError as exc:
         raise bad_request(str(exc).replace("--tree-nodes", "speculative.tree_nodes")
                           .replace("--draft-k", "speculative.draft_k"), param=param) from None
+    try:
+        lookup_option(draft, shape["draft_lookup"], shape["draft_k"], tree, None)
+    except ForerunError as exc:
+        raise bad_request(str(exc).replace("(--draft-lookup) ", "")
+                          .replace(" (--draft-k)", ""),
+                          param="speculative.draft_lookup") from None
 
 
 def _text_of(content: str | list[dict] | None, index: int) -> str:

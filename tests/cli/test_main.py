@@ -111,6 +111,11 @@ def test_prompt_longer_than_context_is_a_clean_error(preset_gguf):
     (["--draft", "ngram", "--draft-async"], "draft_async needs a draft model"),
     (["--draft", "none", "--draft-async"], "draft_async needs a draft model"),
     (["--draft", "x", "--draft-async", "--draft-threads", "0"], "draft_threads must be a positive"),
+    (["--draft", "ngram", "--draft-lookup"], "for prompt lookup alone use draft='ngram'"),
+    (["--draft", "none", "--draft-lookup"], "adds prompt lookup to a draft model"),
+    (["--draft", "x", "--draft-lookup", "--draft-k", "3"], "drop draft_k (--draft-k)"),
+    (["--draft", "x", "--draft-lookup", "--draft-tree"], "drop draft_tree"),
+    (["--draft", "x", "--draft-lookup", "--draft-async"], "draft_async"),
 ])
 def test_async_options_are_checked_before_loading(args, message, capsys):
     assert main(["generate", "--model", "/nonexistent", *args, "hi"]) == 1

@@ -326,6 +326,54 @@ def test_ngram_drafter_broken_twin_is_detected(monkeypatch):
     assert_detected(counts, TOP_P, prompt, "ngram residual_is_p")
 
 
+def lookup_or_draft(draft_table: torch.Tensor, alternate: bool = False):
+    """Prompt lookup beside a draft model, both over the tables; with
+    ``alternate``, the lookup drafts every other round it finds tokens (2 of
+    them) and the model the others (3), whatever the estimates say."""
+    from forerun.decoding.lookup_or_draft import LookupOrDraftPlanner
+    from forerun.drafters.ngram import NgramDrafter
+
+    class Alternating(LookupOrDraftPlanner):
+        turn = 0
+
+        def model_length(self, room):
+            return min(3, room)
+
+        def lookup_length(self, found, k_model):
+            self.turn += 1
+            return min(2, len(found)) if self.turn % 2 else 0
+
+    kind = Alternating if alternate else LookupOrDraftPlanner
+    planner = kind(DraftModelDrafter(TableDecoder(draft_table)), NgramDrafter(1, 3))
+    return SpeculativeDecoding(TableDecoder(TARGET), planner=planner), planner
+
+
+LOOKUP_PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1]
+
+
+@pytest.mark.parametrize("alternate", [False, True], ids=["estimates", "alternating"])
+def test_lookup_or_draft_is_exact(alternate):
+    """Rounds of point-mass drafts (the lookup) and of drafts drawn from the
+    model's distribution mix within and across generations: by the
+    planner's estimates, and alternating, so that both draft often."""
+    method, planner = lookup_or_draft(DRAFTS["partial_support"], alternate)
+    counts, stats = draw_counts(method, TOP_P, LOOKUP_PROMPT, N_SEQUENCES, seed=6)
+    check_stats(stats, N_SEQUENCES)
+    if alternate:
+        assert min(planner.rounds.values()) > N_SEQUENCES / 3, planner.rounds
+    assert_exact(counts, TOP_P, LOOKUP_PROMPT, "lookup or draft")
+
+
+@pytest.mark.power
+@pytest.mark.parametrize("rule", sorted(BROKEN_RULES))
+def test_lookup_or_draft_broken_twin_is_detected(monkeypatch, rule):
+    monkeypatch.setattr(speculative_module, "accept_tree_sampled",
+                        _accept_then(BROKEN_RULES[rule]))
+    method, _ = lookup_or_draft(DRAFTS["partial_support"], alternate=True)
+    counts, _ = draw_counts(method, TOP_P, LOOKUP_PROMPT, N_BROKEN, seed=6)
+    assert_detected(counts, TOP_P, LOOKUP_PROMPT, f"lookup or draft {rule}")
+
+
 # -- the test doubles themselves ---------------------------------------------------
 
 def test_table_decoder_follows_the_decoder_contract():

@@ -122,3 +122,25 @@ def test_api_draft_tree_matches_plain_and_refuses_wrong_combinations(tiny):
     for kwargs, message in wrong:
         with pytest.raises(GenerationConfigError, match=message):
             target.generate(prompt_ids=[1, 2, 3], max_new_tokens=2, **kwargs)
+
+
+def test_api_draft_lookup_matches_plain_and_refuses_wrong_combinations(tiny):
+    target, draft_folder = tiny
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    plain = target.generate(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True)
+    out = target.generate(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True,
+                          draft=draft_folder, draft_lookup=True)
+    assert out.tokens == plain.tokens and out.stats.method == "draft+lookup"
+    method, _ = target._method(draft_folder, lookup=True)
+    assert method.planner.model.context.window == 256
+    wrong = [
+        (dict(draft="ngram", draft_lookup=True), "for prompt lookup alone use draft='ngram'"),
+        (dict(draft=None, draft_lookup=True), "adds prompt lookup to a draft model"),
+        (dict(draft=draft_folder, draft_lookup=True, draft_k=2), "drop draft_k"),
+        (dict(draft=draft_folder, draft_lookup=True, draft_tree=True), "drop draft_tree"),
+        (dict(draft=draft_folder, draft_lookup=True, draft_async=True), "draft_async"),
+        (dict(draft=draft_folder, draft_lookup=1), "draft_lookup must be True or False"),
+    ]
+    for kwargs, message in wrong:
+        with pytest.raises(GenerationConfigError, match=message):
+            target.generate(prompt_ids=[1, 2, 3], max_new_tokens=2, **kwargs)

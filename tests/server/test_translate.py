@@ -23,8 +23,10 @@ def drafter(t: Translator, speculative: str | None = None) -> dict:
 
 
 def test_a_request_without_fields_gets_the_servers_drafter_and_shape():
-    chain = {"draft": DRAFT_MODEL, "draft_k": None, "draft_tree": False, "tree_nodes": None}
+    chain = {"draft": DRAFT_MODEL, "draft_k": None, "draft_tree": False, "tree_nodes": None,
+             "draft_lookup": False}
     assert drafter(translator()) == chain
+    assert drafter(translator(draft_lookup=True)) == {**chain, "draft_lookup": True}
     assert drafter(translator(draft_k=3)) == {**chain, "draft_k": 3}
     assert drafter(translator(draft_tree=True)) == {**chain, "draft_tree": True}
     assert drafter(translator(None)) == {"draft": None}
@@ -35,11 +37,15 @@ def test_a_request_that_shapes_its_drafter_takes_none_of_the_servers_shape():
     t = translator(draft_tree=True)
     assert drafter(t, '{"tree_nodes": 6}')["tree_nodes"] == 6
     assert drafter(t, '{"draft_k": 2}') == {"draft": DRAFT_MODEL, "draft_k": 2,
-                                            "draft_tree": False, "tree_nodes": None}
+                                            "draft_tree": False, "tree_nodes": None,
+                                            "draft_lookup": False}
+    assert drafter(t, '{"draft_lookup": true}')["draft_lookup"] is True
+    assert drafter(t, '{"draft_lookup": true}')["draft_tree"] is False
     assert drafter(t, '{"draft_tree": false}')["draft_tree"] is False
     # Naming another drafter drops the server's tree, which n-grams cannot draft.
     assert drafter(t, '{"draft": "ngram"}') == {"draft": "ngram", "draft_k": None,
-                                                "draft_tree": False, "tree_nodes": None}
+                                                "draft_tree": False, "tree_nodes": None,
+                                                "draft_lookup": False}
     assert drafter(translator(), '{"draft": "small", "draft_tree": true}')["draft_tree"]
     assert drafter(translator(), '{"draft": "medusa", "tree_nodes": 8}')["tree_nodes"] == 8
 
@@ -55,6 +61,13 @@ def test_a_request_that_shapes_its_drafter_takes_none_of_the_servers_shape():
     ('{"draft": "none", "draft_tree": true}', "speculative.draft_tree", "needs a drafter"),
     ('{"draft": "none", "draft_k": 3}', "speculative.draft_k", "needs a drafter"),
     ('{"draft": "qwen-9000"}', "speculative.draft", "'ngram'"),
+    ('{"draft": "ngram", "draft_lookup": true}', "speculative.draft_lookup",
+     "for prompt lookup alone use draft='ngram'"),
+    ('{"draft_k": 3, "draft_lookup": true}', "speculative.draft_lookup", "drop draft_k"),
+    ('{"draft_tree": true, "draft_lookup": true}', "speculative.draft_lookup",
+     "drop draft_tree"),
+    ('{"draft_lookup": 1}', "speculative.draft_lookup", "boolean"),
+    ('{"draft": "none", "draft_lookup": true}', "speculative.draft_lookup", "needs a drafter"),
 ])
 def test_shapes_a_drafter_cannot_take_are_400_naming_the_field(speculative, param, words):
     with pytest.raises(APIError) as err:
