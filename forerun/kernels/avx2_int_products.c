@@ -35,6 +35,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define GROUP 32
 #define BLOCK 256        /* 8 groups */
@@ -44,35 +45,96 @@
 
 int fr_abi_version(void) { return 3; }
 
+/* One group of 32 values (k0 + 32 <= K) into the chunk layout at ab:
+ * the same arithmetic as the scalar tail below, 8 lanes at a time
+ * (max is exact in any order; x * inv is one float multiply either way;
+ * vcvtps2dq rounds half to even, as nearbyintf does).  A group holding a
+ * NaN gets a NaN scale, so the products it enters are NaN (and the
+ * engine's check of the logits refuses them) instead of a number. */
+static inline void quantize_group(const float *x, int8_t *ab, float *d_out,
+                                  float *dsum_out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, v[j]), m);   /* a NaN is skipped */
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i q[4], sum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vinv));
+        sum = _mm256_add_epi32(sum, q[j]);
+    }
+    /* 32 int32 -> 32 int8 in order (packs work within 128-bit lanes). */
+    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i b = _mm256_packs_epi16(w01, w23);
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    int32_t quads[8];
+    _mm256_storeu_si256((__m256i *)quads, b);
+    for (int c = 0; c < 8; c++) memcpy(ab + 32 * c, &quads[c], 4);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    const float d = _mm256_movemask_ps(nan) ? NAN : amax / 127.0f;
+    *d_out = d;
+    *dsum_out = d * (float)_mm_cvtsi128_si32(s4);
+}
+
+/* One row: x [K] float32 -> a [Kp] int8 in the chunk layout, sa and sasum
+ * [Kp / 32]. */
+static void quantize_row(const float *xr, int K, int Kp, int8_t *ar, float *sar,
+                         float *sasumr) {
+    const int ng = Kp / GROUP;
+    for (int g = 0; g < ng; g++) {
+        int8_t *ab = ar + (size_t)(g / 8) * BLOCK + 4 * (g % 8);
+        const int k0 = g * GROUP;
+        if (k0 + GROUP <= K) {
+            quantize_group(xr + k0, ab, sar + g, sasumr + g);
+            continue;
+        }
+        float amax = 0.0f;
+        int nan = 0;
+        for (int i = 0; i < GROUP && k0 + i < K; i++) {
+            const float v = fabsf(xr[k0 + i]);
+            amax = v > amax ? v : amax;
+            nan |= isnan(v);
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < GROUP; i++) {
+            const float r = k0 + i < K ? nearbyintf(xr[k0 + i] * inv) : 0.0f;
+            const int v = isnan(r) ? 0 : (int)r;
+            ab[32 * (i / 4) + i % 4] = (int8_t)v;
+            sum += v;
+        }
+        const float d = nan ? NAN : amax / 127.0f;
+        sar[g] = d;
+        sasumr[g] = d * (float)sum;
+    }
+}
+
 /* x: [T, K] float32 (row stride K).  a: [T, Kp] int8 in the chunk layout;
  * sa, sasum: [T, Kp / 32] float32, the scale of each group and the scale
- * times the sum of the group's int8 values.  Kp is K rounded up to 256. */
+ * times the sum of the group's int8 values.  Kp is K rounded up to 256.
+ * Each row on its own, so a row's result does not depend on the others. */
+static void quantize_rows(const float *x, int T, int K, int Kp, int8_t *a, float *sa,
+                          float *sasum, int threads) {
+    const int ng = Kp / GROUP;
+#pragma omp parallel for num_threads(threads) schedule(static) if (T > 1)
+    for (int t = 0; t < T; t++)
+        quantize_row(x + (size_t)t * K, K, Kp, a + (size_t)t * Kp, sa + (size_t)t * ng,
+                     sasum + (size_t)t * ng);
+}
+
 void fr_quantize_rows(const float *x, int T, int K, int Kp, int8_t *a, float *sa,
                       float *sasum) {
-    const int ng = Kp / GROUP;
-    for (int t = 0; t < T; t++) {
-        const float *xr = x + (size_t)t * K;
-        int8_t *ar = a + (size_t)t * Kp;
-        for (int g = 0; g < ng; g++) {
-            int8_t *ab = ar + (size_t)(g / 8) * BLOCK + 4 * (g % 8);
-            const int k0 = g * GROUP;
-            float amax = 0.0f;
-            for (int i = 0; i < GROUP && k0 + i < K; i++) {
-                const float v = fabsf(xr[k0 + i]);
-                amax = v > amax ? v : amax;
-            }
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < GROUP; i++) {
-                const int v = k0 + i < K ? (int)nearbyintf(xr[k0 + i] * inv) : 0;
-                ab[32 * (i / 4) + i % 4] = (int8_t)v;
-                sum += v;
-            }
-            const float d = amax / 127.0f;
-            sa[(size_t)t * ng + g] = d;
-            sasum[(size_t)t * ng + g] = d * (float)sum;
-        }
-    }
+    quantize_rows(x, T, K, Kp, a, sa, sasum, 1);
 }
 
 static inline float sum_lanes(__m256 v) {
@@ -226,7 +288,7 @@ int fr_q4_linear(const float *x, int T, int K, int Kp, const uint8_t *q,
                  const uint16_t *scale, const uint16_t *min, int N, float *y, int threads) {
     int8_t *a; float *sa, *sasum;
     if (scratch(T, Kp, &a, &sa, &sasum)) return -1;
-    fr_quantize_rows(x, T, K, Kp, a, sa, sasum);
+    quantize_rows(x, T, K, Kp, a, sa, sasum, threads);
     fr_q4_matmul(q, scale, min, N, Kp, a, sa, sasum, T, y, threads);
     free(a); free(sa); free(sasum);
     return 0;
@@ -236,7 +298,7 @@ int fr_q8_linear(const float *x, int T, int K, int Kp, const int8_t *q, const fl
                  int N, float *y, int threads) {
     int8_t *a; float *sa, *sasum;
     if (scratch(T, Kp, &a, &sa, &sasum)) return -1;
-    fr_quantize_rows(x, T, K, Kp, a, sa, sasum);
+    quantize_rows(x, T, K, Kp, a, sa, sasum, threads);
     fr_q8_matmul(q, scale, N, Kp, a, sa, T, y, threads);
     free(a); free(sa); free(sasum);
     return 0;

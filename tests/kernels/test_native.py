@@ -72,6 +72,27 @@ def test_activations_are_quantized_per_group_of_32(kernels):
     assert (group_max == 127).all()
 
 
+@pytest.mark.parametrize("k", [300, 1536])
+def test_a_nan_activation_makes_its_rows_products_nan(kernels, k):
+    """Not a number: its group's scale is NaN, so every product of its row
+    is NaN, which the engine's logits check refuses (it used to be
+    quantized as 0, a finite wrong answer); the other rows are untouched."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(3, k, generator=gen)
+    for col in (40, k - 3):             # a whole group, and (k = 300) the last, partial one
+        bad = x.clone()
+        bad[1, col] = float("nan")
+        rows = kernels.quantize(bad)
+        assert torch.isnan(rows.scale[1, col // 32]) and torch.isfinite(rows.scale[[0, 2]]).all()
+        for fmt in ("q4", "q8") if k % 32 == 0 else ("q8",):    # q4 rows: whole groups
+            w = torch.randn(8, k, generator=gen) * 0.1
+            layer = make_linear(quantize_int4(w) if fmt == "q4" else quantize_int8(w), None,
+                                fmt, CPU)
+            y = layer(bad)
+            assert torch.isnan(y[1]).all(), fmt
+            assert torch.equal(y[[0, 2]], layer(x)[[0, 2]]), fmt
+
+
 # -- products -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 96), (40, 256), (33, 896), (16, 1568)])
