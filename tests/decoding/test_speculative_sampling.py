@@ -351,16 +351,17 @@ def lookup_or_draft(draft_table: torch.Tensor, alternate: bool = False):
 LOOKUP_PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1]
 
 
-@pytest.mark.parametrize("alternate", [False, True], ids=["estimates", "alternating"])
-def test_lookup_or_draft_is_exact(alternate):
+def test_lookup_or_draft_is_exact():
     """Rounds of point-mass drafts (the lookup) and of drafts drawn from the
-    model's distribution mix within and across generations: by the
-    planner's estimates, and alternating, so that both draft often."""
-    method, planner = lookup_or_draft(DRAFTS["partial_support"], alternate)
-    counts, stats = draw_counts(method, TOP_P, LOOKUP_PROMPT, N_SEQUENCES, seed=6)
-    check_stats(stats, N_SEQUENCES)
-    if alternate:
-        assert min(planner.rounds.values()) > N_SEQUENCES / 3, planner.rounds
+    model's distribution mix within and across generations.  They
+    alternate, so that both draft often: by the planner's own estimates the
+    model drafts almost every round here, and which source drafts a round
+    is decided before its verdict either way, which is all exactness
+    needs."""
+    method, planner = lookup_or_draft(DRAFTS["partial_support"], alternate=True)
+    counts, stats = draw_counts(method, TOP_P, LOOKUP_PROMPT, N_EXTRA, seed=6)
+    check_stats(stats, N_EXTRA)
+    assert min(planner.rounds.values()) > N_EXTRA / 3, planner.rounds
     assert_exact(counts, TOP_P, LOOKUP_PROMPT, "lookup or draft")
 
 
