@@ -42,8 +42,8 @@ from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
 from ..sampling import TokenSampler
 from .base import check_count
-from .draft_length import (AcceptanceEstimate, AdaptiveDraftLength, best_draft_length,
-                           expected_tokens)
+from .draft_length import (MAX_DRAFT_LENGTH, AcceptanceEstimate, AdaptiveDraftLength,
+                           best_draft_length, expected_tokens)
 from .draft_tree import DraftTree
 
 #: the most prompt tokens the draft model reads beside prompt lookup
@@ -70,7 +70,7 @@ class LookupOrDraftPlanner:
 
     def __init__(self, model: DraftModelDrafter, lookup: NgramDrafter | None = None, *,
                  max_k: int = 8) -> None:
-        check_count("max_k", max_k, 16)
+        check_count("max_k", max_k, MAX_DRAFT_LENGTH)
         self.model = model
         self.lookup = lookup if lookup is not None else NgramDrafter()
         self.name = "draft+lookup"
