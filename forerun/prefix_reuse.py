@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+from .token_sequences import common_prefix
+
 
 @dataclass(frozen=True, eq=False)
 class PrefixPayload:
@@ -103,8 +105,5 @@ def reusable_length(prefilled: Sequence[int], prompt: Sequence[int], block: int)
     """How many leading positions of ``prompt`` a cache whose ledger is
     ``prefilled`` can keep: the common prefix, rounded down to whole blocks,
     and short of the prompt's last token (its logits must be computed)."""
-    limit = min(len(prefilled), len(prompt) - 1)
-    n = 0
-    while n < limit and prefilled[n] == prompt[n]:
-        n += 1
+    n = common_prefix(prefilled, prompt[:-1])
     return n - n % block if block > 0 else 0

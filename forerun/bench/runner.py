@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 from ..calibration import cpu_name
 from ..errors import ForerunError
 from ..stats import acceptance_rate, mean_accepted_tokens
+from ..token_sequences import common_prefix
 from .errors import BenchError, MethodUnavailable
 from .method import BenchContext, BenchMethod
 from .prompts import Prompt, categories_of, load_prompts, select_prompts
@@ -387,7 +388,7 @@ def _run_prompt(ctx: BenchContext, methods: Sequence[BenchMethod], prompt: Promp
                 turn = next(i for i, d in enumerate(diffs) if d is not None)
                 row["first_mismatch"] = {"turn": turn + 1, "position": diffs[turn]}
         if m.peer and rows[PLAIN]["status"] == "ok":
-            same = sum(_common_prefix(a["tokens"], b["tokens"])
+            same = sum(common_prefix(a["tokens"], b["tokens"])
                        for a, b in zip(row["turns"], rows[PLAIN]["turns"]))
             row["plain_match_tokens"] = same
             row["plain_match"] = same / row["new_tokens"] if row["new_tokens"] else None
@@ -410,14 +411,6 @@ def _finish_row(row: dict[str, Any]) -> None:
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """The first position where two token lists differ (``None``: equal)."""
-    n = _common_prefix(a, b)
+    n = common_prefix(a, b)
     return None if n == len(a) == len(b) else n
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -41,6 +41,7 @@ from ..decoder import Decoder
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
 from ..sampling import TokenSampler
+from ..token_sequences import common_prefix
 from .base import check_count
 from .draft_length import (MAX_DRAFT_LENGTH, AcceptanceEstimate, AdaptiveDraftLength,
                            best_draft_length, expected_tokens)
@@ -143,10 +144,7 @@ class LookupOrDraftPlanner:
         if self.source == "model" and self._found:
             # What the lookup's proposal would have kept of this round.
             committed = sequence[self._drafted_at:]
-            same = 0
-            while (same < min(len(self._found), len(committed))
-                   and self._found[same] == committed[same]):
-                same += 1
+            same = common_prefix(self._found, committed)
             wrong = same < min(len(self._found), len(committed))
             self.lookup_acceptance.update(same + wrong, same)
 

@@ -27,6 +27,7 @@ from typing import Sequence
 
 from ..decoder import Decoder
 from ..errors import ConfigError
+from ..token_sequences import common_prefix
 
 #: tokens of a long prompt's start a window keeps
 SINK_TOKENS = 4
@@ -76,10 +77,7 @@ class DraftContext:
         and return the tokens still to feed: at least the last one (fed
         again when the whole view is cached), whose logits the next draft
         needs."""
-        n = 0
-        limit = min(len(self.fed), len(view))
-        while n < limit and self.fed[n] == view[n]:
-            n += 1
+        n = common_prefix(self.fed, view)
         if n == len(view):
             n -= 1
         if n < len(self.fed):
