@@ -111,7 +111,7 @@ class Model:
                draft_k: int | None = None, draft_async: bool = False,
                draft_threads: int | None = None, target_threads: int | None = None,
                draft_tree: bool = False, tree_nodes: int | None = None,
-               draft_lookup: bool = False) -> "GenerationStream":
+               draft_lookup: bool | None = None) -> "GenerationStream":
         """Like :meth:`generate`, but returns an iterator of text deltas; its
         ``result`` attribute holds the :class:`GenerationResult` once the
         iteration has ended.
@@ -192,12 +192,16 @@ class Model:
         heads, ``tree_nodes`` fixes the tree's node count.  ``draft_k``
         keeps meaning a chain of that length.
 
-        ``draft_lookup=True`` adds prompt lookup to a draft model: each
-        round drafts by looking the last tokens up in the prompt and the
-        text so far, or with the draft model, whichever is expected to
-        commit more tokens per second; the draft model then reads at most
-        the first and last 256 tokens of a long prompt
-        (:mod:`forerun.decoding.lookup_or_draft`).
+        A draft model drafts beside prompt lookup by default: each round
+        drafts by looking the last tokens up in the prompt and the text so
+        far, or with the draft model, whichever is expected to commit more
+        tokens per second; the draft model then reads at most the first and
+        last 256 tokens of a long prompt
+        (:mod:`forerun.decoding.lookup_or_draft`).  ``draft_lookup``:
+        ``None`` (the default) for wherever it applies, a draft model
+        drafting chains of a chosen length in this model's thread (no
+        ``draft_k``, tree or ``draft_async``); ``True`` to insist on it (an
+        error where it can't apply); ``False`` for the draft model alone.
         """
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
@@ -451,13 +455,17 @@ def tree_options(draft, draft_k, draft_tree, tree_nodes, split) -> int | bool:
 
 def lookup_option(draft, draft_lookup, draft_k, tree, split) -> bool:
     """Whether :meth:`Model.stream` drafts with prompt lookup beside a
-    draft model (``draft_lookup``); every wrong combination is a
-    GenerationConfigError."""
+    draft model: ``draft_lookup`` as given (``True`` or ``False``), or,
+    for ``None``, wherever it applies (see :func:`lookup_applies`).  An
+    explicit ``True`` where it can't apply, and any other value, is a
+    GenerationConfigError naming the conflict."""
     from .drafters.registry import draft_kind
 
-    if not isinstance(draft_lookup, bool):
-        raise GenerationConfigError(f"draft_lookup must be True or False, got "
-                                    f"{draft_lookup!r}")
+    if draft_lookup is not None and not isinstance(draft_lookup, bool):
+        raise GenerationConfigError(f"draft_lookup must be True, False or None (where it "
+                                    f"applies), got {draft_lookup!r}")
+    if draft_lookup is None:
+        return lookup_applies(draft, draft_k, tree, split)
     if not draft_lookup:
         return False
     if draft_kind(draft) != "model":
@@ -472,6 +480,19 @@ def lookup_option(draft, draft_lookup, draft_k, tree, split) -> bool:
         raise GenerationConfigError("draft_lookup drafts chains in the model's own thread; "
                                     "drop draft_tree/tree_nodes and draft_async")
     return True
+
+
+def lookup_applies(draft, draft_k, tree, split) -> bool:
+    """Whether prompt lookup goes beside ``draft`` by default: for a draft
+    model drafting chains of a chosen length in the model's own thread
+    (no ``draft_k``, no tree, no asynchronous ``split``).  Over the bench's
+    21 prompts (AMD EPYC, AVX2; the 1.5B Qwen target in q4 and its 0.5B
+    draft, greedy), the pair ran 5.7% and 9.9% faster than the draft model
+    alone in two runs, and 22-31% faster on RAG."""
+    from .drafters.registry import draft_kind
+
+    return draft_kind(draft) == "model" and draft_k is None and tree is False \
+        and split is None
 
 
 def cost_store(model: "Model", tag: str = "") -> "CalibrationStore":

@@ -121,15 +121,17 @@ def _draft_async(match: re.Match) -> BenchMethod:
 register_method("plain", lambda: ForerunMethod("plain", description="plain decoding, no draft"),
                 "plain decoding (the baseline; always run)")
 register_method("draft", lambda: ForerunMethod("draft", use_draft_model=True,
+                                               options={"draft_lookup": False},
                                                description="draft model, adaptive length"),
-                "speculative decoding with the draft model, adaptive draft length")
+                "speculative decoding with the draft model alone, adaptive draft length: "
+                "Model.generate(draft=..., draft_lookup=False)")
 register_method("draft-lookup",
                 lambda: ForerunMethod("draft-lookup", use_draft_model=True,
                                       options={"draft_lookup": True},
                                       description="prompt lookup or the draft model, "
                                                   "whichever pays more each round"),
-                "prompt lookup beside the draft model: Model.generate(draft=..., "
-                "draft_lookup=True)")
+                "prompt lookup beside the draft model, what a draft model does by "
+                "default: Model.generate(draft=...)")
 register_pattern(r"draft-k(\d+)", _draft_k, "draft-kN",
                  "speculative decoding with the draft model, draft length fixed at N")
 register_pattern(r"draft-tree(?:-n(\d+))?", _draft_tree, "draft-tree[-nN]",

@@ -55,10 +55,12 @@ def _add_tree_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_lookup_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-lookup", action="store_true",
+    p.add_argument("--draft-lookup", action=argparse.BooleanOptionalAction, default=None,
                    help="prompt lookup beside the draft model: each round drafts from the "
                         "prompt and the text so far, or with the draft model, whichever "
-                        "is expected to pay more")
+                        "is expected to pay more (default: on for a draft model drafting "
+                        "chains of a chosen length; --no-draft-lookup: the draft model "
+                        "alone)")
 
 
 def _add_async_options(p: argparse.ArgumentParser) -> None:

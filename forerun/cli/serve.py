@@ -109,7 +109,7 @@ def _build_service(args: argparse.Namespace):
     if draft is None and args.draft_k is not None:
         raise ConfigError("--draft-k needs a draft: add --draft PRESET|PATH|ngram")
     tree = tree_options(draft, args.draft_k, args.draft_tree, args.tree_nodes, None)
-    lookup_option(draft, args.draft_lookup, args.draft_k, tree, None)
+    lookup = lookup_option(draft, args.draft_lookup, args.draft_k, tree, None)
     drafts = {}
     if draft_kind(draft) == "model":
         # On the target's engine, with its context (in q4-all beside a quantized target).
@@ -136,5 +136,5 @@ def _build_service(args: argparse.Namespace):
     engine = model.decoder.engine
     shape = (f", trees of {args.tree_nodes} nodes" if args.tree_nodes else
              ", trees" if args.draft_tree else f", k={args.draft_k}" if args.draft_k else
-             ", with prompt lookup" if args.draft_lookup else "")
+             ", with prompt lookup" if lookup else "")
     return service, f"{model.name} ({engine}, draft: {draft or 'none'}{shape})"

@@ -215,7 +215,7 @@ class Translator:
 def _shape(draft_k: int | None = None, draft_tree: bool | None = None,
            tree_nodes: int | None = None, draft_lookup: bool | None = None) -> dict[str, Any]:
     return {"draft_k": draft_k, "draft_tree": bool(draft_tree), "tree_nodes": tree_nodes,
-            "draft_lookup": bool(draft_lookup)}
+            "draft_lookup": draft_lookup}
 
 
 def _check_shape(draft, shape: dict[str, Any]) -> None:

@@ -124,6 +124,20 @@ def test_async_options_are_checked_before_loading(args, message, capsys):
 
 
 @pytest.mark.real_model
+@pytest.mark.parametrize("args, method", [
+    ([], "draft+lookup"),                     # the default beside a draft model
+    (["--no-draft-lookup"], "draft"),
+    (["--draft-k", "2"], "draft"),            # a fixed length: the draft model alone
+])
+def test_a_draft_model_drafts_beside_prompt_lookup_unless_told_otherwise(
+        preset_gguf, capsys, args, method):
+    preset_gguf("smollm2-135m")
+    assert main(["generate", "-m", "smollm2-135m", "-d", "smollm2-135m", "-n", "8", "--raw",
+                 "--stats", "-q", "--weights", "q8", *args, "The capital of France is"]) == 0
+    assert f"method: {method}\n" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
 def test_generate_with_asynchronous_drafting_says_whether_it_paid(preset_gguf, capsys):
     preset_gguf("smollm2-135m")
     assert main(["generate", "-m", "smollm2-135m", "-d", "smollm2-135m", "--draft-async",

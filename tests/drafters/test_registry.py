@@ -133,13 +133,24 @@ def test_api_draft_lookup_matches_plain_and_refuses_wrong_combinations(tiny):
     assert out.tokens == plain.tokens and out.stats.method == "draft+lookup"
     method, _ = target._method(draft_folder, lookup=True)
     assert method.planner.model.context.window == 256
+    # By default a draft model drafts beside prompt lookup where it can: not
+    # with a fixed length, a tree or asynchronous drafting, nor when told not to.
+    default = target.generate(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True,
+                              draft=draft_folder)
+    assert default.tokens == plain.tokens and default.stats.method == "draft+lookup"
+    for kwargs, name in [(dict(draft_lookup=False), "draft"), (dict(draft_k=2), "draft"),
+                         (dict(draft_tree=True), "draft-tree"),
+                         (dict(draft_async=True), "draft-async")]:
+        out = target.generate(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True,
+                              draft=draft_folder, **kwargs)
+        assert out.tokens == plain.tokens and out.stats.method == name, kwargs
     wrong = [
         (dict(draft="ngram", draft_lookup=True), "for prompt lookup alone use draft='ngram'"),
         (dict(draft=None, draft_lookup=True), "adds prompt lookup to a draft model"),
         (dict(draft=draft_folder, draft_lookup=True, draft_k=2), "drop draft_k"),
         (dict(draft=draft_folder, draft_lookup=True, draft_tree=True), "drop draft_tree"),
         (dict(draft=draft_folder, draft_lookup=True, draft_async=True), "draft_async"),
-        (dict(draft=draft_folder, draft_lookup=1), "draft_lookup must be True or False"),
+        (dict(draft=draft_folder, draft_lookup=1), "draft_lookup must be True, False or None"),
     ]
     for kwargs, message in wrong:
         with pytest.raises(GenerationConfigError, match=message):

@@ -24,9 +24,10 @@ def drafter(t: Translator, speculative: str | None = None) -> dict:
 
 def test_a_request_without_fields_gets_the_servers_drafter_and_shape():
     chain = {"draft": DRAFT_MODEL, "draft_k": None, "draft_tree": False, "tree_nodes": None,
-             "draft_lookup": False}
+             "draft_lookup": None}       # None: prompt lookup wherever it applies
     assert drafter(translator()) == chain
     assert drafter(translator(draft_lookup=True)) == {**chain, "draft_lookup": True}
+    assert drafter(translator(draft_lookup=False)) == {**chain, "draft_lookup": False}
     assert drafter(translator(draft_k=3)) == {**chain, "draft_k": 3}
     assert drafter(translator(draft_tree=True)) == {**chain, "draft_tree": True}
     assert drafter(translator(None)) == {"draft": None}
@@ -38,14 +39,16 @@ def test_a_request_that_shapes_its_drafter_takes_none_of_the_servers_shape():
     assert drafter(t, '{"tree_nodes": 6}')["tree_nodes"] == 6
     assert drafter(t, '{"draft_k": 2}') == {"draft": DRAFT_MODEL, "draft_k": 2,
                                             "draft_tree": False, "tree_nodes": None,
-                                            "draft_lookup": False}
+                                            "draft_lookup": None}
     assert drafter(t, '{"draft_lookup": true}')["draft_lookup"] is True
+    assert drafter(translator(draft_lookup=True), '{"draft_lookup": false}'
+                   )["draft_lookup"] is False
     assert drafter(t, '{"draft_lookup": true}')["draft_tree"] is False
     assert drafter(t, '{"draft_tree": false}')["draft_tree"] is False
     # Naming another drafter drops the server's tree, which n-grams cannot draft.
     assert drafter(t, '{"draft": "ngram"}') == {"draft": "ngram", "draft_k": None,
                                                 "draft_tree": False, "tree_nodes": None,
-                                                "draft_lookup": False}
+                                                "draft_lookup": None}
     assert drafter(translator(), '{"draft": "small", "draft_tree": true}')["draft_tree"]
     assert drafter(translator(), '{"draft": "medusa", "tree_nodes": 8}')["tree_nodes"] == 8
 
