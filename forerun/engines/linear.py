@@ -14,7 +14,9 @@ business:
   scale and a zero point, ``w = (q - 8) * scale + zero``
   (``torch._weight_int4pack_mm_for_cpu``), bfloat16 activations.  A GGUF
   Q4_K, Q4_0 or Q4_1 tensor maps onto this exactly, up to rounding the scale
-  and zero to bfloat16; its 5-to-8-bit tensors stay int8 (``q8``).
+  and zero to bfloat16; a Q6_K tensor keeps its own 6-bit values where
+  forerun's native kernels run (:class:`Int6Blocks`), and its other 5-to-8-bit
+  tensors stay int8 (``q8``).
 * ``q4-all``: ``q4`` with every matrix in 4-bit groups, a GGUF's 5-to-8-bit
   tensors requantized too (the embedding and a tied LM head stay int8).
   The fewest bytes per step and the least faithful: what a draft model
@@ -104,12 +106,36 @@ class Int8Rows:
         return self.q.float() * self.scale[:, None]
 
 
-Quantized = Int4Groups | Int8Rows
+@dataclass
+class Int6Blocks:
+    """6-bit values of a ``[N, K]`` matrix, a GGUF Q6_K tensor's own: ``q``
+    uint8 ``[N, K]`` in ``0..63``, an int8 ``scale`` ``[N, K // 16]`` per 16
+    values and a float32 ``d`` ``[N, K // 256]`` per block of 256;
+    ``w[n, k] = d[n, k // 256] * scale[n, k // 16] * (q[n, k] - 32)``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    d: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def rows(self, start: int, stop: int) -> "Int6Blocks":
+        return Int6Blocks(self.q[start:stop], self.scale[start:stop], self.d[start:stop])
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        values = (self.q.float() - 32).view(n, k // 16, 16) * self.scale.float()[..., None]
+        return (values.view(n, k // 256, 256) * self.d[..., None]).view(n, k)
 
 
-def quantize_int8(w: "torch.Tensor | Int4Groups") -> Int8Rows:
+Quantized = Int4Groups | Int8Rows | Int6Blocks
+
+
+def quantize_int8(w: "torch.Tensor | Int4Groups | Int6Blocks") -> Int8Rows:
     """Symmetric round-to-nearest int8, one scale per row, of a float
-    matrix or of 4-bit values.  It works :data:`QUANTIZE_ROWS` rows at a
+    matrix or of 4-bit or 6-bit values.  It works :data:`QUANTIZE_ROWS` rows at a
     time, so their float32 copy stays in the CPU's cache; every row is
     quantized on its own, so the result is the same as in one piece."""
     parts = []
@@ -117,6 +143,8 @@ def quantize_int8(w: "torch.Tensor | Int4Groups") -> Int8Rows:
         if isinstance(w, Int4Groups):
             rows = Int4Groups(w.q[i:i + QUANTIZE_ROWS], w.scale[i:i + QUANTIZE_ROWS],
                               w.zero[i:i + QUANTIZE_ROWS], w.group).dequantize()
+        elif isinstance(w, Int6Blocks):
+            rows = w.rows(i, i + QUANTIZE_ROWS).dequantize()
         else:
             rows = w[i:i + QUANTIZE_ROWS].float()
         lo, hi = torch.aminmax(rows, dim=1)
@@ -162,6 +190,9 @@ def concat_rows(parts: list) -> "Quantized | torch.Tensor":
         raise ConfigError("concat_rows needs matrices of one kind; use fuse_linear")
     if isinstance(first, Int8Rows):
         return Int8Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    if isinstance(first, Int6Blocks):
+        return Int6Blocks(*(torch.cat([getattr(p, f) for p in parts])
+                            for f in ("q", "scale", "d")))
     if any(p.group != first.group for p in parts):
         raise ConfigError("cannot fuse int4 matrices with different group sizes")
     return Int4Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
@@ -427,9 +458,9 @@ def restore_linear(meta: dict, tensors: dict[str, torch.Tensor], device: torch.d
         layer.weight = tensors["weight"].to(device)
         layer.out_features, layer.in_features = layer.weight.shape
         layer.format = kind
-    elif kind in ("q8", "q4") and meta.get("kernel") == "native":
-        from .native_linear import NativeInt4Linear, NativeInt8Linear
-        layer = (NativeInt4Linear if kind == "q4" else NativeInt8Linear).restore(meta, tensors)
+    elif kind in ("q8", "q6", "q4") and meta.get("kernel") == "native":
+        from .native_linear import NATIVE_LAYERS
+        layer = NATIVE_LAYERS[kind].restore(meta, tensors)
     elif kind in ("q8", "q4"):
         cls = Int8Linear if kind == "q8" else Int4Linear
         layer = cls.__new__(cls)
@@ -454,8 +485,10 @@ def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, f
     """The layer of format ``fmt`` for ``weight`` (a float matrix, or values
     already quantized, e.g. a GGUF's own 4-bit blocks).  A float matrix is
     quantized here; quantized values asked for as ``float32``/``bfloat16``
-    are dequantized.  Under ``q4``, values that are not 4-bit (an 8-bit or
-    6-bit GGUF tensor) stay int8: 4 bits would lose what they hold.  Under
+    are dequantized.  Under ``q4``, values that are not 4-bit stay as
+    faithful as a kernel runs them: 6-bit blocks on forerun's native
+    kernels, else int8 (an 8-bit or 5-bit GGUF tensor): 4 bits would lose
+    what they hold.  Under
     ``q4-all`` they are requantized to 4 bits all the same (a layer of
     format ``q4``); only rows that are not whole groups stay int8."""
     if fmt in ("float32", "bfloat16"):
@@ -476,6 +509,9 @@ def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, f
         if isinstance(weight, Int8Rows):
             return int8_layer(weight, bias, device)
         from .native_linear import native_layer
+        if isinstance(weight, Int6Blocks):
+            return (native_layer(weight, bias, device)
+                    or int8_layer(quantize_int8(weight), bias, device))
         layer = native_layer(weight, bias, device)
         if layer is not None:
             return layer

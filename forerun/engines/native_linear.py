@@ -6,8 +6,8 @@ bfloat16.
 They hold the weights in the kernels' layout, padded along the input to a
 multiple of 256: 4-bit values with a float16 scale and minimum per group
 (``w = scale * q + minimum``, which is the engine's ``(q - 8) * scale +
-zero`` with ``minimum = zero - 8 * scale``), or int8 values with a float32
-scale per row.  :func:`native_layer` makes one where the kernels run and
+zero`` with ``minimum = zero - 8 * scale``), a Q6_K tensor's 6-bit values
+with their scales, or int8 values with a float32 scale per row.  :func:`native_layer` makes one where the kernels run and
 the values fit, and returns None otherwise, so the caller falls back to
 torch's kernels.
 """
@@ -18,12 +18,12 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels import native
-from .linear import Int4Groups, Int8Rows, Linear
+from .linear import Int4Groups, Int6Blocks, Int8Rows, Linear
 
 KERNEL = "native"
 
 
-def native_layer(values: "Int4Groups | Int8Rows", bias: torch.Tensor | None,
+def native_layer(values: "Int4Groups | Int6Blocks | Int8Rows", bias: torch.Tensor | None,
                  device: torch.device) -> Linear | None:
     """The native layer for ``values`` on ``device``, or None where the
     kernels don't run (another device, no kernels here) or the values
@@ -34,6 +34,8 @@ def native_layer(values: "Int4Groups | Int8Rows", bias: torch.Tensor | None,
         if values.group != native.GROUP:
             return None
         return NativeInt4Linear.build(values, bias)
+    if isinstance(values, Int6Blocks):
+        return NativeInt6Linear.build(values, bias)
     return NativeInt8Linear.build(values, bias)
 
 
@@ -113,6 +115,58 @@ class NativeInt4Linear(_NativeLinear):
         return self._add_bias(y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features))
 
 
+class NativeInt6Linear(_NativeLinear):
+    """6-bit weights in a GGUF Q6_K tensor's own blocks (an int8 scale per 16
+    values, a float one per 256), int8 activations, native kernel: the
+    values exactly, in 6.6 bits a weight where int8 rows took 8."""
+
+    format = "q6"
+
+    @classmethod
+    def build(cls, values: Int6Blocks, bias: torch.Tensor | None) -> "NativeInt6Linear":
+        layer = cls.__new__(cls)
+        layer.out_features, layer.in_features = values.shape
+        pad = native.padded(layer.in_features) - layer.in_features
+        q = torch.nn.functional.pad(values.q.cpu(), (0, pad))
+        layer.low = native.pack_nibbles(q & 15)
+        layer.high = native.pack_high_bits(q).contiguous()
+        scale = torch.nn.functional.pad(values.scale.cpu(), (0, pad // 16))
+        layer.scale = native.half_group_order(scale).contiguous()
+        layer.d = torch.nn.functional.pad(values.d.float().cpu(),
+                                          (0, pad // native.BLOCK)).contiguous()
+        layer.bias = None if bias is None else bias.float().cpu()
+        return layer
+
+    @property
+    def nbytes(self) -> int:
+        return self.low.numel() + self.high.numel() + self.scale.numel() + 4 * self.d.numel()
+
+    def values(self, index: torch.Tensor | None = None) -> Int6Blocks:
+        """The layer's 6-bit values (rows ``index``, all by default), as
+        :class:`Int6Blocks` over the padded input length."""
+        low, high, scale, d = self.low, self.high, self.scale, self.d
+        if index is not None:
+            low, high, scale, d = low[index], high[index], scale[index], d[index]
+        q = native.unpack_nibbles(low) | native.unpack_high_bits(high)
+        return Int6Blocks(q, native.natural_half_order(scale), d)
+
+    def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        return self.values(index).dequantize()[:, :self.in_features]
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        return self._shape_meta(), self._bias_state(
+            {"low": self.low, "high": self.high, "scale": self.scale, "d": self.d})
+
+    @classmethod
+    def restore(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> "NativeInt6Linear":
+        return cls._restored(meta, tensors, ("low", "high", "scale", "d"))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        y = self._kernels().q6_linear(x2, self.low, self.high, self.scale, self.d)
+        return self._add_bias(y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features))
+
+
 class NativeInt8Linear(_NativeLinear):
     """int8 weights with a float32 scale per row, int8 activations, native
     kernel."""
@@ -151,3 +205,7 @@ class NativeInt8Linear(_NativeLinear):
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         y = self._kernels().q8_linear(x2, self.q, self.scale)
         return self._add_bias(y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features))
+
+
+#: the native layer of each stored kind (:func:`~.linear.restore_linear`)
+NATIVE_LAYERS = {"q4": NativeInt4Linear, "q6": NativeInt6Linear, "q8": NativeInt8Linear}

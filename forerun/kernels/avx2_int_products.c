@@ -27,6 +27,14 @@
  *
  * 4-bit:  W[n, k] = scale[n, g] * q[n, k] + min[n, g], q in 0..15, scale
  *         and min as IEEE half floats, g = k / 32.
+ * 6-bit:  W[n, k] = d[n, b] * sc[n, h] * (q[n, k] - 32), q in 0..63, an int8
+ *         scale per half group h (16 values) and a float d per block b of
+ *         256: a GGUF Q6_K block's own values.  The low 4 bits of q are
+ *         packed as 4-bit weights are; the high 2 bits of chunks 4r..4r+3
+ *         share 32 bytes r of the block (chunk 4r + i in bits 2i, 2i+1), so
+ *         a shift and an and put them at bits 4-5.  The half groups' scales
+ *         of a block are stored as the 8 first halves (chunks 0-3), then
+ *         the 8 second halves (chunks 4-7).
  * 8-bit:  W[n, k] = scale[n] * q[n, k], q in -128..127, float scale.
  */
 
@@ -43,7 +51,7 @@
 #define TILE 6           /* activation rows sharing one pass over a weight row */
 #define PREFETCH 2048    /* bytes ahead of the 4-bit weights being read */
 
-int fr_abi_version(void) { return 3; }
+int fr_abi_version(void) { return 4; }
 
 /* One group of 32 values (k0 + 32 <= K) into the chunk layout at ab:
  * the same arithmetic as the scalar tail below, 8 lanes at a time
@@ -225,6 +233,91 @@ static inline __attribute__((always_inline)) void q8_row(
     for (int t = 0; t < TT; t++) y[(size_t)t * N] = scale * sum_lanes(acc[t]);
 }
 
+/* Half-group sums of int8 activations, times 32 (the 6-bit weights' offset):
+ * hs [T, 2 * ng]; for block b, hs[16 b .. 16 b + 7] are the first halves
+ * (chunks 0-3) of its 8 groups, hs[16 b + 8 ..] the second halves. */
+static void half_sums(const int8_t *a, int T, int Kp, int32_t *hs) {
+    const int nb = Kp / BLOCK;
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int t = 0; t < T; t++) {
+        for (int b = 0; b < nb; b++) {
+            const int8_t *ab = a + (size_t)t * Kp + (size_t)b * BLOCK;
+            __m256i half[2];
+            for (int h = 0; h < 2; h++) {
+                __m256i s = _mm256_setzero_si256();
+                for (int i = 4 * h; i < 4 * h + 4; i++)
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                        ones8, _mm256_loadu_si256((const __m256i *)(ab + 32 * i))), ones16));
+                half[h] = _mm256_slli_epi32(s, 5);
+            }
+            int32_t *out = hs + (size_t)t * 2 * (Kp / GROUP) + 16 * b;
+            _mm256_storeu_si256((__m256i *)out, half[0]);
+            _mm256_storeu_si256((__m256i *)(out + 8), half[1]);
+        }
+    }
+}
+
+/* Chunks 2p and 2p+1 of a 6-bit block as unsigned bytes (0..63). */
+static inline __attribute__((always_inline)) void q6_chunks(
+        const uint8_t *qb, __m256i hv, int p, __m256i *w0, __m256i *w1) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30);
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(qb + 32 * p));
+    /* chunk 4r + i keeps its high bits at 2i: move them to bit 4 (the and
+       drops what a 16-bit shift carries over from the neighbouring byte) */
+    const __m256i h0 = p % 2 == 0 ? _mm256_slli_epi16(hv, 4) : hv;
+    const __m256i h1 = p % 2 == 0 ? _mm256_slli_epi16(hv, 2) : _mm256_srli_epi16(hv, 2);
+    *w0 = _mm256_or_si256(_mm256_and_si256(packed, nibble), _mm256_and_si256(h0, high));
+    *w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
+                          _mm256_and_si256(h1, high));
+}
+
+/* One 6-bit weight row against TT (1..TILE) activation rows. */
+static inline __attribute__((always_inline)) void q6_row(
+        const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *dw, int ng,
+        const int8_t *a, const float *sa, const int32_t *hs, int Kp, int TT, float *y,
+        int N) {
+    __m256 acc[TILE];
+    for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int g0 = 0; g0 < ng; g0 += 8) {
+        const int b = g0 / 8;
+        const uint8_t *qb = ql + (size_t)b * 128;
+        const uint8_t *hb = qh + (size_t)b * 64;
+        _mm_prefetch((const char *)(qb + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(qb + PREFETCH + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(hb + PREFETCH / 2), _MM_HINT_T0);
+        const __m256 d = _mm256_set1_ps(dw[b]);
+        for (int h = 0; h < 2; h++) {          /* first halves, then second halves */
+            const __m256i hv = _mm256_loadu_si256((const __m256i *)(hb + 32 * h));
+            __m256i s32[TILE];
+            for (int t = 0; t < TT; t++) s32[t] = _mm256_setzero_si256();
+            for (int p = 2 * h; p < 2 * h + 2; p++) {
+                __m256i w0, w1;
+                q6_chunks(qb, hv, p, &w0, &w1);
+                for (int t = 0; t < TT; t++) {
+                    const int8_t *at = a + (size_t)t * Kp + (size_t)b * BLOCK + 64 * p;
+                    /* two pairs of products: at most 2 * 2 * 63 * 127 = 32004 */
+                    const __m256i s16 = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)at)),
+                        _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(at + 32))));
+                    s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16, ones));
+                    __asm__("" : "+x"(s32[t]));     /* as in q4_row */
+                }
+            }
+            const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(sc + 2 * g0 + 8 * h)))));
+            for (int t = 0; t < TT; t++) {
+                const __m256i offset = _mm256_loadu_si256(
+                    (const __m256i *)(hs + (size_t)t * 2 * ng + 2 * g0 + 8 * h));
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(s32[t], offset));
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dot, scale),
+                                         _mm256_loadu_ps(sa + (size_t)t * ng + g0), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < TT; t++) y[(size_t)t * N] = sum_lanes(acc[t]);
+}
+
 #define FOR_TILES(CALL)                                                         \
     for (int t0 = 0; t0 < T; t0 += TILE) {                                      \
         const int TT = T - t0 < TILE ? T - t0 : TILE;                           \
@@ -271,6 +364,24 @@ void fr_q8_matmul(const int8_t *q, const float *scale, int N, int Kp, const int8
     }
 }
 
+/* ql: [N, Kp / 2] packed low nibbles; qh: [N, Kp / 4] high bits; sc: [N, Kp / 16]
+ * int8 half-group scales; d: [N, Kp / 256] float32; a, sa from fr_quantize_rows,
+ * hs from half_sums; y: [T, N] float32. */
+static void q6_matmul(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *d,
+                      int N, int Kp, const int8_t *a, const float *sa, const int32_t *hs,
+                      int T, float *y, int threads) {
+    const int ng = Kp / GROUP;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int c = 0; c < (N + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
+        const int n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
+#define Q6_CALL(TT_)                                                            \
+    q6_row(ql + (size_t)n * (Kp / 2), qh + (size_t)n * (Kp / 4), sc + (size_t)n * (Kp / 16), \
+           d + (size_t)n * (Kp / BLOCK), ng, a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, \
+           hs + (size_t)t0 * 2 * ng, Kp, TT_, y + (size_t)t0 * N + n, N)
+        FOR_TILES(Q6_CALL)
+    }
+}
+
 /* A layer's whole product in one call: x [T, K] float32 quantized into
  * scratch memory of this call's own (so concurrent callers share nothing),
  * then multiplied.  Returns 0, or -1 when the scratch can't be allocated. */
@@ -301,5 +412,18 @@ int fr_q8_linear(const float *x, int T, int K, int Kp, const int8_t *q, const fl
     quantize_rows(x, T, K, Kp, a, sa, sasum, threads);
     fr_q8_matmul(q, scale, N, Kp, a, sa, T, y, threads);
     free(a); free(sa); free(sasum);
+    return 0;
+}
+
+int fr_q6_linear(const float *x, int T, int K, int Kp, const uint8_t *ql, const uint8_t *qh,
+                 const int8_t *sc, const float *d, int N, float *y, int threads) {
+    int8_t *a; float *sa, *sasum;
+    if (scratch(T, Kp, &a, &sa, &sasum)) return -1;
+    int32_t *hs = malloc((size_t)T * 2 * (Kp / GROUP) * sizeof(int32_t));
+    if (!hs) { free(a); free(sa); free(sasum); return -1; }
+    quantize_rows(x, T, K, Kp, a, sa, sasum, threads);
+    half_sums(a, T, Kp, hs);
+    q6_matmul(ql, qh, sc, d, N, Kp, a, sa, hs, T, y, threads);
+    free(a); free(sa); free(sasum); free(hs);
     return 0;
 }

@@ -1,4 +1,4 @@
-"""forerun's native CPU kernels: the 4-bit and 8-bit matrix products of
+"""forerun's native CPU kernels: the 4-bit, 6-bit and 8-bit matrix products of
 ``avx2_int_products.c`` and the per-position layer operations of
 ``avx2_layer_ops.c`` (RMSNorm, SiLU gating, RoPE with attention), compiled
 with the machine's C compiler into one library on first use and called
@@ -51,7 +51,7 @@ LAYER_OPS_SOURCE = Path(__file__).with_name("avx2_layer_ops.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Bumped whenever the layouts or the functions' signatures change (the
 # packed-weight cache is keyed by it).
-ABI_VERSION = 3
+ABI_VERSION = 4
 SWITCH = "FORERUN_NATIVE_KERNELS"
 # Input lengths are padded to a multiple of this (8 groups of 32).
 BLOCK = 256
@@ -97,6 +97,9 @@ class NativeKernels:
         self._q8_linear = lib.fr_q8_linear
         self._q8_linear.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I]
         self._q8_linear.restype = _I
+        self._q6_linear = lib.fr_q6_linear
+        self._q6_linear.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I]
+        self._q6_linear.restype = _I
         self._rms_norm = lib.fr_rms_norm
         self._rms_norm.argtypes = [_P, _I, _I, _P, ctypes.c_float, _P]
         self._rms_norm.restype = None
@@ -167,6 +170,23 @@ class NativeKernels:
             raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
         return y
 
+
+    def q6_linear(self, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+                  scale: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """``[T, N]`` float32 products of ``x`` ``[T, K]`` (quantized to int8
+        per group of 32 in the call) with the 6-bit matrix of
+        :func:`pack_nibbles` ``low`` ``[N, Kp / 2]``, :func:`pack_high_bits`
+        ``high`` ``[N, Kp / 4]``, :func:`half_group_order` int8 ``scale``
+        ``[N, Kp / 16]`` and float32 ``d`` ``[N, Kp / 256]``."""
+        x = x.float().contiguous()
+        t, k = x.shape
+        n = low.shape[0]
+        y = torch.empty(t, n)
+        if self._q6_linear(x.data_ptr(), t, k, 2 * low.shape[1], low.data_ptr(),
+                           high.data_ptr(), scale.data_ptr(), d.data_ptr(), n, y.data_ptr(),
+                           torch.get_num_threads()):
+            raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
+        return y
 
     # -- layer operations (float32, contiguous, CPU) --------------------------------
 
@@ -258,6 +278,41 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     n, half = packed.shape
     c = packed.reshape(n, half // 128, 4, 1, 32)
     return from_chunks(torch.cat([c & 15, c >> 4], dim=3).reshape(n, 2 * half))
+
+
+def pack_high_bits(q: torch.Tensor) -> torch.Tensor:
+    """Bits 4 and 5 of 6-bit values ``[N, K]`` (uint8 in 0..63, K a multiple
+    of 256) as the q6 kernel reads them, ``[N, K / 4]``: chunks ``4r ..
+    4r + 3`` of a block in 32 bytes, chunk ``4r + i``'s in bits ``2i`` and
+    ``2i + 1`` of each byte."""
+    n, k = q.shape
+    c = (to_chunks(q) >> 4).reshape(n, k // BLOCK, 2, 4, 32)
+    return (c[:, :, :, 0] | (c[:, :, :, 1] << 2) | (c[:, :, :, 2] << 4)
+            | (c[:, :, :, 3] << 6)).reshape(n, k // 4)
+
+
+def unpack_high_bits(high: torch.Tensor) -> torch.Tensor:
+    """Bits 4 and 5 of the values :func:`pack_high_bits` packed, in place
+    (``[N, K]`` uint8 multiples of 16)."""
+    n, quarter = high.shape
+    c = high.reshape(n, quarter // 64, 2, 1, 32)
+    parts = [(c >> (2 * i)) & 3 for i in range(4)]
+    return from_chunks(torch.cat(parts, dim=3).reshape(n, 4 * quarter)) << 4
+
+
+def half_group_order(scale: torch.Tensor) -> torch.Tensor:
+    """Scales per 16 values ``[N, K / 16]`` (in order along a row) in the
+    order the q6 kernel reads them: per block of 256, the first halves of
+    its 8 groups of 32, then their second halves.  Its own inverse is
+    :func:`natural_half_order`."""
+    n, m = scale.shape
+    return scale.reshape(n, m // 16, 8, 2).transpose(2, 3).reshape(n, m)
+
+
+def natural_half_order(scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`half_group_order`."""
+    n, m = scale.shape
+    return scale.reshape(n, m // 16, 2, 8).transpose(2, 3).reshape(n, m)
 
 
 # -- building and loading ------------------------------------------------------------
@@ -427,7 +482,7 @@ def _build(compiler: str) -> Path:
 
 
 def _self_check(kernels: NativeKernels) -> None:
-    """Both products on random values, against the same sums in float64
+    """The products on random values, against the same sums in float64
     from the quantized activations the library itself made."""
     gen = torch.Generator().manual_seed(0)
     n, k = 40, 300                            # padding, and a part row chunk
@@ -450,7 +505,14 @@ def _self_check(kernels: NativeKernels) -> None:
     if not (torch.equal(kernels.q4_linear(x, pack_nibbles(q4), scale, minimum), got4)
             and torch.equal(kernels.q8_linear(x, to_chunks(q8).contiguous(), s8), got8)):
         raise _Unavailable("the built library's one-call products differ from its two-call ones")
-    for got, w, name in ((got4, w4, "4-bit"), (got8, w8, "8-bit")):
+    q6 = torch.randint(0, 64, (n, kp), dtype=torch.uint8, generator=gen)
+    s6 = torch.randint(-128, 128, (n, kp // 16), dtype=torch.int8, generator=gen)
+    d6 = torch.rand(n, kp // BLOCK, generator=gen) / 64 + 1e-3
+    w6 = ((q6.double() - 32) * s6.double().repeat_interleave(16, 1)
+          * d6.double().repeat_interleave(BLOCK, 1))
+    got6 = kernels.q6_linear(x, pack_nibbles(q6 & 15), pack_high_bits(q6),
+                             half_group_order(s6), d6)
+    for got, w, name in ((got4, w4, "4-bit"), (got6, w6, "6-bit"), (got8, w8, "8-bit")):
         want = xq @ w.t()
         if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-3 * float(want.abs().max())):
             raise _Unavailable(f"the built library computes {name} products wrongly "

@@ -303,7 +303,7 @@ def _decode_q5_k(blocks: np.ndarray, out: np.ndarray) -> None:
     )
 
 
-def _decode_q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
+def q6_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q6_K, 210 bytes: 128 ``ql``, 64 ``qh``, 16 int8 ``scales``, fp16 ``d``.
 
     Sixteen sub-blocks of 16 weights; ``w = d * scales[s] * (q - 32)`` with
@@ -311,15 +311,22 @@ def _decode_q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
     takes its low 4 bits from the low (``g < 2``) or high (``g >= 2``) nibbles
     of ``ql[64*h + 32*(g % 2) :][:32]`` and its top 2 bits from bits
     ``2g..2g+1`` of ``qh[32*h :][:32]``.
+
+    Returns the blocks' ``q`` (uint8 ``(n, 256)`` in 0..63, in order), their
+    ``scales`` (int8 ``(n, 16)``) and ``d`` (float32 ``(n, 1)``).
     """
     n = blocks.shape[0]
     ql = blocks[:, 0:128].reshape(n, 2, 64)
     qh = blocks[:, 128:192].reshape(n, 2, 32)
-    scales = blocks[:, 192:208].view(np.int8)
-    d = _f16_field(blocks, 208)
     q = _nibbles(ql).reshape(n, 2, 4, 32)  # group g = 2 * nibble + (g % 2)
-    high = _bit_fields(qh, 2, 4, lshift=4)  # (n, 2, 4, 32)
-    q |= high
+    q |= _bit_fields(qh, 2, 4, lshift=4)  # (n, 2, 4, 32)
+    return q.reshape(n, 256), blocks[:, 192:208].view(np.int8), _f16_field(blocks, 208)
+
+
+def _decode_q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q6_K (:func:`q6_k_fields`)."""
+    n = blocks.shape[0]
+    q, scales, d = q6_k_fields(blocks)
     q = q.view(np.int8)
     q -= 32
     dl = d * scales

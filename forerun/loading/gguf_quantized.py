@@ -3,8 +3,10 @@ straight from the file (no float32 conversion, no conversion cache).
 
 4-bit GGUF tensors (Q4_K, Q4_0, Q4_1) keep their own values: each maps onto
 :class:`~forerun.engines.linear.Int4Groups`, groups of 32 with a scale and
-a zero point, exactly (the kernels round scale and zero to bfloat16).  Other
-quantized matrices (Q5_*, Q6_K, Q8_0, K-quants of 2 and 3 bits) are
+a zero point, exactly (the kernels round scale and zero to bfloat16).  Q6_K
+matrices keep theirs too, as :class:`~forerun.engines.linear.Int6Blocks`
+(which forerun's native kernels run as they are, and other kernels as
+int8).  Other quantized matrices (Q5_*, Q8_0, K-quants of 2 and 3 bits) are
 dequantized and requantized to int8 with one scale per row, which keeps what
 their 5 to 8 bits hold; float tensors (norms, biases) stay float32.
 """
@@ -19,9 +21,9 @@ import torch
 from gguf import GGMLQuantizationType as GGMLType
 
 from ..config import ModelConfig
-from ..engines.linear import Int4Groups, Int8Rows, quantize_int8
+from ..engines.linear import Int4Groups, Int6Blocks, Int8Rows, quantize_int8
 from ..errors import ModelFormatError
-from .dequantize import _f16_field, _k4_scales_and_mins, _nibbles, dequantize
+from .dequantize import _f16_field, _k4_scales_and_mins, _nibbles, dequantize, q6_k_fields
 from .gguf_file import GGUFFile, hf_tensor_name, unpermute_rows
 
 _INT4_NATIVE = {GGMLType.Q4_K: (256, 144), GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20)}
@@ -64,12 +66,25 @@ def int4_groups(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> Int4Gro
                       torch.from_numpy(np.ascontiguousarray(zero, np.float32).reshape(n, groups)))
 
 
+def int6_blocks(data: np.ndarray, shape: tuple[int, int]) -> Int6Blocks:
+    """The values of a Q6_K matrix of ``shape`` ``[N, K]``, as they are."""
+    n, k = shape
+    if k % 256:
+        raise ModelFormatError(f"Q6_K rows of {k} values are not whole blocks")
+    q, scales, d = q6_k_fields(_blocks(data, n, 210))
+    return Int6Blocks(torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
+                      torch.from_numpy(np.ascontiguousarray(scales).reshape(n, k // 16)),
+                      torch.from_numpy(np.ascontiguousarray(d, np.float32).reshape(n, k // 256)))
+
+
 def _permute(values, n_heads: int):
     """Undo llama.cpp's q/k row interleaving on quantized rows."""
     if isinstance(values, torch.Tensor):
         return torch.from_numpy(unpermute_rows(values.numpy(), n_heads))
     if isinstance(values, Int8Rows):
         return Int8Rows(_permute(values.q, n_heads), _permute(values.scale, n_heads))
+    if isinstance(values, Int6Blocks):
+        return Int6Blocks(*(_permute(getattr(values, f), n_heads) for f in ("q", "scale", "d")))
     return Int4Groups(_permute(values.q, n_heads), _permute(values.scale, n_heads),
                       _permute(values.zero, n_heads), values.group)
 
@@ -90,6 +105,8 @@ class GGUFQuantizedWeights(Mapping):
         try:
             if t.tensor_type in _INT4_NATIVE and len(shape) == 2:
                 values = int4_groups(t.data, t.tensor_type, shape)
+            elif t.tensor_type == GGMLType.Q6_K and len(shape) == 2:
+                values = int6_blocks(t.data, shape)
             else:
                 dense = torch.from_numpy(dequantize(t.data, t.tensor_type, shape))
                 is_float = t.tensor_type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)

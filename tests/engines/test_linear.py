@@ -21,7 +21,7 @@ from forerun.engines.transformer import Transformer
 from forerun.errors import ConfigError, EngineError
 from forerun.kernels import native
 from forerun.loading.dequantize import dequantize
-from forerun.loading.gguf_quantized import int4_groups
+from forerun.loading.gguf_quantized import int4_groups, int6_blocks
 
 from tiny_models import VOCAB, hf_model
 
@@ -91,6 +91,49 @@ def test_a_broken_nibble_order_is_caught():
     swapped = Int4Groups(q, values.scale, values.zero)
     want = torch.from_numpy(dequantize(raw, GGMLType.Q4_K, (16, 256)))
     assert not torch.allclose(swapped.dequantize(), want, atol=1e-3)
+
+
+def _random_q6_k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Valid random Q6_K blocks: random 6-bit values and int8 scales (the
+    extremes included), a finite fp16 ``d``."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 256
+    blocks = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
+    blocks[0, 192:194] = np.array([-128, 127], dtype=np.int8).view(np.uint8)
+    blocks[:, 208:210] = rng.uniform(1e-4, 5e-3, size=(n, 1)).astype("<f2").view(np.uint8)
+    return blocks.reshape(-1)
+
+
+def test_gguf_6bit_blocks_keep_their_values(matrix_kernels):
+    """A Q6_K matrix keeps ggml's own values exactly, and under q4 forerun's
+    native kernels multiply them as they are (6.6 bits a weight); torch's
+    kernels take them as int8 rows, as q8 does."""
+    rows, cols = 32, 512
+    raw = _random_q6_k(rows, cols)
+    want = torch.from_numpy(dequantize(raw, GGMLType.Q6_K, (rows, cols)))
+    values = int6_blocks(raw, (rows, cols))
+    assert int(values.q.max()) == 63 and int(values.q.min()) == 0
+    assert torch.equal(values.dequantize(), want)
+    layer = make_linear(values, None, "q4", CPU)
+    x = torch.randn(3, cols)
+    if matrix_kernels == "torch":
+        assert layer.format == "q8"
+        torch.testing.assert_close(layer.weight_rows(), want, rtol=1e-2, atol=float(
+            want.abs().max()) / 200)       # int8 rows (and torch's bfloat16 scales)
+    else:
+        assert layer.format == "q6" and layer.nbytes == rows * cols * 13 // 16 + rows * 2 * 4
+        assert torch.equal(layer.weight_rows(), want)
+        rows_q = native.native_kernels().quantize(x)
+        xq = native.from_chunks(rows_q.values).double() * \
+            rows_q.scale.double().repeat_interleave(32, 1)
+        product = xq @ want.double().t()
+        assert float((layer(x).double() - product).abs().max()) <= \
+            1e-5 * float(product.abs().max())
+    stored = restore_linear(*layer.state(), CPU)      # the packed-weight cache's way back
+    assert stored.format == layer.format and torch.equal(stored(x), layer(x))
+    assert make_linear(values, None, "q8", CPU).format == "q8"
+    assert make_linear(values, None, "q4-all", CPU).format == "q4"
+    torch.testing.assert_close(make_linear(values, None, "float32", CPU).weight_rows(), want)
 
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)

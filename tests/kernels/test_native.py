@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from forerun.engines.linear import make_linear, quantize_int4, quantize_int8
-from forerun.engines.native_linear import NativeInt4Linear, NativeInt8Linear
+from forerun.engines.native_linear import NativeInt4Linear, NativeInt6Linear, NativeInt8Linear
 from forerun.engines.torch_engine import TorchDecoder
 from forerun.kernels import native
 
@@ -38,6 +38,23 @@ def _random_q4(n: int, k: int, gen: torch.Generator):
     return Int4Groups(q, scale, zero)
 
 
+def _random_q6(n: int, k: int, gen: torch.Generator):
+    from forerun.engines.linear import Int6Blocks
+    q = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen)
+    q[0, :40], scale[0, :3] = 63, -128                 # the extremes: no int16 overflow
+    return Int6Blocks(q, scale, torch.rand(n, k // 256, generator=gen) * 2e-4 + 1e-5)
+
+
+def _layer(fmt: str, w: torch.Tensor):
+    """A native layer of ``fmt`` for float weights ``w`` (q6: 6-bit values
+    near them, as a Q6_K tensor would hold)."""
+    if fmt == "q6":
+        values = _random_q6(*w.shape, torch.Generator().manual_seed(int(w.shape[0])))
+        return make_linear(values, None, "q4", CPU)
+    return make_linear(quantize_int4(w) if fmt == "q4" else quantize_int8(w), None, fmt, CPU)
+
+
 # -- layouts --------------------------------------------------------------------------
 
 def test_layouts_round_trip():
@@ -52,6 +69,18 @@ def test_layouts_round_trip():
     assert packed.shape == (5, 256) and torch.equal(native.unpack_nibbles(packed), q)
     # Byte 0 holds value 0 of group 0 (chunk 0, low) and its value 4 (chunk 1, high).
     assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 4]) << 4
+    q6 = torch.randint(0, 64, (5, 512), dtype=torch.uint8, generator=gen)
+    high = native.pack_high_bits(q6)
+    assert high.shape == (5, 128)
+    assert torch.equal(native.unpack_nibbles(native.pack_nibbles(q6 & 15))
+                       | native.unpack_high_bits(high), q6)
+    # Byte 0 of a block's first 32 bytes: value 0, 4, 8 and 12 of group 0
+    # (chunks 0..3), their bits 4-5 at bits 0-1, 2-3, 4-5, 6-7.
+    assert int(high[0, 0]) == sum((int(q6[0, 4 * i]) >> 4) << 2 * i for i in range(4))
+    scale = torch.arange(64, dtype=torch.int8).reshape(2, 32)
+    ordered = native.half_group_order(scale)
+    assert ordered[0, :9].tolist() == [0, 2, 4, 6, 8, 10, 12, 14, 1]
+    assert torch.equal(native.natural_half_order(ordered), scale)
 
 
 def test_activations_are_quantized_per_group_of_32(kernels):
@@ -84,10 +113,8 @@ def test_a_nan_activation_makes_its_rows_products_nan(kernels, k):
         bad[1, col] = float("nan")
         rows = kernels.quantize(bad)
         assert torch.isnan(rows.scale[1, col // 32]) and torch.isfinite(rows.scale[[0, 2]]).all()
-        for fmt in ("q4", "q8") if k % 32 == 0 else ("q8",):    # q4 rows: whole groups
-            w = torch.randn(8, k, generator=gen) * 0.1
-            layer = make_linear(quantize_int4(w) if fmt == "q4" else quantize_int8(w), None,
-                                fmt, CPU)
+        for fmt in ("q4", "q6", "q8") if k % 256 == 0 else ("q8",):   # whole blocks
+            layer = _layer(fmt, torch.randn(8, k, generator=gen) * 0.1)
             y = layer(bad)
             assert torch.isnan(y[1]).all(), fmt
             assert torch.equal(y[[0, 2]], layer(x)[[0, 2]]), fmt
@@ -121,6 +148,19 @@ def test_the_8bit_product_is_the_sum_of_its_values(kernels, n, k):
         assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6, t
 
 
+@pytest.mark.parametrize("n,k", [(1, 256), (17, 512), (40, 256), (33, 1536), (16, 8960)])
+def test_the_6bit_product_is_the_sum_of_its_values(kernels, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    values = _random_q6(n, k, gen)
+    layer = NativeInt6Linear.build(values, None)
+    assert torch.equal(layer.weight_rows(), values.dequantize())
+    for t in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(t, k, generator=gen)
+        want = _dequantized_rows(kernels.quantize(x), k) @ values.dequantize().double().t()
+        got = layer(x).double()
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6, t
+
+
 def test_weights_keep_their_values(kernels):
     """q4's float16 scale and minimum are the layer's only rounding."""
     gen = torch.Generator().manual_seed(2)
@@ -136,23 +176,23 @@ def test_weights_keep_their_values(kernels):
     assert torch.equal(layer(x), no_bias(x) + layer.bias)
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "q6", "q8"])
 def test_a_row_is_the_same_alone_or_among_others(kernels, fmt):
     """Bit for bit, for every batch size up to 17 and every place in it."""
     gen = torch.Generator().manual_seed(4)
-    w = torch.randn(64, 896, generator=gen) * 0.05
-    layer = make_linear(quantize_int4(w) if fmt == "q4" else quantize_int8(w), None, fmt, CPU)
-    assert getattr(layer, "kernel", None) == "native"
-    x = torch.randn(17, 896, generator=gen)
+    layer = _layer(fmt, torch.randn(64, 1536, generator=gen) * 0.05)
+    assert getattr(layer, "kernel", None) == "native" and layer.format == fmt
+    x = torch.randn(17, 1536, generator=gen)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(17)])
     for t in range(2, 18):
         assert torch.equal(layer(x[:t]), alone[:t]), t
     assert torch.equal(layer(x[5:12]), alone[5:12])
 
 
-def test_the_thread_count_does_not_change_a_result(kernels):
+@pytest.mark.parametrize("fmt", ["q4", "q6"])
+def test_the_thread_count_does_not_change_a_result(kernels, fmt):
     gen = torch.Generator().manual_seed(5)
-    layer = make_linear(quantize_int4(torch.randn(300, 1536, generator=gen)), None, "q4", CPU)
+    layer = _layer(fmt, torch.randn(300, 1536, generator=gen))
     x = torch.randn(6, 1536, generator=gen)
     before = torch.get_num_threads()
     try:
