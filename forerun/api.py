@@ -561,8 +561,8 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
 
     ``weights`` is the PyTorch engine's weight format: ``"float32"``,
     ``"bfloat16"``, ``"q8"`` (int8, a scale per row), ``"q4"`` (4-bit groups
-    of 32; a GGUF's Q4_K/Q4_0/Q4_1 tensors keep their own values, its
-    5-to-8-bit ones become int8), ``"q4-all"`` (every matrix in 4-bit
+    of 32; a GGUF's Q4_K/Q4_0/Q4_1 and Q6_K tensors keep their own values,
+    its other 5-to-8-bit ones become int8), ``"q4-all"`` (every matrix in 4-bit
     groups, the 5-to-8-bit ones requantized: the format draft models run
     in, never picked by ``auto``), or ``"auto"``: for a GGUF file, the
     fastest of these on this machine, measured once per machine and model

@@ -29,7 +29,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto",
                    choices=WEIGHT_CHOICES,
                    help="the torch engine's weight format: q4 (4-bit groups; a GGUF's Q4 "
-                        "tensors as they are, its 5-to-8-bit ones as int8), q4-all (every "
+                        "and Q6_K tensors as they are, its other 5-to-8-bit ones as int8), "
+                        "q4-all (every "
                         "matrix 4-bit: smaller, less faithful; what a draft runs in), q8 "
                         "(int8), bfloat16, float32, or auto (default: for a GGUF, the "
                         "fastest on this machine, measured once)")
