@@ -54,6 +54,14 @@ class _NativeLinear(Linear):
                 "shape": [self.out_features, self.in_features]}
 
     @classmethod
+    def _empty(cls, shape: tuple[int, int]) -> tuple["_NativeLinear", int]:
+        """A layer of ``shape`` ``[N, K]`` to fill, and the zero columns
+        its input is padded with (to whole blocks of 256)."""
+        layer = cls.__new__(cls)
+        layer.out_features, layer.in_features = shape
+        return layer, native.padded(layer.in_features) - layer.in_features
+
+    @classmethod
     def _restored(cls, meta: dict, tensors: dict[str, torch.Tensor], names: tuple[str, ...]):
         layer = cls.__new__(cls)
         layer.out_features, layer.in_features = (int(v) for v in meta["shape"])
@@ -78,9 +86,7 @@ class NativeInt4Linear(_NativeLinear):
         scale16, minimum16 = scale.half(), minimum.half()
         if not (torch.isfinite(scale16).all() and torch.isfinite(minimum16).all()):
             return None
-        layer = cls.__new__(cls)
-        layer.out_features, layer.in_features = values.shape
-        pad = native.padded(layer.in_features) - layer.in_features
+        layer, pad = cls._empty(values.shape)
         layer.q = native.pack_nibbles(torch.nn.functional.pad(values.q.cpu(), (0, pad)))
         groups = pad // native.GROUP
         layer.scale = torch.nn.functional.pad(scale16.cpu(), (0, groups)).contiguous()
@@ -124,9 +130,7 @@ class NativeInt6Linear(_NativeLinear):
 
     @classmethod
     def build(cls, values: Int6Blocks, bias: torch.Tensor | None) -> "NativeInt6Linear":
-        layer = cls.__new__(cls)
-        layer.out_features, layer.in_features = values.shape
-        pad = native.padded(layer.in_features) - layer.in_features
+        layer, pad = cls._empty(values.shape)
         q = torch.nn.functional.pad(values.q.cpu(), (0, pad))
         layer.low = native.pack_nibbles(q & 15)
         layer.high = native.pack_high_bits(q).contiguous()
@@ -175,9 +179,7 @@ class NativeInt8Linear(_NativeLinear):
 
     @classmethod
     def build(cls, values: Int8Rows, bias: torch.Tensor | None) -> "NativeInt8Linear":
-        layer = cls.__new__(cls)
-        layer.out_features, layer.in_features = values.shape
-        pad = native.padded(layer.in_features) - layer.in_features
+        layer, pad = cls._empty(values.shape)
         layer.q = native.to_chunks(torch.nn.functional.pad(values.q.cpu(), (0, pad))
                                    ).contiguous()
         layer.scale = values.scale.float().cpu().contiguous()

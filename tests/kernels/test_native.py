@@ -122,16 +122,22 @@ def test_a_nan_activation_makes_its_rows_products_nan(kernels, k):
 
 # -- products -------------------------------------------------------------------------
 
+def _assert_products_are_sums(kernels, layer, weights: torch.Tensor, k: int, gen) -> None:
+    """``layer``'s products of 1 to 9 rows are the float64 sums of the
+    quantized activations times ``weights``, up to float32 rounding."""
+    for t in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(t, k, generator=gen)
+        want = _dequantized_rows(kernels.quantize(x), k) @ weights.double().t()
+        got = layer(x).double()
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6, t
+
+
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 96), (40, 256), (33, 896), (16, 1568)])
 def test_the_4bit_product_is_the_sum_of_its_values(kernels, n, k):
     gen = torch.Generator().manual_seed(n + k)
     values = _random_q4(n, k, gen)
     layer = NativeInt4Linear.build(values, None)
-    for t in (1, 2, 3, 4, 5, 9):
-        x = torch.randn(t, k, generator=gen)
-        want = _dequantized_rows(kernels.quantize(x), k) @ layer.weight_rows().double().t()
-        got = layer(x).double()
-        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6, t
+    _assert_products_are_sums(kernels, layer, layer.weight_rows(), k, gen)
 
 
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 100), (40, 256), (33, 896), (16, 1568)])
@@ -141,11 +147,7 @@ def test_the_8bit_product_is_the_sum_of_its_values(kernels, n, k):
     values.q[0, :5] = -128                             # the one value that has no negation
     layer = NativeInt8Linear.build(values, None)
     assert torch.equal(layer.weight_rows(), values.dequantize())
-    for t in (1, 2, 3, 4, 5, 9):
-        x = torch.randn(t, k, generator=gen)
-        want = _dequantized_rows(kernels.quantize(x), k) @ values.dequantize().double().t()
-        got = layer(x).double()
-        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6, t
+    _assert_products_are_sums(kernels, layer, values.dequantize(), k, gen)
 
 
 @pytest.mark.parametrize("n,k", [(1, 256), (17, 512), (40, 256), (33, 1536), (16, 8960)])
@@ -154,11 +156,7 @@ def test_the_6bit_product_is_the_sum_of_its_values(kernels, n, k):
     values = _random_q6(n, k, gen)
     layer = NativeInt6Linear.build(values, None)
     assert torch.equal(layer.weight_rows(), values.dequantize())
-    for t in (1, 2, 3, 4, 5, 9):
-        x = torch.randn(t, k, generator=gen)
-        want = _dequantized_rows(kernels.quantize(x), k) @ values.dequantize().double().t()
-        got = layer(x).double()
-        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6, t
+    _assert_products_are_sums(kernels, layer, values.dequantize(), k, gen)
 
 
 def test_weights_keep_their_values(kernels):
