@@ -7,9 +7,9 @@ They hold the weights in the kernels' layout, padded along the input to a
 multiple of 256: 4-bit values with a float16 scale and minimum per group
 (``w = scale * q + minimum``, which is the engine's ``(q - 8) * scale +
 zero`` with ``minimum = zero - 8 * scale``), a Q6_K tensor's 6-bit values
-with their scales, or int8 values with a float32 scale per row.  :func:`native_layer` makes one where the kernels run and
-the values fit, and returns None otherwise, so the caller falls back to
-torch's kernels.
+with their scales, or int8 values with a float32 scale per row.
+:func:`native_layer` makes one where the kernels run and the values fit,
+and returns None otherwise, so the caller falls back to torch's kernels.
 """
 
 from __future__ import annotations
