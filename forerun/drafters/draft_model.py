@@ -13,6 +13,11 @@ from ..sampling import TokenSampler
 from .base import Draft
 from .draft_context import DraftContext
 
+#: proposals in a row without a timed draft step after which a one-token
+#: proposal that starts with a catch-up splits it, to time its step (see
+#: :meth:`DraftModelDrafter.propose`)
+STALE_STEP = 8
+
 
 class DraftModelDrafter:
     """Drafts autoregressively with its own Decoder.
@@ -34,6 +39,7 @@ class DraftModelDrafter:
         self.context = DraftContext(decoder, window)
         self._known_committed = 0     # view length of the last committed sequence seen
         self._step_ema: float | None = None
+        self._untimed = 0             # proposals in a row that timed no step
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.context.begin(prompt_ids)
@@ -49,6 +55,17 @@ class DraftModelDrafter:
             return Draft([])
         todo = self.context.catch_up(view)
         fed = self.context.fed
+        if k == 1 and len(todo) > 2 and self._untimed >= STALE_STEP:
+            # The round's one step would be a catch-up, which does not time
+            # a draft step; after many such rounds (a policy that drafts one
+            # token now and then, to explore, after plain or lookup rounds)
+            # the estimate may be one a stalled step left too high, which
+            # keeps the policy from drafting more for good.  So the
+            # committed tokens go in first and the step is timed alone:
+            # one forward more, once in STALE_STEP rounds at most.
+            self.decoder.feed(todo[:-1], last_only=True)
+            fed.extend(todo[:-1])
+            todo = todo[-1:]
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         step_seconds = []
@@ -79,6 +96,9 @@ class DraftModelDrafter:
         if step_seconds:
             self._step_ema = refine_seconds(self._step_ema,
                                             sum(step_seconds) / len(step_seconds))
+            self._untimed = 0
+        else:
+            self._untimed += 1
         return Draft(tokens, torch.stack(rows) if rows else None)
 
     def observe(self, sequence: Sequence[int], accepted: int) -> None:

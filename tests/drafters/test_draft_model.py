@@ -199,6 +199,50 @@ def test_a_stalled_first_step_does_not_keep_the_draft_cost_high(monkeypatch):
     assert drafter.step_seconds() <= 0.05 * 1.2 + 1e-9     # a stall moves it a fifth of 2x
 
 
+def test_one_token_rounds_after_long_catch_ups_still_time_a_step(monkeypatch):
+    """The stall left the estimate at 0.2 s against a real step of 0.05, and
+    a catch-up costs more than either (0.5 s: dozens of committed tokens
+    after plain rounds).  A policy that then explores with one-token rounds
+    only would never time a step again: every such round's one step is a
+    catch-up.  After STALE_STEP rounds without a timed step, a one-token
+    round feeds the committed tokens first and times its step alone, and
+    the estimate comes down; until then nothing is fed twice, and every
+    round's draft is the same token either way."""
+    from types import SimpleNamespace
+
+    from forerun.drafters import draft_model
+
+    clock = SimpleNamespace(now=0.0)
+    stall = iter([0.2])
+
+    def cost(tokens):
+        return 0.5 if len(tokens) > 2 else next(stall, 0.05)
+
+    clocked = ClockedDecoder(table(0), clock, cost)
+    monkeypatch.setattr(draft_model, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    counted = CountingDecoder(clocked)
+    drafter = DraftModelDrafter(counted)
+    sequence = [1, 2, 3, 4]
+    drafter.begin(sequence)
+    drafter.propose(sequence, 2, sampler())          # catch-up, then the stalled step
+    assert drafter.step_seconds() == pytest.approx(0.2)
+    for n in range(draft_model.STALE_STEP):
+        sequence = sequence + [5, 6, 1, 2, 3]       # plain rounds meanwhile
+        counted.feeds.clear()
+        draft = drafter.propose(sequence, 1, sampler())
+        [catch_up] = counted.feeds                   # one catch-up, the step untimed
+        assert len(catch_up) > 2 and catch_up == sequence[-len(catch_up):]
+        assert draft.tokens == greedy_chain(table(0), sequence, 1)
+        assert drafter.step_seconds() == pytest.approx(0.2)
+    sequence = sequence + [5, 6, 1, 2, 3]
+    counted.feeds.clear()
+    draft = drafter.propose(sequence, 1, sampler())
+    committed, step = counted.feeds
+    assert committed + step == sequence[-5:] and step == sequence[-1:]
+    assert draft.tokens == greedy_chain(table(0), sequence, 1)
+    assert drafter.step_seconds() == pytest.approx(0.05)
+
+
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_inside_speculative_decoding_nothing_cached_is_fed_again(params):
     """Over many rounds: each proposal feeds exactly the committed tokens the
