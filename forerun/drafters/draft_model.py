@@ -13,10 +13,10 @@ from ..sampling import TokenSampler
 from .base import Draft
 from .draft_context import DraftContext
 
-#: proposals in a row without a timed draft step after which a one-token
+#: committed tokens without a timed draft step after which a one-token
 #: proposal that starts with a catch-up splits it, to time its step (see
 #: :meth:`DraftModelDrafter.propose`)
-STALE_STEP = 8
+STALE_STEP = 64
 
 
 class DraftModelDrafter:
@@ -39,11 +39,12 @@ class DraftModelDrafter:
         self.context = DraftContext(decoder, window)
         self._known_committed = 0     # view length of the last committed sequence seen
         self._step_ema: float | None = None
-        self._untimed = 0             # proposals in a row that timed no step
+        self._timed_at = 0            # view length at the last timed step
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.context.begin(prompt_ids)
         self._known_committed = 0
+        self._timed_at = self.context.view_length(len(prompt_ids))
 
     def propose(self, sequence: Sequence[int], k: int, sampler: TokenSampler) -> Draft:
         view = self.context.view(sequence)
@@ -55,14 +56,14 @@ class DraftModelDrafter:
             return Draft([])
         todo = self.context.catch_up(view)
         fed = self.context.fed
-        if k == 1 and len(todo) > 2 and self._untimed >= STALE_STEP:
+        if k == 1 and len(todo) > 2 and len(view) - self._timed_at >= STALE_STEP:
             # The round's one step would be a catch-up, which does not time
-            # a draft step; after many such rounds (a policy that drafts one
-            # token now and then, to explore, after plain or lookup rounds)
-            # the estimate may be one a stalled step left too high, which
-            # keeps the policy from drafting more for good.  So the
-            # committed tokens go in first and the step is timed alone:
-            # one forward more, once in STALE_STEP rounds at most.
+            # a draft step.  When no step was timed for STALE_STEP tokens (a
+            # policy that drafts one token now and then, to explore, after
+            # plain or lookup rounds), the estimate may be one a stalled
+            # step left too high, which keeps the policy from drafting more
+            # for good.  So the committed tokens go in first and the step is
+            # timed alone: one forward more, once in STALE_STEP tokens.
             self.decoder.feed(todo[:-1], last_only=True)
             fed.extend(todo[:-1])
             todo = todo[-1:]
@@ -96,9 +97,7 @@ class DraftModelDrafter:
         if step_seconds:
             self._step_ema = refine_seconds(self._step_ema,
                                             sum(step_seconds) / len(step_seconds))
-            self._untimed = 0
-        else:
-            self._untimed += 1
+            self._timed_at = len(view)
         return Draft(tokens, torch.stack(rows) if rows else None)
 
     def observe(self, sequence: Sequence[int], accepted: int) -> None:

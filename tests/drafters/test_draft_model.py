@@ -201,13 +201,14 @@ def test_a_stalled_first_step_does_not_keep_the_draft_cost_high(monkeypatch):
 
 def test_one_token_rounds_after_long_catch_ups_still_time_a_step(monkeypatch):
     """The stall left the estimate at 0.2 s against a real step of 0.05, and
-    a catch-up costs more than either (0.5 s: dozens of committed tokens
-    after plain rounds).  A policy that then explores with one-token rounds
-    only would never time a step again: every such round's one step is a
-    catch-up.  After STALE_STEP rounds without a timed step, a one-token
-    round feeds the committed tokens first and times its step alone, and
-    the estimate comes down; until then nothing is fed twice, and every
-    round's draft is the same token either way."""
+    a catch-up costs more than either (0.5 s: the committed tokens of the
+    plain rounds between two drafts).  A policy that then explores with
+    one-token rounds only would never time a step again: every such
+    round's one step is a catch-up.  Once STALE_STEP tokens were committed
+    since the last timed step, a one-token round feeds the committed tokens
+    first and times its step alone, and the estimate comes down; before
+    that nothing is fed twice, and every round drafts the same token
+    either way."""
     from types import SimpleNamespace
 
     from forerun.drafters import draft_model
@@ -222,11 +223,12 @@ def test_one_token_rounds_after_long_catch_ups_still_time_a_step(monkeypatch):
     monkeypatch.setattr(draft_model, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     counted = CountingDecoder(clocked)
     drafter = DraftModelDrafter(counted)
-    sequence = [1, 2, 3, 4]
-    drafter.begin(sequence)
+    prompt = sequence = [1, 2, 3, 4]
+    drafter.begin(prompt)
     drafter.propose(sequence, 2, sampler())          # catch-up, then the stalled step
     assert drafter.step_seconds() == pytest.approx(0.2)
-    for n in range(draft_model.STALE_STEP):
+    untimed = 0
+    while len(sequence) + 5 - len(prompt) < draft_model.STALE_STEP:
         sequence = sequence + [5, 6, 1, 2, 3]       # plain rounds meanwhile
         counted.feeds.clear()
         draft = drafter.propose(sequence, 1, sampler())
@@ -234,6 +236,8 @@ def test_one_token_rounds_after_long_catch_ups_still_time_a_step(monkeypatch):
         assert len(catch_up) > 2 and catch_up == sequence[-len(catch_up):]
         assert draft.tokens == greedy_chain(table(0), sequence, 1)
         assert drafter.step_seconds() == pytest.approx(0.2)
+        untimed += 1
+    assert untimed >= 3
     sequence = sequence + [5, 6, 1, 2, 3]
     counted.feeds.clear()
     draft = drafter.propose(sequence, 1, sampler())
