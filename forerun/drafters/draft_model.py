@@ -13,7 +13,7 @@ from ..sampling import TokenSampler
 from .base import Draft
 from .draft_context import DraftContext
 
-#: committed tokens without a timed draft step after which a one-token
+#: committed tokens fed without a timed draft step after which a one-token
 #: proposal that starts with a catch-up splits it, to time its step (see
 #: :meth:`DraftModelDrafter.propose`)
 STALE_STEP = 64
@@ -39,12 +39,11 @@ class DraftModelDrafter:
         self.context = DraftContext(decoder, window)
         self._known_committed = 0     # view length of the last committed sequence seen
         self._step_ema: float | None = None
-        self._timed_at = 0            # view length at the last timed step
+        self._untimed = 0             # committed tokens fed since the last timed step
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.context.begin(prompt_ids)
         self._known_committed = 0
-        self._timed_at = self.context.view_length(len(prompt_ids))
 
     def propose(self, sequence: Sequence[int], k: int, sampler: TokenSampler) -> Draft:
         view = self.context.view(sequence)
@@ -56,7 +55,8 @@ class DraftModelDrafter:
             return Draft([])
         todo = self.context.catch_up(view)
         fed = self.context.fed
-        if k == 1 and len(todo) > 2 and len(view) - self._timed_at >= STALE_STEP:
+        self._untimed += len(todo)
+        if k == 1 and len(todo) > 2 and self._untimed >= STALE_STEP:
             # The round's one step would be a catch-up, which does not time
             # a draft step.  When no step was timed for STALE_STEP tokens (a
             # policy that drafts one token now and then, to explore, after
@@ -97,7 +97,7 @@ class DraftModelDrafter:
         if step_seconds:
             self._step_ema = refine_seconds(self._step_ema,
                                             sum(step_seconds) / len(step_seconds))
-            self._timed_at = len(view)
+            self._untimed = 0
         return Draft(tokens, torch.stack(rows) if rows else None)
 
     def observe(self, sequence: Sequence[int], accepted: int) -> None:

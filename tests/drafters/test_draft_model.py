@@ -204,8 +204,8 @@ def test_one_token_rounds_after_long_catch_ups_still_time_a_step(monkeypatch):
     a catch-up costs more than either (0.5 s: the committed tokens of the
     plain rounds between two drafts).  A policy that then explores with
     one-token rounds only would never time a step again: every such
-    round's one step is a catch-up.  Once STALE_STEP tokens were committed
-    since the last timed step, a one-token round feeds the committed tokens
+    round's one step is a catch-up.  Once STALE_STEP committed tokens were
+    fed since the last timed step, a one-token round feeds the committed tokens
     first and times its step alone, and the estimate comes down; before
     that nothing is fed twice, and every round drafts the same token
     either way."""
@@ -228,7 +228,7 @@ def test_one_token_rounds_after_long_catch_ups_still_time_a_step(monkeypatch):
     drafter.propose(sequence, 2, sampler())          # catch-up, then the stalled step
     assert drafter.step_seconds() == pytest.approx(0.2)
     untimed = 0
-    while len(sequence) + 5 - len(prompt) < draft_model.STALE_STEP:
+    while 5 * (untimed + 1) < draft_model.STALE_STEP:   # 5 committed tokens a round
         sequence = sequence + [5, 6, 1, 2, 3]       # plain rounds meanwhile
         counted.feeds.clear()
         draft = drafter.propose(sequence, 1, sampler())
