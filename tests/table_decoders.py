@@ -347,3 +347,22 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class ClockedWrapper(CountingDecoder):
+    """Wraps any Decoder (a tiny real model) so that its feeds and forwards
+    advance ``clock.now`` by ``cost(tokens)`` seconds: code whose choices
+    depend on measured times (monkeypatch its modules' ``time``) then
+    chooses the same way on any machine, however busy."""
+
+    def __init__(self, inner, clock, cost) -> None:
+        super().__init__(inner)
+        self.clock, self.cost = clock, cost
+
+    def feed(self, tokens, **kwargs):
+        self.clock.now += self.cost(list(tokens))
+        return super().feed(tokens, **kwargs)
+
+    def forward(self, tokens, positions, attention_mask, **kwargs):
+        self.clock.now += self.cost(list(tokens))
+        return super().forward(tokens, positions, attention_mask, **kwargs)

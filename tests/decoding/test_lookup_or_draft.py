@@ -20,7 +20,7 @@ from forerun.sampling import SamplingParams, TokenSampler
 from forerun.stats import GenerationStats
 
 from method_runs import greedy_tokens
-from table_decoders import single_thread  # noqa: F401 (autouse fixture)
+from table_decoders import ClockedWrapper, single_thread  # noqa: F401 (autouse fixture)
 from tiny_models import VOCAB, forerun_decoder, hf_model
 
 GREEDY = TokenSampler(SamplingParams(), 0, "cpu")
@@ -172,9 +172,25 @@ PROMPTS = [
 
 @pytest.mark.parametrize("window", [None, 12])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_greedy_lookup_or_draft_equals_plain(arch, window):
-    planner = LookupOrDraftPlanner(DraftModelDrafter(perturbed(arch), window=window))
-    method = SpeculativeDecoding(tiny(arch, 0), planner=planner)
+def test_greedy_lookup_or_draft_equals_plain(arch, window, monkeypatch):
+    """Plain decoding's tokens, with rounds of both drafters.  The choice
+    between them depends on measured times, so the models run on a fake
+    clock (30 ms a forward plus 2 a position, for both: the draft is the
+    target's size): on a busy machine (CI) real times made the model take
+    every round."""
+    from types import SimpleNamespace
+
+    from forerun.decoding import draft_length, speculative
+    from forerun.drafters import draft_model
+
+    clock = SimpleNamespace(now=0.0)
+    for module in (draft_length, speculative, draft_model):
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    cost = lambda tokens: 0.030 + 0.002 * len(tokens)   # noqa: E731
+    draft = ClockedWrapper(perturbed(arch), clock, cost)
+    target = ClockedWrapper(tiny(arch, 0), clock, cost)
+    planner = LookupOrDraftPlanner(DraftModelDrafter(draft, window=window))
+    method = SpeculativeDecoding(target, planner=planner)
     accepted = 0
     for prompt in PROMPTS:
         stats = GenerationStats()
@@ -182,4 +198,4 @@ def test_greedy_lookup_or_draft_equals_plain(arch, window):
         assert out == greedy_tokens(PlainDecoding(tiny(arch, 0)), prompt, 48)
         accepted += stats.accepted
     assert accepted > 0
-    assert planner.rounds["lookup"] > 0 and planner.rounds["model"] > 0
+    assert planner.rounds["lookup"] > 0 and planner.rounds["model"] > 0, planner.rounds
