@@ -4,13 +4,15 @@ everything else (norms, RoPE, attention over the cache, the KV writes,
 dtype conversions, Python and torch dispatch).
 
     python benchmarks/step_profile.py [--model qwen2.5-coder-1.5b]
-        [--weights q8] [--context 256] [--steps 48]
+        [--weights q8] [--context 256] [--steps 48] [--positions 1]
 
 It prefills ``--context`` tokens, then times single-token steps through the
 engine's ``feed`` (the whole step, as decoding runs it), and the same
 step's matrix products alone: every layer's ``Linear`` called in order on
 one row, with the same input sizes.  The difference is what is not matrix
-work.  A ``torch.profiler`` table of the steps' operators follows, grouped
+work.  ``--positions T`` feeds T positions per step, as a verification of
+T - 1 drafted tokens does, so that running it at T = 1 and T = 4 shows
+which part of a step grows with T.  A ``torch.profiler`` table of the steps' operators follows, grouped
 by operator, so the largest non-matrix costs are named.
 
 Run it on an idle machine (nothing else running): every figure is a time.
@@ -41,10 +43,11 @@ def matrix_calls(network) -> list:
 
 
 @torch.inference_mode()
-def time_matrices(network, repeats: int) -> float:
-    """Median seconds of one row through every matrix product of a step."""
+def time_matrices(network, repeats: int, positions: int) -> float:
+    """Median seconds of ``positions`` rows through every matrix product of a
+    step."""
     calls = matrix_calls(network)
-    inputs = [torch.randn(1, c.in_features) for c in calls]
+    inputs = [torch.randn(positions, c.in_features) for c in calls]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -54,13 +57,13 @@ def time_matrices(network, repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_steps(decoder, token: int, steps: int) -> float:
+def time_steps(decoder, tokens: list[int], steps: int) -> float:
     base = decoder.length
     times = []
     for _ in range(steps):
         decoder.rollback(base)
         t0 = time.perf_counter()
-        decoder.feed([token])
+        decoder.feed(tokens)
         times.append(time.perf_counter() - t0)
     decoder.rollback(base)
     return statistics.median(times)
@@ -72,22 +75,27 @@ def main() -> None:
     p.add_argument("--weights", default="q8")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--positions", type=int, default=1,
+                   help="positions fed per step (T of a verification)")
     args = p.parse_args()
+    if args.positions < 1:
+        p.error(f"--positions must be at least 1, got {args.positions}")
     model = forerun.load(args.model, weights=args.weights, progress=False)
     d = model.decoder
     network = d.model
     print(f"CPU: {cpu_name()}, torch {torch.__version__}, threads {torch.get_num_threads()}; "
-          f"{args.model} in {network.weights_format}, {args.context} positions of context")
+          f"{args.model} in {network.weights_format}, {args.context} positions of context, "
+          f"{args.positions} fed per step")
     tokens = model._probe_tokens(args.context)
     d.reset()
     d.feed(tokens, last_only=True)
-    token = tokens[-1]
-    time_steps(d, token, 4)  # warm-up
+    step_tokens = tokens[-args.positions:]
+    time_steps(d, step_tokens, 4)  # warm-up
     # Alternate, so that a drift of the machine touches both alike.
     step, matrices = [], []
     for _ in range(3):
-        step.append(time_steps(d, token, args.steps // 3))
-        matrices.append(time_matrices(network, args.steps // 3))
+        step.append(time_steps(d, step_tokens, args.steps // 3))
+        matrices.append(time_matrices(network, args.steps // 3, args.positions))
     step_s, matrix_s = min(step), min(matrices)
     other = step_s - matrix_s
     print(f"step {step_s * 1000:.1f} ms ({1 / step_s:.2f} tok/s); matrix products alone "
@@ -100,7 +108,7 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             d.rollback(base)
-            d.feed([token])
+            d.feed(step_tokens)
     d.rollback(base)
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)

@@ -185,21 +185,6 @@ class TableDecoder:
         return self.table[(len(context) - 1) % PERIOD, int(context[-1])].clone()
 
 
-class ClockedDecoder(TableDecoder):
-    """A TableDecoder whose feeds advance ``clock.now`` by ``cost(tokens)``
-    seconds (default: 10 ms plus 1 ms per token), for timing code run on a
-    fake clock (monkeypatch its module's ``time``)."""
-
-    def __init__(self, table: torch.Tensor, clock, cost=None, **kwargs) -> None:
-        super().__init__(table, **kwargs)
-        self.clock = clock
-        self.cost = cost or (lambda tokens: 0.010 + 0.001 * len(tokens))
-
-    def feed(self, tokens, **kwargs):
-        self.clock.now += self.cost(list(tokens))
-        return super().feed(tokens, **kwargs)
-
-
 class CountingDecoder:
     """Wraps any Decoder and records every ``feed``/``forward`` call (the
     tokens fed) and every ``rollback``, delegating everything else."""
@@ -350,14 +335,16 @@ def single_thread():
 
 
 class ClockedWrapper(CountingDecoder):
-    """Wraps any Decoder (a tiny real model) so that its feeds and forwards
-    advance ``clock.now`` by ``cost(tokens)`` seconds: code whose choices
-    depend on measured times (monkeypatch its modules' ``time``) then
-    chooses the same way on any machine, however busy."""
+    """Wraps any Decoder (a TableDecoder, a tiny real model) so that its
+    feeds and forwards advance ``clock.now`` by ``cost(tokens)`` seconds
+    (default: 10 ms plus 1 ms per token): code whose choices depend on
+    measured times (monkeypatch its modules' ``time``) then chooses the same
+    way on any machine, however busy."""
 
-    def __init__(self, inner, clock, cost) -> None:
+    def __init__(self, inner, clock, cost=None) -> None:
         super().__init__(inner)
-        self.clock, self.cost = clock, cost
+        self.clock = clock
+        self.cost = cost or (lambda tokens: 0.010 + 0.001 * len(tokens))
 
     def feed(self, tokens, **kwargs):
         self.clock.now += self.cost(list(tokens))

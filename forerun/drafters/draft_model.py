@@ -15,7 +15,7 @@ from .draft_context import DraftContext
 
 #: committed tokens fed without a timed draft step after which a one-token
 #: proposal that starts with a catch-up splits it, to time its step (see
-#: :meth:`DraftModelDrafter.propose`)
+#: :meth:`DraftModelDrafter.propose`; the tree drafter's catch-ups alike)
 STALE_STEP = 64
 
 

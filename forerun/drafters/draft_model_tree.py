@@ -45,6 +45,7 @@ from ..decoding.draft_tree import DraftTree, topology
 from ..errors import ConfigError
 from ..sampling import TokenSampler
 from .draft_context import DraftContext
+from .draft_model import STALE_STEP
 
 
 @dataclass
@@ -113,6 +114,9 @@ class DraftModelTreeDrafter:
         # chain's one node (True).
         self._level_seconds: dict[bool, float] = {}
         self._catch_up_seconds: float | None = None
+        # Committed tokens fed since the last timed catch-up, across
+        # generations (see expand).
+        self._untimed = 0
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.context.begin(prompt_ids)
@@ -120,10 +124,9 @@ class DraftModelTreeDrafter:
         self._last_depth = None
 
     # -- drafting ----------------------------------------------------------------
-    def _catch_up(self, view: Sequence[int]) -> torch.Tensor:
-        """Feed the committed tokens of ``view`` the cache lacks; the draft's
-        logits after the root."""
-        todo = self.context.catch_up(view)
+    def _feed_committed(self, todo: list[int]) -> torch.Tensor:
+        """Feed ``todo``, committed tokens the cache lacks; the draft's
+        logits after the last."""
         logits = self.decoder.feed(todo, last_only=True).logits[-1]
         self.context.fed.extend(todo)
         return logits
@@ -179,8 +182,23 @@ class DraftModelTreeDrafter:
         view = self.context.view(sequence)
         steady = (self._last_depth is not None
                   and len(view) - self._known_committed <= self._last_depth + 1)
+        todo = self.context.catch_up(view)
+        self._untimed = 0 if steady else self._untimed + len(todo)
+        if not steady and len(todo) > 2 and self._untimed >= STALE_STEP:
+            # No steady catch-up was timed for STALE_STEP committed tokens:
+            # a policy that drafts only now and then, to explore, after
+            # plain rounds, whose every round starts with a long catch-up.
+            # If a stalled catch-up left the estimate too high, it would
+            # stay so (and keep the policy from drafting) for good.  So the
+            # committed tokens but the last go in first, and the last alone
+            # is timed, as the catch-up of a steady round (which feeds no
+            # fewer): one forward more, once in STALE_STEP tokens.
+            self._feed_committed(todo[:-1])
+            todo = todo[-1:]
+            steady = True
+            self._untimed = 0
         t0 = time.perf_counter()
-        logits = self._catch_up(view)
+        logits = self._feed_committed(todo)
         self._known_committed = len(view)
         self._last_depth = depth
         t1 = time.perf_counter()

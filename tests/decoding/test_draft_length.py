@@ -14,7 +14,7 @@ from forerun.decoding import draft_length
 from forerun.decoding.draft_length import (AcceptanceEstimate, AdaptiveDraftLength,
                                            VerifyCosts, best_draft_length, expected_tokens)
 
-from table_decoders import ClockedDecoder, single_thread  # noqa: F401 (autouse fixture)
+from table_decoders import ClockedWrapper, TableDecoder, single_thread  # noqa: F401 (autouse fixture)
 
 
 def costs_from(seconds: dict[int, float], max_positions: int = 9) -> VerifyCosts:
@@ -184,7 +184,7 @@ def test_verify_costs_observe_is_a_moving_average():
 def test_calibrate_times_every_size_and_rolls_back(monkeypatch):
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(draft_length, "time", SimpleNamespace(perf_counter=lambda: clock.now))
-    decoder = ClockedDecoder(torch.zeros(3, 4, 4), clock)
+    decoder = ClockedWrapper(TableDecoder(torch.zeros(3, 4, 4)), clock)
     decoder.feed([1, 2, 3])
     decoder.commit()
     costs = VerifyCosts(5)
@@ -197,7 +197,7 @@ def test_calibrate_times_every_size_and_rolls_back(monkeypatch):
 def test_calibrate_stops_at_the_context_limit(monkeypatch):
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(draft_length, "time", SimpleNamespace(perf_counter=lambda: clock.now))
-    decoder = ClockedDecoder(torch.zeros(3, 4, 4), clock, context_length=6)
+    decoder = ClockedWrapper(TableDecoder(torch.zeros(3, 4, 4), context_length=6), clock)
     decoder.feed([1, 2, 3])
     decoder.commit()
     costs = VerifyCosts(5)

@@ -11,7 +11,7 @@ from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.stats import GenerationStats
 from forerun.sampling import SamplingParams, TokenSampler
 
-from table_decoders import ClockedDecoder, CountingDecoder, TableDecoder, single_thread  # noqa: F401 (autouse)
+from table_decoders import ClockedWrapper, CountingDecoder, TableDecoder, single_thread  # noqa: F401 (autouse)
 
 V = 7
 GREEDY = SamplingParams()
@@ -182,7 +182,7 @@ def test_a_stalled_first_step_does_not_keep_the_draft_cost_high(monkeypatch):
             return 0.2                      # a catch-up on committed tokens
         return next(stall, 0.05)
 
-    clocked = ClockedDecoder(table(0), clock, cost)
+    clocked = ClockedWrapper(TableDecoder(table(0)), clock, cost)
     monkeypatch.setattr(draft_model, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     drafter = DraftModelDrafter(clocked)
     prompt = [1, 2, 3, 4]
@@ -219,7 +219,7 @@ def test_one_token_rounds_after_long_catch_ups_still_time_a_step(monkeypatch):
     def cost(tokens):
         return 0.5 if len(tokens) > 2 else next(stall, 0.05)
 
-    clocked = ClockedDecoder(table(0), clock, cost)
+    clocked = ClockedWrapper(TableDecoder(table(0)), clock, cost)
     monkeypatch.setattr(draft_model, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     counted = CountingDecoder(clocked)
     drafter = DraftModelDrafter(counted)

@@ -16,7 +16,7 @@ from forerun.decoding import tree_acceptance
 from forerun.decoding.draft_tree_planner import DraftTreePlanner, NodeBudgetPolicy
 from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.speculative import SpeculativeDecoding
-from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.drafters.draft_model import STALE_STEP, DraftModelDrafter
 from forerun.drafters.draft_model_tree import DraftedNodes, DraftModelTreeDrafter
 from forerun.errors import ConfigError
 from forerun.sampling import SamplingParams, TokenSampler
@@ -28,7 +28,7 @@ from decoding.test_tree_sampling import (COMBINED, DRAFT, PASS_P, REJECT_P, TARG
                                          p_value)
 from method_runs import greedy_tokens
 from quick import draws
-from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)
+from table_decoders import ClockedWrapper, TableDecoder, single_thread  # noqa: F401 (autouse fixture)
 
 # A draft-model tree costs a few draft forwards per round: fewer draws than
 # the chain and Medusa tests (the selection bug these tests caught showed at
@@ -141,6 +141,60 @@ def test_only_a_steady_rounds_catch_up_is_a_drafting_cost():
     drafter.begin(prompt)                          # a new generation: the prompt first
     drafter.expand(prompt, 2, sampler)
     assert drafter._catch_up_seconds <= timed
+
+
+def test_one_level_rounds_after_long_catch_ups_still_time_a_catch_up(monkeypatch):
+    """A stall left the catch-up estimate at 0.2 s against a real one of
+    0.05, and a catch-up after plain rounds costs more than either (0.5 s).
+    A policy that then drafts only to explore, one level now and then after
+    plain rounds, would never time a catch-up again: none of its rounds is
+    steady.  Once STALE_STEP committed tokens were fed untimed, such a round
+    feeds the committed tokens but the last first and times the last alone,
+    and the estimate comes down; before that nothing is fed twice, and the
+    round drafts the same tokens either way."""
+    from types import SimpleNamespace
+
+    from forerun.drafters import draft_model_tree
+
+    clock = SimpleNamespace(now=0.0)
+    stall = iter([0.2])
+
+    def cost(tokens):
+        return 0.5 if len(tokens) > 2 else next(stall, 0.05)
+
+    clocked = ClockedWrapper(decoder("qwen2", "perturbed"), clock, cost)
+    monkeypatch.setattr(draft_model_tree, "time",
+                        SimpleNamespace(perf_counter=lambda: clock.now))
+    drafter = DraftModelTreeDrafter(clocked, width=3, beam=2)
+    reference = decoder("qwen2", "perturbed")
+    sampler = TokenSampler(SamplingParams(), 0)
+    prompt = [(7 * i + 3) % 300 for i in range(6)]
+    drafter.begin(prompt)
+    drafter.expand(prompt, 1, sampler, chain=True)
+    sequence = prompt + [5, 9]
+    drafter.expand(sequence, 1, sampler, chain=True)       # steady, and stalled
+    assert drafter._catch_up_seconds == pytest.approx(0.2)
+
+    def round_tokens(sequence):
+        reference.reset()
+        best = int(torch.argmax(reference.feed(sequence, last_only=True).logits[-1]))
+        return drafter.expand(sequence, 1, sampler, chain=True).tokens, [sequence[-1], best]
+
+    untimed = 2
+    while untimed + 5 < STALE_STEP:                      # 5 committed tokens a round
+        sequence = sequence + [5, 6, 1, 2, 3]           # plain rounds meanwhile
+        clocked.feeds.clear()
+        drafted, expected = round_tokens(sequence)
+        assert clocked.feeds == [sequence[-5:]]         # one catch-up, untimed
+        assert drafted == expected
+        assert drafter._catch_up_seconds == pytest.approx(0.2)
+        untimed += 5
+    sequence = sequence + [5, 6, 1, 2, 3]
+    clocked.feeds.clear()
+    drafted, expected = round_tokens(sequence)
+    assert clocked.feeds == [sequence[-5:-1], sequence[-1:]]
+    assert drafted == expected
+    assert drafter._catch_up_seconds == pytest.approx(0.05)
 
 
 def _depths(nodes: DraftedNodes) -> list[int]:
