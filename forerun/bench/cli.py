@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the draft runs in q4-all")
     p.add_argument("--draft", "-d", default=None,
                    help="the draft model of the draft methods: a preset, .gguf file or folder "
-                        "sharing the model's tokenizer (default: the preset's own draft, "
+                        "sharing the model's tokenizer (default: the preset's draft model, "
                         "qwen2.5-coder-0.5b for qwen2.5-coder-1.5b; 'none' for no draft)")
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="a prompt file in Spec-Bench's question.jsonl format "
@@ -88,7 +88,7 @@ def settings_from_args(args: argparse.Namespace):
         raise BenchError("--methods is empty")
     return BenchSettings(
         model=args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
-        draft=default_draft(args.model, args.draft), prompts=args.prompts,
+        draft=default_draft(args.model, args.draft, needs_model=True), prompts=args.prompts,
         methods=tuple(methods), categories=tuple(_split([args.categories])) or None,
         limit=args.limit, max_new_tokens=args.max_new_tokens,
         temperatures=tuple(dict.fromkeys(temps)), seed=args.seed, warmup=args.warmup,

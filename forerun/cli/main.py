@@ -39,8 +39,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "folder sharing the model's tokenizer, 'ngram' (prompt lookup), "
                         "'medusa' (the preset's shipped Medusa heads; 'medusa:FILE' for "
                         "others), or 'none' for plain decoding "
-                        "(default: the preset's own draft, qwen2.5-coder-0.5b for "
-                        "qwen2.5-coder-1.5b; none for a path)")
+                        "(default: the preset's own: ngram for qwen2.5-coder-1.5b, or its "
+                        "draft model qwen2.5-coder-0.5b where --draft-tree, --tree-nodes, "
+                        "--draft-lookup or --draft-async asks for a draft model; none for a "
+                        "path)")
     p.add_argument("--draft-k", type=int, default=None,
                    help="fixed draft length (default: chosen every round from measured costs)")
 
@@ -237,12 +239,22 @@ def read_prompt(arg: str) -> str:
     return arg
 
 
+def needs_draft_model(args: argparse.Namespace) -> bool:
+    """Whether the options ask for a draft model (--draft-tree, --tree-nodes,
+    --draft-lookup or --no-draft-lookup, --draft-async): then a run without
+    --draft takes its preset's draft model instead of its default drafter."""
+    return bool(getattr(args, "draft_tree", False) or getattr(args, "draft_async", False)
+                or getattr(args, "tree_nodes", None) is not None
+                or getattr(args, "draft_lookup", None) is not None)
+
+
 def resolve_draft_option(args: argparse.Namespace) -> str | None:
     """The draft to use (:func:`~forerun.drafters.registry.default_draft`):
-    --draft, else the preset's own draft; 'none' turns speculation off."""
+    --draft, else the preset's default drafter (its draft model where the
+    options need one); 'none' turns speculation off."""
     from ..drafters.registry import default_draft
 
-    draft = default_draft(args.model, args.draft)
+    draft = default_draft(args.model, args.draft, needs_model=needs_draft_model(args))
     if draft is None and args.draft_k is not None:
         raise ForerunError("--draft-k needs a draft: add --draft PRESET|PATH|ngram|medusa "
                            "(or drop --draft-k)")

@@ -15,8 +15,9 @@ through these functions, so they follow the same rules:
   :func:`draft_weights` gives for the target's (q4-all beside a quantized
   target), and must share its tokenizer.
 
-On the command line, a model run without ``--draft`` uses its preset's own
-draft (:func:`default_draft`).
+On the command line and in a server, a model run without ``--draft`` uses
+its preset's default drafter, or its preset's draft model where the options
+need a draft model (:func:`default_draft`).
 """
 
 from __future__ import annotations
@@ -50,17 +51,24 @@ def draft_kind(draft: Any) -> str:
     return "model"
 
 
-def default_draft(model: str | None, draft: str | None) -> str | None:
+def default_draft(model: str | None, draft: str | None, *,
+                  needs_model: bool = False) -> str | None:
     """The draft of a command-line run: ``draft`` as given (``"none"``: no
-    draft, so ``None``), else the own draft of the preset ``model`` names
-    (the default preset when ``model`` is ``None``); ``None`` for a path, or
-    a preset without one."""
+    draft, so ``None``), else, from the preset ``model`` names (the default
+    preset when ``model`` is ``None``), its draft model where the run's
+    options need one (``needs_model``: a draft tree, prompt lookup beside a
+    draft model, asynchronous drafting, or forerun bench's draft-model
+    methods), else its default drafter (prompt lookup for
+    ``qwen2.5-coder-1.5b``); ``None`` for a path, or a preset without
+    one."""
     from ..loading.presets import DEFAULT_MODEL, PRESETS
 
     if draft is not None:
         return None if draft_kind(draft) == "none" else draft
     preset = PRESETS.get(DEFAULT_MODEL if model is None else str(model))
-    return preset.default_draft if preset is not None else None
+    if preset is None:
+        return None
+    return preset.draft_model if needs_model else preset.default_draft
 
 
 def draft_weights(target_weights: str) -> str:

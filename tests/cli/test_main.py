@@ -123,6 +123,30 @@ def test_async_options_are_checked_before_loading(args, message, capsys):
     assert message in err and "neither a preset" not in err
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("args, draft", [
+    ([], "ngram"),                                        # the 1.5B preset's own drafter
+    (["--draft-tree"], "qwen2.5-coder-0.5b"),             # options that need a draft model
+    (["--tree-nodes", "4"], "qwen2.5-coder-0.5b"),
+    (["--draft-lookup"], "qwen2.5-coder-0.5b"),
+    (["--no-draft-lookup"], "qwen2.5-coder-0.5b"),
+    (["--draft-async"], "qwen2.5-coder-0.5b"),
+    (["--draft-k", "3"], "ngram"),                        # a length fits prompt lookup too
+    (["--draft", "none", "--draft-tree"], None),          # a given draft stays as given
+    (["-m", "smollm2-135m", "--draft-tree"], None),       # a preset without a draft model
+])
+def test_without_draft_the_preset_drafts_with_lookup_or_its_draft_model(command, args, draft):
+    from forerun.cli.main import build_parser, needs_draft_model
+    from forerun.drafters.registry import default_draft
+
+    if command == "serve" and "--draft-async" in args:
+        pytest.skip("serve has no --draft-async")
+    parsed = build_parser().parse_args([command, *args] + (["hi"] if command == "generate"
+                                                            else []))
+    assert default_draft(parsed.model, parsed.draft,
+                         needs_model=needs_draft_model(parsed)) == draft
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("args, method", [
     ([], "draft+lookup"),                     # the default beside a draft model

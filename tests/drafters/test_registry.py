@@ -34,18 +34,23 @@ def test_medusa_heads_object_is_medusa():
     assert draft_kind(heads) == "medusa"
 
 
-@pytest.mark.parametrize("model, draft, expected", [
-    (None, None, "qwen2.5-coder-0.5b"),                   # the default preset's own draft
-    ("qwen2.5-coder-1.5b", None, "qwen2.5-coder-0.5b"),   # a preset named: the same rule
-    ("qwen2.5-coder-0.5b", None, None),                   # a preset without a draft
-    ("smollm2-135m", None, None),
-    ("path/to/model.gguf", None, None),                   # a path: no default
-    (None, "none", None), ("qwen2.5-coder-1.5b", "NONE", None),
-    (None, "ngram", "ngram"), ("path/to/model.gguf", "medusa:h", "medusa:h"),
-    ("qwen2.5-coder-1.5b", "other.gguf", "other.gguf"),
+@pytest.mark.parametrize("model, draft, needs_model, expected", [
+    (None, None, False, "ngram"),                         # the default preset's own drafter
+    ("qwen2.5-coder-1.5b", None, False, "ngram"),         # a preset named: the same rule
+    (None, None, True, "qwen2.5-coder-0.5b"),             # options that need a draft model
+    ("qwen2.5-coder-1.5b", None, True, "qwen2.5-coder-0.5b"),
+    ("qwen2.5-coder-0.5b", None, False, None),            # a preset without a draft
+    ("qwen2.5-coder-0.5b", None, True, None),
+    ("smollm2-135m", None, False, None),
+    ("path/to/model.gguf", None, False, None),            # a path: no default
+    ("path/to/model.gguf", None, True, None),
+    (None, "none", False, None), ("qwen2.5-coder-1.5b", "NONE", True, None),
+    (None, "ngram", True, "ngram"),                        # a given draft stays as given
+    ("path/to/model.gguf", "medusa:h", False, "medusa:h"),
+    ("qwen2.5-coder-1.5b", "other.gguf", False, "other.gguf"),
 ])
-def test_default_draft_is_one_rule(model, draft, expected):
-    assert default_draft(model, draft) == expected
+def test_default_draft_is_one_rule(model, draft, needs_model, expected):
+    assert default_draft(model, draft, needs_model=needs_model) == expected
 
 
 def _model(name, fingerprint, context):
