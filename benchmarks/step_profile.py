@@ -15,7 +15,8 @@ T - 1 drafted tokens does, so that its table of operators at T = 1 and
 T = 4 shows which part of a step grows with T.  Its times are not a ratio
 of the two: each T runs in its own process, minutes apart, and this VM's
 speed drifts by more than the difference (T = 4 measured 0.97x and 1.5x
-T = 1 within an hour); ``weight_formats.py`` times T = 1..9 side by side.  A ``torch.profiler`` table of the steps' operators follows, grouped
+T = 1 within an hour); ``weight_formats.py`` times T = 1..9 side by side.
+A ``torch.profiler`` table of the steps' operators follows, grouped
 by operator, so the largest non-matrix costs are named.
 
 Run it on an idle machine (nothing else running): every figure is a time.

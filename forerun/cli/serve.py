@@ -97,8 +97,8 @@ def _build_service(args: argparse.Namespace):
     from ..server.metrics import Metrics
     from ..server.prefix_cache import PrefixCache
     from ..api import lookup_option, tree_options
-    from ..drafters.registry import default_draft, draft_kind, load_draft_model
-    from .main import needs_draft_model
+    from ..drafters.registry import draft_kind, load_draft_model
+    from .main import resolve_draft_option
     from ..server.translate import Translator
     from ..server.worker import EngineWorker
 
@@ -106,9 +106,7 @@ def _build_service(args: argparse.Namespace):
     model = forerun.load(name, engine=args.engine, weights=args.weights,
                          context_length=args.context_length,
                          device=args.device, progress=not args.quiet)
-    draft = default_draft(args.model, args.draft, needs_model=needs_draft_model(args))
-    if draft is None and args.draft_k is not None:
-        raise ConfigError("--draft-k needs a draft: add --draft PRESET|PATH|ngram")
+    draft = resolve_draft_option(args)
     tree = tree_options(draft, args.draft_k, args.draft_tree, args.tree_nodes, None)
     lookup = lookup_option(draft, args.draft_lookup, args.draft_k, tree, None)
     drafts = {}

@@ -36,8 +36,8 @@ class Preset:
     #: (see forerun.drafters.registry.default_draft)
     default_draft: str | None = None
     #: the draft model paired with it (sharing its tokenizer), for the
-    #: options that need one (--draft-tree, --draft-lookup, --draft-async)
-    #: and for forerun bench's draft-model methods
+    #: options that need one (forerun.cli.main.needs_draft_model) and for
+    #: forerun bench's draft-model methods
     draft_model: str | None = None
     # Packages whose own dependencies are not needed (and are heavy).
     no_deps: bool = False

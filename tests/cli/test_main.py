@@ -136,15 +136,13 @@ def test_async_options_are_checked_before_loading(args, message, capsys):
     (["-m", "smollm2-135m", "--draft-tree"], None),       # a preset without a draft model
 ])
 def test_without_draft_the_preset_drafts_with_lookup_or_its_draft_model(command, args, draft):
-    from forerun.cli.main import build_parser, needs_draft_model
-    from forerun.drafters.registry import default_draft
+    from forerun.cli.main import build_parser, resolve_draft_option
 
     if command == "serve" and "--draft-async" in args:
         pytest.skip("serve has no --draft-async")
     parsed = build_parser().parse_args([command, *args] + (["hi"] if command == "generate"
                                                             else []))
-    assert default_draft(parsed.model, parsed.draft,
-                         needs_model=needs_draft_model(parsed)) == draft
+    assert resolve_draft_option(parsed) == draft      # what generate and serve both call
 
 
 @pytest.mark.real_model
