@@ -19,32 +19,23 @@ Run it on an idle machine (nothing else running): every figure is a time.
 
 from __future__ import annotations
 
-import argparse
 import time
 
-import forerun
-from forerun.bench.prompts import load_prompts, select_prompts
-from forerun.calibration import cpu_name
+from draft_ab_options import bench_prompts, draft_ab_parser, header, load_target
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--weights", default="q4")
+    ap = draft_ab_parser(__doc__)
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--limit", type=int, default=2, help="prompts per category")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
 
-    model = forerun.load(args.model, weights=args.weights, progress=False)
+    model = load_target(args)
     for lookup in (False, True):     # load the draft, calibrate, warm up
         model.generate("hi", max_new_tokens=4, draft=args.draft, draft_lookup=lookup)
-    print(f"{cpu_name()}, {args.model} ({args.weights}) with {args.draft}, "
-          f"temperature {args.temperature}, {args.max_new_tokens} tokens")
+    print(header(args, f", temperature {args.temperature}, {args.max_new_tokens} tokens"))
     names = {False: "draft", True: "draft+lookup"}
     per_category: dict[str, dict[bool, float]] = {}
-    for i, p in enumerate(select_prompts(load_prompts(), None, args.limit)):
+    for i, p in enumerate(bench_prompts(args)):
         ids = model.encode_prompt(messages=[{"role": "user", "content": p.turns[0]}])
         line = f"{p.label:18s} {len(ids):5d} tokens"
         for lookup in ((False, True) if i % 2 == 0 else (True, False)):

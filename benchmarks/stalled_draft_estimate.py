@@ -17,33 +17,24 @@ Run it on an idle machine (nothing else running): every figure is a time.
 
 from __future__ import annotations
 
-import argparse
 import time
 
-import forerun
-from forerun.bench.prompts import load_prompts, select_prompts
-from forerun.calibration import cpu_name
+from draft_ab_options import bench_prompts, draft_ab_parser, header, load_target
 from forerun.drafters import draft_model
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--weights", default="q4")
+    ap = draft_ab_parser(__doc__)
     ap.add_argument("--estimate-ms", type=float, default=120.0)
     ap.add_argument("--categories", default="code,math")
-    ap.add_argument("--limit", type=int, default=2, help="prompts per category")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
 
-    model = forerun.load(args.model, weights=args.weights, progress=False)
+    model = load_target(args)
     model.generate("hi", max_new_tokens=4, draft=args.draft, draft_lookup=False)
     method, _ = model._method(args.draft)      # the draft model alone, as generate built it
     drafter = method.planner.drafter
-    prompts = select_prompts(load_prompts(), args.categories.split(","), args.limit)
-    print(f"{cpu_name()}, {args.model} ({args.weights}) with {args.draft} alone, greedy, "
-          f"{len(prompts)} prompts of {args.max_new_tokens} tokens, the step estimate "
+    prompts = bench_prompts(args, args.categories)
+    print(header(args, " alone") + f", greedy, {len(prompts)} prompts of {args.max_new_tokens} tokens, the step estimate "
           f"set to {args.estimate_ms:g} ms before each pass")
     default = draft_model.STALE_STEP
     for timed in (True, False, True, False):
