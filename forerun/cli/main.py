@@ -303,7 +303,7 @@ def engine_line(settings: dict, label: str = "engine") -> str:
     if "weights" in settings:
         line += f", weights {settings['weights']}"
         if settings.get("kernels") == "native":
-            line += " (forerun's native kernels)"
+            line += f" (forerun's native kernels, {settings.get('instruction', 'avx2')})"
         elif settings.get("weights") in QUANTIZED_FORMATS:
             line += " (torch's kernels)"
     if "threads" in settings:

@@ -10,6 +10,7 @@ import torch
 
 from ..decoder import Capabilities, ForwardOutput
 from ..errors import CacheStateError, ConfigError, ContextLengthError, InvalidTokenError
+from ..kernels import native
 from ..kv_cache import KVCache
 from .base import EngineDecoder
 from .prefill_kernel import GEMM_ROWS
@@ -70,13 +71,16 @@ class TorchDecoder(EngineDecoder):
     def settings(self) -> dict:
         """Everything that decides which kernels run (and so the numerics
         and the costs): the engine, device, activation dtype, weight format,
-        matrix kernels (forerun's native ones or torch's), prefill kernel and
-        thread count."""
-        return {"engine": self.engine, "device": str(self.device),
-                "dtype": str(self.model.dtype).removeprefix("torch."),
-                "weights": self.model.weights_format,
-                "kernels": self.model.matrix_kernels,
-                "prefill": self.model.prefill_kernel,
+        matrix kernels (forerun's native ones or torch's; for native ones,
+        the instruction their products sum with), prefill kernel and thread
+        count."""
+        kernels = self.model.matrix_kernels
+        settings = {"engine": self.engine, "device": str(self.device),
+                    "dtype": str(self.model.dtype).removeprefix("torch."),
+                    "weights": self.model.weights_format, "kernels": kernels}
+        if kernels == "native":
+            settings["instruction"] = native.native_kernels().instruction
+        return {**settings, "prefill": self.model.prefill_kernel,
                 "threads": torch.get_num_threads(), "torch": torch.__version__}
 
     @property

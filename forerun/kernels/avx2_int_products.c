@@ -36,6 +36,17 @@
  *         of a block are stored as the 8 first halves (chunks 0-3), then
  *         the 8 second halves (chunks 4-7).
  * 8-bit:  W[n, k] = scale[n] * q[n, k], q in -128..127, float scale.
+ *
+ * Dot-product instructions.  Built with FR_DPBUSD defined (as
+ * `-DFR_DPBUSD=512` with -mavx512vnni -mavx512vl, or `-DFR_DPBUSD=256` with
+ * -mavxvnni), the sums of products use vpdpbusd, which multiplies 4 pairs of
+ * bytes and adds them to an int32 lane in one instruction, instead of
+ * vpmaddubsw, int16 adds and vpmaddwd.  Every product sum is exact either
+ * way (the int16 sums of the AVX2 path never saturate, and vpdpbusd does
+ * not saturate), and the float arithmetic after it is the same, so both
+ * builds give bit-identical results.  `-DFR_DPBUSD=0` builds the vpdpbusd
+ * code with an AVX2 stand-in for the instruction, which is how a machine
+ * without VNNI tests that code.
  */
 
 #include <immintrin.h>
@@ -51,7 +62,25 @@
 #define TILE 6           /* activation rows sharing one pass over a weight row */
 #define PREFETCH 2048    /* bytes ahead of the 4-bit weights being read */
 
+#ifdef FR_DPBUSD
+#if FR_DPBUSD == 512
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif FR_DPBUSD == 256
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else   /* the AVX2 stand-in: exact while a pair of products fits an int16 */
+#define DPBUSD(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16( \
+    _mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#endif
+#define FR_DPBUSD_KIND FR_DPBUSD
+#else
+#define FR_DPBUSD_KIND -1
+#endif
+
 int fr_abi_version(void) { return 4; }
+
+/* How this build sums products: -1 vpmaddubsw (AVX2), 0 the vpdpbusd code
+ * with its AVX2 stand-in, 256 AVX-VNNI, 512 AVX512-VNNI. */
+int fr_dot_instruction(void) { return FR_DPBUSD_KIND; }
 
 /* One group of 32 values (k0 + 32 <= K) into the chunk layout at ab:
  * the same arithmetic as the scalar tail below, 8 lanes at a time
@@ -166,6 +195,22 @@ static inline __attribute__((always_inline)) void q4_row(
         const int8_t *ab = a + (size_t)g0 * GROUP;
         _mm_prefetch((const char *)(qb + PREFETCH), _MM_HINT_T0);
         _mm_prefetch((const char *)(qb + PREFETCH + 64), _MM_HINT_T0);
+#ifdef DPBUSD
+        __m256i s32[TILE];
+        for (int t = 0; t < TT; t++) s32[t] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(qb + 32 * p));
+            const __m256i w0 = _mm256_and_si256(packed, nibble);
+            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+            for (int t = 0; t < TT; t++) {
+                const int8_t *at = ab + (size_t)t * Kp + 64 * p;
+                s32[t] = DPBUSD(s32[t], w0, _mm256_loadu_si256((const __m256i *)at));
+                s32[t] = DPBUSD(s32[t], w1, _mm256_loadu_si256((const __m256i *)(at + 32)));
+                __asm__("" : "+x"(s32[t]));     /* as below */
+            }
+        }
+#define Q4_DOT(t) s32[t]
+#else
         /* int16 sums of 8 vpmaddubsw results: each at most 8 * 2 * 15 * 127
            = 30480 in magnitude, so no overflow. */
         __m256i s16[TILE];
@@ -185,10 +230,12 @@ static inline __attribute__((always_inline)) void q4_row(
                 __asm__("" : "+x"(s16[t]));
             }
         }
+#define Q4_DOT(t) _mm256_madd_epi16(s16[t], ones)
+#endif
         const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g0)));
         const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g0)));
         for (int t = 0; t < TT; t++) {
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[t], ones));
+            const __m256 dot = _mm256_cvtepi32_ps(Q4_DOT(t));
             const __m256 d = _mm256_loadu_ps(sa + (size_t)t * ng + g0);
             const __m256 ds = _mm256_loadu_ps(sasum + (size_t)t * ng + g0);
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dot, d), sc, acc[t]);
@@ -196,6 +243,8 @@ static inline __attribute__((always_inline)) void q4_row(
         }
     }
     for (int t = 0; t < TT; t++) y[(size_t)t * N] = sum_lanes(acc[t]);
+    (void)ones;
+#undef Q4_DOT
 }
 
 /* One 8-bit weight row against TT (1..TILE) activation rows. */
@@ -220,9 +269,13 @@ static inline __attribute__((always_inline)) void q8_row(
             for (int t = 0; t < TT; t++) {
                 const __m256i x =
                     _mm256_loadu_si256((const __m256i *)(ab + (size_t)t * Kp + 32 * i));
+#ifdef DPBUSD
+                s32[t] = DPBUSD(s32[t], wabs, _mm256_sign_epi8(x, w));
+#else
                 /* a pair of products is at most 2 * 128 * 127 = 32512: no saturation */
                 s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(
                     _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w)), ones));
+#endif
                 __asm__("" : "+x"(s32[t]));     /* as in q4_row */
             }
         }
@@ -231,6 +284,7 @@ static inline __attribute__((always_inline)) void q8_row(
                                      _mm256_loadu_ps(sa + (size_t)t * ng + g0), acc[t]);
     }
     for (int t = 0; t < TT; t++) y[(size_t)t * N] = scale * sum_lanes(acc[t]);
+    (void)ones;
 }
 
 /* Half-group sums of int8 activations, times 32 (the 6-bit weights' offset):
@@ -296,11 +350,16 @@ static inline __attribute__((always_inline)) void q6_row(
                 q6_chunks(qb, hv, p, &w0, &w1);
                 for (int t = 0; t < TT; t++) {
                     const int8_t *at = a + (size_t)t * Kp + (size_t)b * BLOCK + 64 * p;
+#ifdef DPBUSD
+                    s32[t] = DPBUSD(s32[t], w0, _mm256_loadu_si256((const __m256i *)at));
+                    s32[t] = DPBUSD(s32[t], w1, _mm256_loadu_si256((const __m256i *)(at + 32)));
+#else
                     /* two pairs of products: at most 2 * 2 * 63 * 127 = 32004 */
                     const __m256i s16 = _mm256_add_epi16(
                         _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)at)),
                         _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(at + 32))));
                     s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16, ones));
+#endif
                     __asm__("" : "+x"(s32[t]));     /* as in q4_row */
                 }
             }
@@ -316,6 +375,7 @@ static inline __attribute__((always_inline)) void q6_row(
         }
     }
     for (int t = 0; t < TT; t++) y[(size_t)t * N] = sum_lanes(acc[t]);
+    (void)ones;
 }
 
 #define FOR_TILES(CALL)                                                         \

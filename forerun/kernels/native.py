@@ -24,6 +24,14 @@ no C compiler, a failed build or check, torch's kernels faster,
 ``FORERUN_NATIVE_KERNELS=0``), :func:`native_kernels` returns None,
 :func:`unavailable_reason` says why, and the layers run torch's kernels.
 
+Where the CPU has a dot-product instruction (AVX512-VNNI or AVX-VNNI's
+``vpdpbusd``), the products are also built with it (:data:`DOT_BUILDS`).
+That build is used only where it passes the same check, gives results
+bit-identical to the AVX2 build's on random products of every format, and
+is faster than it, timed once per machine and kept
+(:func:`dot_product_build`); otherwise the AVX2 build serves, and
+:func:`dot_product_reason` says why.
+
 The layer operations replace dozens of torch operators per layer, whose
 dispatch costs more than their arithmetic at a few positions; they don't
 depend on the matrices' format, so :func:`layer_ops` gives them wherever
@@ -49,6 +57,19 @@ import torch
 SOURCE = Path(__file__).with_name("avx2_int_products.c")
 LAYER_OPS_SOURCE = Path(__file__).with_name("avx2_layer_ops.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+# Builds whose products use vpdpbusd (see the C file's FR_DPBUSD), best
+# first: a name, the /proc/cpuinfo flags the CPU needs, the extra compiler
+# flags.  256-bit registers either way: the layouts are made for them.
+DOT_BUILDS = (
+    ("avx512-vnni", ("avx512_vnni", "avx512vl"),
+     ("-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256", "-DFR_DPBUSD=512")),
+    ("avx-vnni", ("avx_vnni",), ("-mavxvnni", "-DFR_DPBUSD=256")),
+)
+# The vpdpbusd code with an AVX2 stand-in for the instruction: how a CPU
+# without VNNI tests that code (tests/kernels/test_native.py).
+STAND_IN_FLAGS = ("-DFR_DPBUSD=0",)
+INSTRUCTIONS = {-1: "avx2", 0: "avx2 stand-in for vpdpbusd", 256: "avx-vnni",
+                512: "avx512-vnni"}
 # Bumped whenever the layouts or the functions' signatures change (the
 # packed-weight cache is keyed by it).
 ABI_VERSION = 4
@@ -82,6 +103,8 @@ class NativeKernels:
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
+        # How its products sum (:data:`INSTRUCTIONS`): "avx2", "avx512-vnni", ...
+        self.instruction = INSTRUCTIONS.get(lib.fr_dot_instruction(), "unknown")
         self._quantize = lib.fr_quantize_rows
         self._quantize.argtypes = [_P, _I, _I, _I, _P, _P, _P]
         self._quantize.restype = None
@@ -357,7 +380,7 @@ def native_kernels() -> NativeKernels | None:
     with _lock:
         if "kernels" not in _state:
             try:
-                kernels = _library()
+                kernels = _dot_product_library(_library())
                 if not _forced_on():
                     _check_faster(kernels)
                 _state["kernels"], _state["reason"] = kernels, None
@@ -396,6 +419,48 @@ def unavailable_reason() -> str | None:
     return _state["reason"]  # type: ignore[return-value]
 
 
+def dot_product_reason() -> str | None:
+    """Why the products don't use a vpdpbusd build (None when they do, or
+    when the native kernels aren't used at all)."""
+    native_kernels()
+    return _state.get("dot_reason")  # type: ignore[return-value]
+
+
+def dot_build(cpu_flags: set[str]) -> tuple[str, tuple[str, ...]] | None:
+    """The first of :data:`DOT_BUILDS` whose CPU flags are all in
+    ``cpu_flags``, as (name, extra compiler flags); None if none is."""
+    for name, needs, extra in DOT_BUILDS:
+        if all(f in cpu_flags for f in needs):
+            return name, extra
+    return None
+
+
+def _dot_product_library(avx2: NativeKernels) -> NativeKernels:
+    """The library the products use (under ``_lock``): the CPU's vpdpbusd
+    build where it builds, passes the checks, matches ``avx2`` bit for bit
+    and is faster than it; else ``avx2``.  Records why in "dot_reason"."""
+    chosen = dot_build(_cpu_flags())
+    if chosen is None:
+        _state["dot_reason"] = "this CPU has no vpdpbusd (AVX512-VNNI or AVX-VNNI)"
+        return avx2
+    name, extra = chosen
+    try:
+        dot = build_library(extra)
+        _check_same_products(dot, avx2)
+    except _Unavailable as exc:
+        _state["dot_reason"] = f"the {name} build is not used: {exc}"
+        return avx2
+    if not _forced_on():
+        ms = _timed_once("dot-products", lambda: time_q4_mlp({name: dot, "avx2": avx2}),
+                         (name, "avx2"), f"whether the {name} products beat the AVX2 ones")
+        if sum(ms["avx2"]) <= sum(ms[name]):
+            _state["dot_reason"] = (f"the {name} build was no faster on this machine "
+                                    f"({_shown(ms)})")
+            return avx2
+    _state["dot_reason"] = None
+    return dot
+
+
 def reset() -> None:
     """Forget the loaded state, so the next call decides again (tests)."""
     with _lock:
@@ -407,6 +472,7 @@ class _Unavailable(Exception):
 
 
 def _load() -> NativeKernels:
+    """The AVX2 library, built, loaded and checked; raises _Unavailable."""
     if _switched_off():
         raise _Unavailable(f"turned off by {SWITCH}={os.environ[SWITCH]}")
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -414,36 +480,51 @@ def _load() -> NativeKernels:
     missing = _missing_cpu_flags()
     if missing:
         raise _Unavailable(f"this CPU lacks {', '.join(missing)}")
+    kernels = build_library()
+    _check_layer_ops(kernels)
+    return kernels
+
+
+def build_library(extra_flags: tuple[str, ...] = ()) -> NativeKernels:
+    """The library built with :data:`FLAGS` and ``extra_flags`` (cached by
+    source, compiler and flags), loaded and checked against float64 sums;
+    raises _Unavailable."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise _Unavailable("no C compiler was found (install gcc, or set CC)")
-    path = _build(compiler)
+    path = _build(compiler, extra_flags)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError:
         path.unlink(missing_ok=True)          # a damaged file: build it once more
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, extra_flags)))
     if lib.fr_abi_version() != ABI_VERSION:
         raise _Unavailable(f"{path} is of another version; remove it")
     kernels = NativeKernels(lib, path)
     _self_check(kernels)
-    _check_layer_ops(kernels)
     return kernels
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's flags as /proc/cpuinfo names them (empty where it can't be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                     if line.startswith("flags")), []))
 
 
 def _missing_cpu_flags() -> list[str]:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return ["AVX2"]
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    flags = _cpu_flags()
+    if not flags:
         return []                             # torch's AVX2 implies FMA and F16C
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
     return [f.upper() for f in ("avx2", "fma", "f16c") if f not in flags]
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     sources = _sources()
     source = b"".join(s.read_bytes() for s in sources)
     try:
@@ -451,7 +532,8 @@ def _build(compiler: str) -> Path:
                                  timeout=60).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError) as exc:
         raise _Unavailable(f"the C compiler {compiler} does not run ({exc})") from exc
-    key = hashlib.sha256(b"|".join([source, " ".join(FLAGS).encode(), compiler.encode(),
+    flags = (*FLAGS, *extra_flags)
+    key = hashlib.sha256(b"|".join([source, " ".join(flags).encode(), compiler.encode(),
                                     "".join(version).encode()])).hexdigest()[:16]
     name = f"{SOURCE.stem}-{key}.so"
     try:
@@ -467,7 +549,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     path = folder / name
     try:
-        done = subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", tmp],
+        done = subprocess.run([compiler, *flags, *map(str, sources), "-o", tmp],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise _Unavailable(f"{compiler} failed to build "
@@ -581,30 +663,76 @@ def _check_faster(kernels: NativeKernels) -> None:
     MLP block timed both ways at 1 and 4 positions, once per machine and
     thread count (kept in the calibration store).  Raises _Unavailable,
     naming both times, where torch's are faster."""
+    from ..engines.format_choice import TIMED_POSITIONS
+
+    ms = _timed_once("native-kernels", lambda: time_against_torch(kernels),
+                     ("native", "torch"), "whether forerun's native kernels beat torch's")
+    if sum(ms["torch"]) < sum(ms["native"]):
+        raise _Unavailable(f"torch's kernels were faster on this machine (a q4 MLP block at "
+                           f"{'/'.join(map(str, TIMED_POSITIONS))} positions: {_shown(ms)}); "
+                           f"{SWITCH}=1 uses the native ones anyway")
+
+
+def _timed_once(kind: str, measure, names: tuple[str, ...], what: str) -> dict[str, list[float]]:
+    """``measure()``'s milliseconds per name of ``names`` (a list per timed
+    position count), measured once per machine and thread count and kept in
+    the calibration store under ``kind`` (a damaged record is measured
+    again)."""
     from ..calibration import CalibrationStore
     from ..engines.format_choice import TIMED_POSITIONS
 
     key = {"shape": list(TIMED_SHAPE), "positions": list(TIMED_POSITIONS),
            "threads": torch.get_num_threads(), "torch": torch.__version__}
-    store = CalibrationStore("native-kernels", key, label="q4-mlp")
+    store = CalibrationStore(kind, key, label="q4-mlp")
 
     def valid(value):
         try:
             ok = all(len(value[k]) == len(TIMED_POSITIONS) and
                      all(isinstance(v, (int, float)) and 0 < v < 1e6 for v in value[k])
-                     for k in ("native", "torch"))
+                     for k in names)
             return value if ok else None
         except (KeyError, TypeError):
             return None
 
-    ms = store.load_or_measure(valid, lambda: time_against_torch(kernels),
-                               "whether forerun's native kernels beat torch's")
-    if sum(ms["torch"]) < sum(ms["native"]):
-        shown = ", ".join(f"{k} {'/'.join(f'{v:.1f}' for v in ms[k])} ms"
-                          for k in ("native", "torch"))
-        raise _Unavailable(f"torch's kernels were faster on this machine (a q4 MLP block at "
-                           f"{'/'.join(map(str, TIMED_POSITIONS))} positions: {shown}); "
-                           f"{SWITCH}=1 uses the native ones anyway")
+    return store.load_or_measure(valid, measure, what)
+
+
+def _shown(ms: dict[str, list[float]]) -> str:
+    """Timings per position count, as ``name 1.0/2.0 ms, ...``."""
+    return ", ".join(f"{k} {'/'.join(f'{v:.1f}' for v in ms[k])} ms" for k in ms)
+
+
+def _check_same_products(dot: NativeKernels, avx2: NativeKernels) -> None:
+    """``dot``'s products equal ``avx2``'s bit for bit: the 4-, 6- and 8-bit
+    products of 1 to 9 rows, on random values with the extreme weights
+    (products that would overflow an int16 sum if a build let them).
+    Raises _Unavailable naming the first that differs."""
+    gen = torch.Generator().manual_seed(2)
+    n, k = 21, 520                            # a part row chunk, and padding
+    kp = padded(k)
+    q4 = torch.randint(0, 16, (n, kp), dtype=torch.uint8, generator=gen)
+    q4[0] = 15
+    scale = (torch.rand(n, kp // GROUP, generator=gen) + 0.5).half()
+    minimum = (-8 * scale.float()).half()
+    q6 = torch.randint(0, 64, (n, kp), dtype=torch.uint8, generator=gen)
+    q6[0] = 63
+    s6 = half_group_order(torch.randint(-128, 128, (n, kp // 16), dtype=torch.int8,
+                                        generator=gen))
+    d6 = torch.rand(n, kp // BLOCK, generator=gen) / 64 + 1e-3
+    q8 = torch.randint(-128, 128, (n, kp), dtype=torch.int8, generator=gen)
+    q8[0] = -128
+    q8 = to_chunks(q8).contiguous()
+    s8 = torch.rand(n, generator=gen) + 0.5
+    packed4, low6, high6 = pack_nibbles(q4), pack_nibbles(q6 & 15), pack_high_bits(q6)
+    for t in range(1, 10):
+        x = torch.randn(t, k, generator=gen) * 3
+        x[0, :64] = 100                      # whole groups at +127
+        for name, run in (("4-bit", lambda lib: lib.q4_linear(x, packed4, scale, minimum)),
+                          ("6-bit", lambda lib: lib.q6_linear(x, low6, high6, s6, d6)),
+                          ("8-bit", lambda lib: lib.q8_linear(x, q8, s8))):
+            if not torch.equal(run(dot), run(avx2)):
+                raise _Unavailable(f"its {name} products of {t} rows differ from the AVX2 "
+                                   f"build's")
 
 
 class _RawProduct:
@@ -621,8 +749,15 @@ class _RawProduct:
 
 def time_against_torch(kernels: NativeKernels, repeats: int = 3) -> dict[str, list[float]]:
     """Milliseconds of a q4 MLP block of :data:`TIMED_SHAPE` by the native
-    kernels and by torch's, at the format choice's positions (best of
-    ``repeats``, distinct weights per run)."""
+    kernels and by torch's (:func:`time_q4_mlp`)."""
+    return time_q4_mlp({"native": kernels, "torch": None}, repeats)
+
+
+def time_q4_mlp(candidates: dict[str, NativeKernels | None],
+                repeats: int = 3) -> dict[str, list[float]]:
+    """Milliseconds of a q4 MLP block of :data:`TIMED_SHAPE` by each
+    candidate (a native library, or None for torch's kernels), at the format
+    choice's positions (best of ``repeats``, distinct weights per run)."""
     import itertools
 
     from ..engines.format_choice import (TIMED_POSITIONS, _random_weights, block_copies,
@@ -637,8 +772,8 @@ def time_against_torch(kernels: NativeKernels, repeats: int = 3) -> dict[str, li
     values = [(_random_weights("q4", 2 * i, h, gen), _random_weights("q4", h, i, gen))
               for _ in range(copies)]
     result = {}
-    for name in ("native", "torch"):
-        if name == "native":
+    for name, kernels in candidates.items():
+        if kernels is not None:
             blocks = [tuple(_RawProduct(kernels, NativeInt4Linear.build(v, None)) for v in pair)
                       for pair in values]
         else:

@@ -69,8 +69,12 @@ def test_generate_streams_text_and_stats(preset_gguf, capsys):
 
 
 @pytest.mark.parametrize("settings, line", [
-    ({"engine": "torch", "device": "cpu", "weights": "q4", "kernels": "native", "threads": 2},
-     "engine: torch on cpu, weights q4 (forerun's native kernels), 2 threads"),
+    ({"engine": "torch", "device": "cpu", "weights": "q4", "kernels": "native",
+      "instruction": "avx2", "threads": 2},
+     "engine: torch on cpu, weights q4 (forerun's native kernels, avx2), 2 threads"),
+    ({"engine": "torch", "device": "cpu", "weights": "q4", "kernels": "native",
+      "instruction": "avx512-vnni", "threads": 2},
+     "engine: torch on cpu, weights q4 (forerun's native kernels, avx512-vnni), 2 threads"),
     ({"engine": "torch", "device": "cpu", "weights": "q8", "kernels": "torch", "threads": 1},
      "engine: torch on cpu, weights q8 (torch's kernels), 1 thread"),
     ({"engine": "torch", "device": "cpu", "weights": "float32", "kernels": "torch"},
@@ -91,9 +95,9 @@ def test_the_weights_option_offers_every_weight_format():
 def test_stats_say_what_ran_the_draft_model():
     from forerun.cli.main import engine_line
     settings = {"engine": "torch", "device": "cpu", "weights": "q4-all", "kernels": "native",
-                "threads": 2}
+                "instruction": "avx2", "threads": 2}
     assert engine_line(settings, "draft engine") == (
-        "draft engine: torch on cpu, weights q4-all (forerun's native kernels), 2 threads")
+        "draft engine: torch on cpu, weights q4-all (forerun's native kernels, avx2), 2 threads")
 
 
 @pytest.mark.real_model

@@ -427,3 +427,125 @@ def test_the_timing_against_torch_runs(kernels):
     ms = native.time_against_torch(kernels, repeats=1)
     assert set(ms) == {"native", "torch"}
     assert all(len(v) == 2 and all(0 < t < 1e4 for t in v) for v in ms.values())
+
+
+# -- the vpdpbusd build ---------------------------------------------------------------
+
+def test_the_dot_product_build_follows_the_cpu_flags():
+    zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni", "avx512_bf16"}
+    assert native.dot_build(zen4) == ("avx512-vnni", native.DOT_BUILDS[0][2])
+    assert native.dot_build({"avx2", "avx_vnni"}) == ("avx-vnni", native.DOT_BUILDS[1][2])
+    assert native.dot_build({"avx2", "avx512_vnni"}) is None       # VNNI needs 512-bit VL here
+    assert native.dot_build({"avx2", "fma", "f16c"}) is None
+
+
+def test_the_vpdpbusd_code_gives_the_avx2_products_bit_for_bit(kernels):
+    """The products' vpdpbusd code, built with its AVX2 stand-in for the
+    instruction (what a CPU without VNNI can run), equals the AVX2 build bit
+    for bit, in every format, through layers and at any number of rows: what
+    a VNNI build must also show before it is used."""
+    avx2 = native.layer_ops()
+    stand_in = native.build_library(native.STAND_IN_FLAGS)
+    assert avx2.instruction == "avx2" and stand_in.instruction == "avx2 stand-in for vpdpbusd"
+    assert stand_in.path != avx2.path
+    native._check_same_products(stand_in, avx2)
+    gen = torch.Generator().manual_seed(3)
+    k = 768
+    q4 = NativeInt4Linear.build(_random_q4(19, k, gen), None)
+    q6 = NativeInt6Linear.build(_random_q6(19, k, gen), None)
+    q8 = NativeInt8Linear.build(quantize_int8(torch.randn(19, k, generator=gen)), None)
+    for t in (1, 4, 6, 7, 13):
+        x = torch.randn(t, k, generator=gen)
+        assert torch.equal(stand_in.q4_linear(x, q4.q, q4.scale, q4.minimum),
+                           avx2.q4_linear(x, q4.q, q4.scale, q4.minimum)), t
+        assert torch.equal(stand_in.q6_linear(x, q6.low, q6.high, q6.scale, q6.d),
+                           avx2.q6_linear(x, q6.low, q6.high, q6.scale, q6.d)), t
+        assert torch.equal(stand_in.q8_linear(x, q8.q, q8.scale),
+                           avx2.q8_linear(x, q8.q, q8.scale)), t
+
+
+def test_the_vnni_builds_compile(fresh_cache):
+    """Each VNNI build compiles (this CPU may not run it: a VNNI one is
+    checked against the AVX2 build where it loads)."""
+    import shutil
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    for name, _, extra in native.DOT_BUILDS:
+        path = native._build(compiler, extra)
+        assert path.is_file() and path.stat().st_size > 1000, name
+
+
+def _as_if_the_cpu_had_vpdpbusd(monkeypatch) -> None:
+    """The stand-in build offered as this CPU's dot-product build."""
+    monkeypatch.setattr(native, "dot_build", lambda flags: ("stand-in", native.STAND_IN_FLAGS))
+
+
+def test_a_vpdpbusd_build_that_computes_wrongly_is_not_used(altered_source, monkeypatch):
+    """A dot-product build that computes other numbers (here each 4-bit
+    group sum one too large, in its vpdpbusd code only) is refused, and the
+    AVX2 build serves."""
+    altered_source("SOURCE", "#define Q4_DOT(t) s32[t]",
+                   "#define Q4_DOT(t) _mm256_add_epi32(s32[t], _mm256_set1_epi32(1))")
+    _as_if_the_cpu_had_vpdpbusd(monkeypatch)
+    kernels = native.native_kernels()
+    assert kernels is not None and kernels.instruction == "avx2"
+    assert native.layer_ops() is kernels
+    assert "the stand-in build is not used" in native.dot_product_reason()
+    assert "4-bit" in native.dot_product_reason()
+
+
+class _OneProductOff:
+    """A library whose ``name`` products of ``rows`` rows are one float32
+    step off in one value (what a float64 tolerance lets through)."""
+
+    def __init__(self, inner, name: str, rows: int) -> None:
+        self.inner, self.name, self.rows = inner, name, rows
+
+    def __getattr__(self, attribute):
+        run = getattr(self.inner, attribute)
+        if attribute != self.name:
+            return run
+
+        def off(x, *args):
+            y = run(x, *args)
+            if y.shape[0] == self.rows:
+                y[-1, -1] = torch.nextafter(y[-1, -1], torch.tensor(float("inf")))
+            return y
+        return off
+
+
+@pytest.mark.parametrize("name, label, rows", [("q4_linear", "4-bit", 1),
+                                               ("q6_linear", "6-bit", 5),
+                                               ("q8_linear", "8-bit", 9)])
+def test_products_one_step_off_the_avx2_ones_are_caught(kernels, name, label, rows):
+    avx2 = native.layer_ops()
+    with pytest.raises(native._Unavailable, match=f"its {label} products of {rows} rows differ"):
+        native._check_same_products(_OneProductOff(avx2, name, rows), avx2)
+
+
+@pytest.mark.parametrize("winner", ["stand-in", "avx2"])
+def test_the_vpdpbusd_build_is_used_only_where_it_is_faster(fresh_cache, monkeypatch, winner):
+    """Without the switch, the dot-product build is timed against the AVX2
+    one once per machine (kept) and used only where it is faster."""
+    monkeypatch.delenv(native.SWITCH)
+    _as_if_the_cpu_had_vpdpbusd(monkeypatch)
+    monkeypatch.setattr(native, "time_against_torch",
+                        lambda kernels, repeats=3: {"native": [1.0, 2.0], "torch": [9.0, 9.0]})
+    calls = []
+
+    def timing(candidates, repeats=3):
+        calls.append(sorted(candidates))
+        return {name: [1.0, 2.0] if name == winner else [3.0, 4.0] for name in candidates}
+
+    monkeypatch.setattr(native, "time_q4_mlp", timing)
+    for _ in range(2):
+        kernels = native.native_kernels()
+        want = "avx2" if winner == "avx2" else "avx2 stand-in for vpdpbusd"
+        assert kernels.instruction == want and calls == [["avx2", "stand-in"]]
+        reason = native.dot_product_reason()
+        assert (reason is None) == (winner == "stand-in")
+        if winner == "avx2":
+            assert "no faster" in reason and "stand-in 3.0/4.0 ms" in reason
+        native.reset()
