@@ -181,6 +181,21 @@ static inline float sum_lanes(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* A 4-bit row's running sums over one block, for one activation row: the
+ * products of weights w0, w1 (0..15) with activations x0, x1 added to s,
+ * and s as the int32 group sums (Q4_DOT).  With vpdpbusd they are int32
+ * from the start; with AVX2 they are int16 sums of 8 vpmaddubsw results,
+ * each at most 8 * 2 * 15 * 127 = 30480 in magnitude (no overflow), paired
+ * into int32 by Q4_DOT. */
+#ifdef DPBUSD
+#define Q4_SUMS(s, w0, x0, w1, x1) DPBUSD(DPBUSD(s, w0, x0), w1, x1)
+#define Q4_DOT(s) (s)
+#else
+#define Q4_SUMS(s, w0, x0, w1, x1) _mm256_add_epi16(s, _mm256_add_epi16( \
+    _mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)))
+#define Q4_DOT(s) _mm256_madd_epi16(s, ones)
+#endif
+
 /* One 4-bit weight row against TT (1..TILE) activation rows. */
 static inline __attribute__((always_inline)) void q4_row(
         const uint8_t *q, const uint16_t *scale, const uint16_t *min, int ng,
@@ -195,47 +210,26 @@ static inline __attribute__((always_inline)) void q4_row(
         const int8_t *ab = a + (size_t)g0 * GROUP;
         _mm_prefetch((const char *)(qb + PREFETCH), _MM_HINT_T0);
         _mm_prefetch((const char *)(qb + PREFETCH + 64), _MM_HINT_T0);
-#ifdef DPBUSD
-        __m256i s32[TILE];
-        for (int t = 0; t < TT; t++) s32[t] = _mm256_setzero_si256();
+        __m256i sums[TILE];
+        for (int t = 0; t < TT; t++) sums[t] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
             const __m256i packed = _mm256_loadu_si256((const __m256i *)(qb + 32 * p));
             const __m256i w0 = _mm256_and_si256(packed, nibble);
             const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
             for (int t = 0; t < TT; t++) {
                 const int8_t *at = ab + (size_t)t * Kp + 64 * p;
-                s32[t] = DPBUSD(s32[t], w0, _mm256_loadu_si256((const __m256i *)at));
-                s32[t] = DPBUSD(s32[t], w1, _mm256_loadu_si256((const __m256i *)(at + 32)));
-                __asm__("" : "+x"(s32[t]));     /* as below */
-            }
-        }
-#define Q4_DOT(t) s32[t]
-#else
-        /* int16 sums of 8 vpmaddubsw results: each at most 8 * 2 * 15 * 127
-           = 30480 in magnitude, so no overflow. */
-        __m256i s16[TILE];
-        for (int t = 0; t < TT; t++) s16[t] = _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {
-            const __m256i packed = _mm256_loadu_si256((const __m256i *)(qb + 32 * p));
-            const __m256i w0 = _mm256_and_si256(packed, nibble);
-            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-            for (int t = 0; t < TT; t++) {
-                const int8_t *at = ab + (size_t)t * Kp + 64 * p;
-                s16[t] = _mm256_add_epi16(s16[t], _mm256_add_epi16(
-                    _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)at)),
-                    _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(at + 32)))));
+                sums[t] = Q4_SUMS(sums[t], w0, _mm256_loadu_si256((const __m256i *)at),
+                                  w1, _mm256_loadu_si256((const __m256i *)(at + 32)));
                 /* Keep the sum in a register: without this gcc reorders the
                    sums of a tile's rows and spills the products to the stack,
                    which cost a third of the speed of verifying 4 positions. */
-                __asm__("" : "+x"(s16[t]));
+                __asm__("" : "+x"(sums[t]));
             }
         }
-#define Q4_DOT(t) _mm256_madd_epi16(s16[t], ones)
-#endif
         const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g0)));
         const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g0)));
         for (int t = 0; t < TT; t++) {
-            const __m256 dot = _mm256_cvtepi32_ps(Q4_DOT(t));
+            const __m256 dot = _mm256_cvtepi32_ps(Q4_DOT(sums[t]));
             const __m256 d = _mm256_loadu_ps(sa + (size_t)t * ng + g0);
             const __m256 ds = _mm256_loadu_ps(sasum + (size_t)t * ng + g0);
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dot, d), sc, acc[t]);
@@ -244,7 +238,6 @@ static inline __attribute__((always_inline)) void q4_row(
     }
     for (int t = 0; t < TT; t++) y[(size_t)t * N] = sum_lanes(acc[t]);
     (void)ones;
-#undef Q4_DOT
 }
 
 /* One 8-bit weight row against TT (1..TILE) activation rows. */

@@ -486,8 +486,8 @@ def test_a_vpdpbusd_build_that_computes_wrongly_is_not_used(altered_source, monk
     """A dot-product build that computes other numbers (here each 4-bit
     group sum one too large, in its vpdpbusd code only) is refused, and the
     AVX2 build serves."""
-    altered_source("SOURCE", "#define Q4_DOT(t) s32[t]",
-                   "#define Q4_DOT(t) _mm256_add_epi32(s32[t], _mm256_set1_epi32(1))")
+    altered_source("SOURCE", "#define Q4_DOT(s) (s)",
+                   "#define Q4_DOT(s) _mm256_add_epi32(s, _mm256_set1_epi32(1))")
     _as_if_the_cpu_had_vpdpbusd(monkeypatch)
     kernels = native.native_kernels()
     assert kernels is not None and kernels.instruction == "avx2"
