@@ -308,13 +308,20 @@ def _load_in_a_process(cache) -> str:
     return done.stdout.strip()
 
 
+def _libraries_a_load_builds() -> int:
+    """The AVX2 library, and its vpdpbusd build where this CPU has the instruction."""
+    return 1 + (native.dot_build(native._cpu_flags()) is not None)
+
+
 def test_a_damaged_library_is_built_again(fresh_cache):
     assert _load_in_a_process(fresh_cache.parent) == "True None"
-    (built,) = fresh_cache.glob("*.so")
-    built.unlink()
-    built.write_bytes(b"\x7fELF damaged")
+    built = list(fresh_cache.glob("*.so"))
+    assert len(built) == _libraries_a_load_builds()
+    for library in built:
+        library.unlink()
+        library.write_bytes(b"\x7fELF damaged")
     assert _load_in_a_process(fresh_cache.parent) == "True None"
-    assert built.stat().st_size > 1000
+    assert all(library.stat().st_size > 1000 for library in built)
 
 
 def test_a_library_that_computes_wrongly_is_refused(altered_source):
@@ -333,7 +340,8 @@ def test_two_processes_building_at_once_both_get_a_whole_library(fresh_cache):
                              text=True) for _ in range(2)]
     outputs = [run.communicate(timeout=300)[0].strip() for run in runs]
     assert outputs == ["True None", "True None"]
-    assert len(list(fresh_cache.glob("*.so"))) == 1 and not list(fresh_cache.glob("*.tmp"))
+    assert len(list(fresh_cache.glob("*.so"))) == _libraries_a_load_builds()
+    assert not list(fresh_cache.glob("*.tmp"))
 
 
 def test_threads_loading_at_once_share_one_library(fresh_cache):
