@@ -181,16 +181,28 @@ static inline float sum_lanes(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* A 4-bit row's running sums over one block, for one activation row: the
- * products of weights w0, w1 (0..15) with activations x0, x1 added to s,
- * and s as the int32 group sums (Q4_DOT).  With vpdpbusd they are int32
- * from the start; with AVX2 they are int16 sums of 8 vpmaddubsw results,
- * each at most 8 * 2 * 15 * 127 = 30480 in magnitude (no overflow), paired
- * into int32 by Q4_DOT. */
+/* The sums of byte products each row kernel runs, one definition per
+ * instruction set (u: unsigned weights, x: signed int8 activations; the
+ * AVX2 forms use the caller's `ones`, int16 1s):
+ * - SUMS1(s, u, x): the int32 lanes s plus the sums of their 4 products u * x
+ *   (8-bit weights: a pair of products is at most 2 * 128 * 127 = 32512, no
+ *   int16 saturation);
+ * - SUMS2(s, w0, x0, w1, x1): the same for two sets of products (6-bit
+ *   weights: two pairs at most 2 * 2 * 63 * 127 = 32004);
+ * - Q4_SUMS(s, w0, x0, w1, x1) and Q4_DOT(s): a 4-bit row's running sums
+ *   over one block, and those sums as int32 group sums.  With vpdpbusd they
+ *   are int32 from the start; with AVX2 they are int16 sums of 8 vpmaddubsw
+ *   results, each at most 8 * 2 * 15 * 127 = 30480 in magnitude (no
+ *   overflow), paired into int32 by Q4_DOT. */
 #ifdef DPBUSD
-#define Q4_SUMS(s, w0, x0, w1, x1) DPBUSD(DPBUSD(s, w0, x0), w1, x1)
+#define SUMS1(s, u, x) DPBUSD(s, u, x)
+#define SUMS2(s, w0, x0, w1, x1) DPBUSD(DPBUSD(s, w0, x0), w1, x1)
+#define Q4_SUMS(s, w0, x0, w1, x1) SUMS2(s, w0, x0, w1, x1)
 #define Q4_DOT(s) (s)
 #else
+#define SUMS1(s, u, x) _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones))
+#define SUMS2(s, w0, x0, w1, x1) _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_add_epi16( \
+    _mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)), ones))
 #define Q4_SUMS(s, w0, x0, w1, x1) _mm256_add_epi16(s, _mm256_add_epi16( \
     _mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)))
 #define Q4_DOT(s) _mm256_madd_epi16(s, ones)
@@ -262,13 +274,7 @@ static inline __attribute__((always_inline)) void q8_row(
             for (int t = 0; t < TT; t++) {
                 const __m256i x =
                     _mm256_loadu_si256((const __m256i *)(ab + (size_t)t * Kp + 32 * i));
-#ifdef DPBUSD
-                s32[t] = DPBUSD(s32[t], wabs, _mm256_sign_epi8(x, w));
-#else
-                /* a pair of products is at most 2 * 128 * 127 = 32512: no saturation */
-                s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w)), ones));
-#endif
+                s32[t] = SUMS1(s32[t], wabs, _mm256_sign_epi8(x, w));
                 __asm__("" : "+x"(s32[t]));     /* as in q4_row */
             }
         }
@@ -343,16 +349,8 @@ static inline __attribute__((always_inline)) void q6_row(
                 q6_chunks(qb, hv, p, &w0, &w1);
                 for (int t = 0; t < TT; t++) {
                     const int8_t *at = a + (size_t)t * Kp + (size_t)b * BLOCK + 64 * p;
-#ifdef DPBUSD
-                    s32[t] = DPBUSD(s32[t], w0, _mm256_loadu_si256((const __m256i *)at));
-                    s32[t] = DPBUSD(s32[t], w1, _mm256_loadu_si256((const __m256i *)(at + 32)));
-#else
-                    /* two pairs of products: at most 2 * 2 * 63 * 127 = 32004 */
-                    const __m256i s16 = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)at)),
-                        _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(at + 32))));
-                    s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16, ones));
-#endif
+                    s32[t] = SUMS2(s32[t], w0, _mm256_loadu_si256((const __m256i *)at),
+                                   w1, _mm256_loadu_si256((const __m256i *)(at + 32)));
                     __asm__("" : "+x"(s32[t]));     /* as in q4_row */
                 }
             }
