@@ -14,7 +14,7 @@ from forerun.bench.prompts import load_prompts, select_prompts
 from forerun.calibration import cpu_name
 
 
-def draft_ab_parser(doc: str, *, limit: int = 2) -> argparse.ArgumentParser:
+def draft_ab_parser(doc: str) -> argparse.ArgumentParser:
     """A parser described by the first paragraph of ``doc``, with the target
     (``--model``, ``--weights``), the draft (``--draft``), the prompts per
     category (``--limit``) and ``--max-new-tokens``."""
@@ -22,7 +22,7 @@ def draft_ab_parser(doc: str, *, limit: int = 2) -> argparse.ArgumentParser:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--weights", default="q4")
-    ap.add_argument("--limit", type=int, default=limit, help="prompts per category")
+    ap.add_argument("--limit", type=int, default=2, help="prompts per category")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     return ap
 

@@ -34,8 +34,9 @@ def main() -> None:
     method, _ = model._method(args.draft)      # the draft model alone, as generate built it
     drafter = method.planner.drafter
     prompts = bench_prompts(args, args.categories)
-    print(header(args, " alone") + f", greedy, {len(prompts)} prompts of {args.max_new_tokens} tokens, the step estimate "
-          f"set to {args.estimate_ms:g} ms before each pass")
+    print(header(args, f" alone, greedy, {len(prompts)} prompts of {args.max_new_tokens} "
+                       f"tokens, the step estimate set to {args.estimate_ms:g} ms before each "
+                       f"pass"))
     default = draft_model.STALE_STEP
     for timed in (True, False, True, False):
         draft_model.STALE_STEP = default if timed else 1 << 62

@@ -563,6 +563,45 @@ def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     return path
 
 
+@dataclass
+class _CheckMatrices:
+    """Random weights of each format, for the checks of a built library: the
+    values, and (``packed4`` .. ``packed8``) the arguments the products take
+    after the activations."""
+
+    q4: torch.Tensor          # [N, Kp] 0..15, with float16 scale and minimum per group
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    q8: torch.Tensor          # [N, Kp] int8, natural order, with a float32 scale per row
+    s8: torch.Tensor
+    q6: torch.Tensor          # [N, Kp] 0..63, an int8 scale per 16 (natural order), d per 256
+    s6: torch.Tensor
+    d6: torch.Tensor
+
+    def packed4(self) -> tuple[torch.Tensor, ...]:
+        return pack_nibbles(self.q4), self.scale, self.minimum
+
+    def packed6(self) -> tuple[torch.Tensor, ...]:
+        return (pack_nibbles(self.q6 & 15), pack_high_bits(self.q6), half_group_order(self.s6),
+                self.d6)
+
+    def packed8(self) -> tuple[torch.Tensor, ...]:
+        return to_chunks(self.q8).contiguous(), self.s8
+
+
+def _check_matrices(gen: torch.Generator, n: int, kp: int) -> _CheckMatrices:
+    """``n`` random rows of ``kp`` (a multiple of 256) weights per format."""
+    q4 = torch.randint(0, 16, (n, kp), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(n, kp // GROUP, generator=gen) + 0.5).half()
+    minimum = (-8 * scale.float()).half()
+    q8 = torch.randint(-128, 128, (n, kp), dtype=torch.int8, generator=gen)
+    s8 = torch.rand(n, generator=gen) + 0.5
+    q6 = torch.randint(0, 64, (n, kp), dtype=torch.uint8, generator=gen)
+    s6 = torch.randint(-128, 128, (n, kp // 16), dtype=torch.int8, generator=gen)
+    d6 = torch.rand(n, kp // BLOCK, generator=gen) / 64 + 1e-3
+    return _CheckMatrices(q4, scale, minimum, q8, s8, q6, s6, d6)
+
+
 def _self_check(kernels: NativeKernels) -> None:
     """The products on random values, against the same sums in float64
     from the quantized activations the library itself made."""
@@ -574,26 +613,18 @@ def _self_check(kernels: NativeKernels) -> None:
     xq = from_chunks(rows.values).double() * rows.scale.double().repeat_interleave(GROUP, 1)
     if not torch.allclose(xq[:, :k], x.double(), atol=float(x.abs().max()) / 200):
         raise _Unavailable("the built library quantizes activations wrongly")
-    q4 = torch.randint(0, 16, (n, kp), dtype=torch.uint8, generator=gen)
-    scale = (torch.rand(n, kp // GROUP, generator=gen) + 0.5).half()
-    minimum = (-8 * scale.float()).half()
-    w4 = q4.double() * scale.double().repeat_interleave(GROUP, 1) + \
-        minimum.double().repeat_interleave(GROUP, 1)
-    q8 = torch.randint(-128, 128, (n, kp), dtype=torch.int8, generator=gen)
-    s8 = torch.rand(n, generator=gen) + 0.5
-    w8 = q8.double() * s8.double()[:, None]
-    got4 = kernels.q4_matmul(rows, pack_nibbles(q4), scale, minimum)
-    got8 = kernels.q8_matmul(rows, to_chunks(q8).contiguous(), s8)
-    if not (torch.equal(kernels.q4_linear(x, pack_nibbles(q4), scale, minimum), got4)
-            and torch.equal(kernels.q8_linear(x, to_chunks(q8).contiguous(), s8), got8)):
+    m = _check_matrices(gen, n, kp)
+    w4 = m.q4.double() * m.scale.double().repeat_interleave(GROUP, 1) + \
+        m.minimum.double().repeat_interleave(GROUP, 1)
+    w8 = m.q8.double() * m.s8.double()[:, None]
+    got4 = kernels.q4_matmul(rows, *m.packed4())
+    got8 = kernels.q8_matmul(rows, *m.packed8())
+    if not (torch.equal(kernels.q4_linear(x, *m.packed4()), got4)
+            and torch.equal(kernels.q8_linear(x, *m.packed8()), got8)):
         raise _Unavailable("the built library's one-call products differ from its two-call ones")
-    q6 = torch.randint(0, 64, (n, kp), dtype=torch.uint8, generator=gen)
-    s6 = torch.randint(-128, 128, (n, kp // 16), dtype=torch.int8, generator=gen)
-    d6 = torch.rand(n, kp // BLOCK, generator=gen) / 64 + 1e-3
-    w6 = ((q6.double() - 32) * s6.double().repeat_interleave(16, 1)
-          * d6.double().repeat_interleave(BLOCK, 1))
-    got6 = kernels.q6_linear(x, pack_nibbles(q6 & 15), pack_high_bits(q6),
-                             half_group_order(s6), d6)
+    w6 = ((m.q6.double() - 32) * m.s6.double().repeat_interleave(16, 1)
+          * m.d6.double().repeat_interleave(BLOCK, 1))
+    got6 = kernels.q6_linear(x, *m.packed6())
     for got, w, name in ((got4, w4, "4-bit"), (got6, w6, "6-bit"), (got8, w8, "8-bit")):
         want = xq @ w.t()
         if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-3 * float(want.abs().max())):
@@ -709,27 +740,15 @@ def _check_same_products(dot: NativeKernels, avx2: NativeKernels) -> None:
     Raises _Unavailable naming the first that differs."""
     gen = torch.Generator().manual_seed(2)
     n, k = 21, 520                            # a part row chunk, and padding
-    kp = padded(k)
-    q4 = torch.randint(0, 16, (n, kp), dtype=torch.uint8, generator=gen)
-    q4[0] = 15
-    scale = (torch.rand(n, kp // GROUP, generator=gen) + 0.5).half()
-    minimum = (-8 * scale.float()).half()
-    q6 = torch.randint(0, 64, (n, kp), dtype=torch.uint8, generator=gen)
-    q6[0] = 63
-    s6 = half_group_order(torch.randint(-128, 128, (n, kp // 16), dtype=torch.int8,
-                                        generator=gen))
-    d6 = torch.rand(n, kp // BLOCK, generator=gen) / 64 + 1e-3
-    q8 = torch.randint(-128, 128, (n, kp), dtype=torch.int8, generator=gen)
-    q8[0] = -128
-    q8 = to_chunks(q8).contiguous()
-    s8 = torch.rand(n, generator=gen) + 0.5
-    packed4, low6, high6 = pack_nibbles(q4), pack_nibbles(q6 & 15), pack_high_bits(q6)
+    m = _check_matrices(gen, n, padded(k))
+    m.q4[0], m.q6[0], m.q8[0] = 15, 63, -128  # the largest products
+    p4, p6, p8 = m.packed4(), m.packed6(), m.packed8()
     for t in range(1, 10):
         x = torch.randn(t, k, generator=gen) * 3
         x[0, :64] = 100                      # whole groups at +127
-        for name, run in (("4-bit", lambda lib: lib.q4_linear(x, packed4, scale, minimum)),
-                          ("6-bit", lambda lib: lib.q6_linear(x, low6, high6, s6, d6)),
-                          ("8-bit", lambda lib: lib.q8_linear(x, q8, s8))):
+        for name, run in (("4-bit", lambda lib: lib.q4_linear(x, *p4)),
+                          ("6-bit", lambda lib: lib.q6_linear(x, *p6)),
+                          ("8-bit", lambda lib: lib.q8_linear(x, *p8))):
             if not torch.equal(run(dot), run(avx2)):
                 raise _Unavailable(f"its {name} products of {t} rows differ from the AVX2 "
                                    f"build's")
