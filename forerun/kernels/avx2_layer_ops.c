@@ -109,6 +109,202 @@ static void rotate(float *x, const float *cos, const float *sin, int D) {
     }
 }
 
+/* Attention's sums in small register blocks.  Each score and each output
+ * value is summed by the same instructions in the same order as one
+ * position and one head alone, slot by slot, would sum it (a key's
+ * products in 8-float pieces, in order, into one register, then across it;
+ * an output's terms slot by slot, in slot order): the blocks only choose
+ * which sums run side by side and which loads they share.  So the results
+ * do not depend on the blocking, on the number of rows fed, or on which
+ * other rows share a block. */
+#define QK_HEADS 3    /* query heads whose scores one block sums */
+#define QK_SLOTS 3    /* keys one block reads */
+#define QK_AHEAD 24   /* slots ahead of a block whose keys it asks for */
+#define PV_HEADS 2    /* heads whose outputs one block sums */
+#define PV_CHUNKS 4   /* 8-float pieces of each output one block keeps in registers */
+#define PV_SLOTS 16   /* slots whose values one pass over the outputs adds */
+#define ROWS 16       /* rows that share their reads of the cache */
+
+static inline int imin(int a, int b) { return a < b ? a : b; }
+
+/* s[h * stride + j] = (q_h . k_j) * scale for NH heads q_h = q + h D and
+ * NS consecutive cache rows k_j = k + j D. */
+static inline __attribute__((always_inline)) void qk_block(
+        const float *q, const float *k, int D, int NH, int NS, float scale, float *s,
+        int stride) {
+    __m256 acc[QK_HEADS][QK_SLOTS];
+    for (int h = 0; h < NH; h++)
+        for (int j = 0; j < NS; j++) acc[h][j] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= D; i += 8) {
+        __m256 kv[QK_SLOTS];
+        for (int j = 0; j < NS; j++) kv[j] = _mm256_loadu_ps(k + (size_t)j * D + i);
+        for (int h = 0; h < NH; h++) {
+            const __m256 qv = _mm256_loadu_ps(q + (size_t)h * D + i);
+            for (int j = 0; j < NS; j++) acc[h][j] = _mm256_fmadd_ps(qv, kv[j], acc[h][j]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int j = 0; j < NS; j++) {
+            float sum = hsum8(acc[h][j]);
+            for (int r = i; r < D; r++) sum += q[(size_t)h * D + r] * k[(size_t)j * D + r];
+            s[(size_t)h * stride + j] = sum * scale;
+        }
+}
+
+static void qk_sums(const float *q, const float *k, int D, int nh, int ns, float scale,
+                    float *s, int stride) {
+#define QK(NH, NS) case NH * 8 + NS: qk_block(q, k, D, NH, NS, scale, s, stride); break;
+    switch (nh * 8 + ns) {
+        QK(1, 1) QK(1, 2) QK(1, 3) QK(2, 1) QK(2, 2) QK(2, 3) QK(3, 1) QK(3, 2) QK(3, 3)
+    }
+#undef QK
+}
+
+/* o_h[d0 + c] += sum over the m slots j, in order, of p[h * stride + j] v_j[d0 + c]
+ * for NH heads (o_h = o + h D) and the NC 8-float pieces c from d0, v_j = v + j D. */
+static inline __attribute__((always_inline)) void pv_block(
+        const float *p, int stride, const float *v, int m, int D, int d0, int NH, int NC,
+        float *o) {
+    __m256 acc[PV_HEADS][PV_CHUNKS];
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < NC; c++) acc[h][c] = _mm256_loadu_ps(o + (size_t)h * D + d0 + 8 * c);
+    for (int j = 0; j < m; j++) {
+        __m256 vv[PV_CHUNKS];
+        for (int c = 0; c < NC; c++) vv[c] = _mm256_loadu_ps(v + (size_t)j * D + d0 + 8 * c);
+        for (int h = 0; h < NH; h++) {
+            const __m256 w = _mm256_broadcast_ss(p + (size_t)h * stride + j);
+            for (int c = 0; c < NC; c++) acc[h][c] = _mm256_fmadd_ps(w, vv[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < NC; c++) _mm256_storeu_ps(o + (size_t)h * D + d0 + 8 * c, acc[h][c]);
+}
+
+/* pv_block over a whole output of nh heads (every piece, then a tail of
+ * D % 8 values one at a time). */
+static void pv_sums(const float *p, int stride, const float *v, int m, int D, int nh,
+                    float *o) {
+    for (int d0 = 0; d0 + 8 <= D;) {
+        const int nc = imin(PV_CHUNKS, (D - d0) / 8);
+#define PV(NH, NC) case NH * 8 + NC: pv_block(p, stride, v, m, D, d0, NH, NC, o); break;
+        switch (nh * 8 + nc) {
+            PV(1, 1) PV(1, 2) PV(1, 3) PV(1, 4) PV(2, 1) PV(2, 2) PV(2, 3) PV(2, 4)
+        }
+#undef PV
+        d0 += 8 * nc;
+    }
+    for (int d = D / 8 * 8; d < D; d++)
+        for (int h = 0; h < nh; h++) {
+            float sum = o[(size_t)h * D + d];
+            for (int j = 0; j < m; j++) sum += p[(size_t)h * stride + j] * v[(size_t)j * D + d];
+            o[(size_t)h * D + d] = sum;
+        }
+}
+
+/* Whether position t (at slot start + t) sees the slots j .. j+m-1. */
+static inline int sees_all(const uint8_t *mask, int end, int start, int t, int j, int m) {
+    if (!mask) return j + m - 1 <= start + t;
+    const uint8_t *row = mask + (size_t)t * end + j;
+    for (int i = 0; i < m; i++) if (!row[i]) return 0;
+    return 1;
+}
+
+/* Whether position t sees slot j. */
+static inline int sees(const uint8_t *mask, int end, int start, int t, int j) {
+    return mask ? mask[(size_t)t * end + j] != 0 : j <= start + t;
+}
+
+/* The attention of rows t0 .. t1-1 (at most ROWS) for key head g, whose
+ * cache rows are kg and vg: the keys and values each row sees, in slot
+ * order, read once for all the rows (so a verification of T positions reads
+ * a long cache about once, not T times), in blocks of QK_SLOTS and PV_SLOTS
+ * slots; a block that a row sees only in part goes slot by slot.  scores:
+ * scratch of ROWS * per_kv * end floats, seen: of ROWS ints. */
+static void attend_rows(const float *qkv, int width, int H, int per_kv, int D,
+                        const float *kg, const float *vg, int g, int t0, int t1, int start,
+                        int end, const uint8_t *mask, float scale, float *scores, int *seen,
+                        float *out) {
+    for (int t = t0; t < t1; t++) seen[t - t0] = 0;
+    for (int j0 = 0; j0 < end; j0 += QK_SLOTS) {
+        const int m = imin(QK_SLOTS, end - j0);
+        const float *k = kg + (size_t)j0 * D;
+        if (j0 + QK_AHEAD + m <= end)       /* keys read later, asked for in order */
+            for (size_t b = 0; b < sizeof(float) * (size_t)D * m; b += 64)
+                _mm_prefetch((const char *)(k + (size_t)QK_AHEAD * D) + b, _MM_HINT_T0);
+        for (int t = t0; t < t1; t++) {
+            const float *q = qkv + (size_t)t * width + (size_t)g * per_kv * D;
+            float *st = scores + (size_t)(t - t0) * per_kv * end;
+            int *n = seen + (t - t0);
+            if (sees_all(mask, end, start, t, j0, m)) {
+                for (int h = 0; h < per_kv; h += QK_HEADS)
+                    qk_sums(q + (size_t)h * D, k, D, imin(QK_HEADS, per_kv - h), m, scale,
+                            st + (size_t)h * end + *n, end);
+                *n += m;
+                continue;
+            }
+            for (int j = 0; j < m; j++) {
+                if (!sees(mask, end, start, t, j0 + j)) continue;
+                for (int h = 0; h < per_kv; h += QK_HEADS)
+                    qk_sums(q + (size_t)h * D, k + (size_t)j * D, D, imin(QK_HEADS, per_kv - h),
+                            1, scale, st + (size_t)h * end + *n, end);
+                ++*n;
+            }
+        }
+    }
+    for (int t = t0; t < t1; t++) {
+        const int n = seen[t - t0];
+        for (int h = 0; h < per_kv; h++) {
+            float *p = scores + ((size_t)(t - t0) * per_kv + h) * end;
+            float top = -INFINITY;
+            for (int j = 0; j < n; j++) top = p[j] > top ? p[j] : top;
+            __m256 acc = _mm256_setzero_ps(), vtop = _mm256_set1_ps(top);
+            int j = 0;
+            for (; j + 8 <= n; j += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), vtop));
+                _mm256_storeu_ps(p + j, e);
+                acc = _mm256_add_ps(acc, e);
+            }
+            float total = hsum8(acc);
+            for (; j < n; j++) { p[j] = exp1(p[j] - top); total += p[j]; }
+            const float inv = 1.0f / total;
+            for (j = 0; j < n; j++) p[j] *= inv;
+        }
+        memset(out + (size_t)t * H * D + (size_t)g * per_kv * D, 0,
+               sizeof(float) * (size_t)per_kv * D);
+        seen[t - t0] = 0;
+    }
+    for (int j0 = 0; j0 < end; j0 += PV_SLOTS) {
+        const int m = imin(PV_SLOTS, end - j0);
+        const float *v = vg + (size_t)j0 * D;
+        /* The next block's values, asked for in order: a block reads its
+           rows a piece at a time, an order the hardware prefetcher follows
+           poorly. */
+        const char *next = (const char *)(v + (size_t)m * D);
+        const size_t ahead = sizeof(float) * (size_t)D * (size_t)imin(PV_SLOTS, end - j0 - m);
+        for (size_t b = 0; b < ahead; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+        for (int t = t0; t < t1; t++) {
+            const float *pt = scores + (size_t)(t - t0) * per_kv * end;
+            float *o = out + (size_t)t * H * D + (size_t)g * per_kv * D;
+            int *n = seen + (t - t0);
+            if (sees_all(mask, end, start, t, j0, m)) {
+                for (int h = 0; h < per_kv; h += PV_HEADS)
+                    pv_sums(pt + (size_t)h * end + *n, end, v, m, D, imin(PV_HEADS, per_kv - h),
+                            o + (size_t)h * D);
+                *n += m;
+                continue;
+            }
+            for (int j = 0; j < m; j++) {
+                if (!sees(mask, end, start, t, j0 + j)) continue;
+                for (int h = 0; h < per_kv; h += PV_HEADS)
+                    pv_sums(pt + (size_t)h * end + *n, end, v + (size_t)j * D, 1, D,
+                            imin(PV_HEADS, per_kv - h), o + (size_t)h * D);
+                ++*n;
+            }
+        }
+    }
+}
+
 /* One decoder layer's attention for T fed positions, at cache slots
  * start .. start+T-1.
  *
@@ -138,68 +334,32 @@ int fr_attention(float *qkv, int T, int H, int KV, int D, const float *cos, cons
         }
     }
     const float scale = 1.0f / sqrtf((float)D);
+    /* A task: one key head and its query heads, for a share of the rows
+       (split between tasks so that each thread gets as many). */
+    int gcd = KV, r = threads;
+    while (r) { const int next = gcd % r; gcd = r; r = next; }
+    const int parts = threads / gcd;
     int failed = 0;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && T * KV > 1)
+    #pragma omp parallel num_threads(threads) if (threads > 1 && KV * parts > 1)
     {
-        /* Per task: the visible slots, and per head its scores. */
-        int *slots = malloc(sizeof(int) * (size_t)end);
-        float *scores = malloc(sizeof(float) * (size_t)end * per_kv);
-        if (!slots || !scores) {
+        float *scores = malloc(sizeof(float) * (size_t)end * per_kv * ROWS);
+        int *seen = malloc(sizeof(int) * ROWS);
+        if (!scores || !seen) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(static)
-        for (int task = 0; task < T * KV; task++) {
-            if (!slots || !scores) continue;
-            const int t = task / KV, g = task % KV;
-            int n = 0;
-            if (mask) {
-                const uint8_t *m = mask + (size_t)t * end;
-                for (int s = 0; s < end; s++) if (m[s]) slots[n++] = s;
-            } else {
-                for (int s = 0; s <= start + t; s++) slots[n++] = s;
-            }
-            const float *kg = keys + (size_t)g * capacity * D;
-            const float *vg = values + (size_t)g * capacity * D;
-            const float *q0 = qkv + (size_t)t * width + (size_t)g * per_kv * D;
-            float *o0 = out + (size_t)t * H * D + (size_t)g * per_kv * D;
-            for (int j = 0; j < n; j++) {
-                const float *k = kg + (size_t)slots[j] * D;
-                for (int h = 0; h < per_kv; h++)
-                    scores[(size_t)h * end + j] = dot(q0 + (size_t)h * D, k, D) * scale;
-            }
-            for (int h = 0; h < per_kv; h++) {
-                float *p = scores + (size_t)h * end;
-                float top = -INFINITY;
-                for (int j = 0; j < n; j++) top = p[j] > top ? p[j] : top;
-                __m256 acc = _mm256_setzero_ps(), vtop = _mm256_set1_ps(top);
-                int j = 0;
-                for (; j + 8 <= n; j += 8) {
-                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), vtop));
-                    _mm256_storeu_ps(p + j, e);
-                    acc = _mm256_add_ps(acc, e);
-                }
-                float total = hsum8(acc);
-                for (; j < n; j++) { p[j] = exp1(p[j] - top); total += p[j]; }
-                const float inv = 1.0f / total;
-                for (j = 0; j < n; j++) p[j] *= inv;
-                memset(o0 + (size_t)h * D, 0, sizeof(float) * D);
-            }
-            for (int j = 0; j < n; j++) {
-                const float *v = vg + (size_t)slots[j] * D;
-                for (int h = 0; h < per_kv; h++) {
-                    float *o = o0 + (size_t)h * D;
-                    const __m256 w = _mm256_set1_ps(scores[(size_t)h * end + j]);
-                    int d = 0;
-                    for (; d + 8 <= D; d += 8)
-                        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + d),
-                                                                _mm256_loadu_ps(o + d)));
-                    for (; d < D; d++) o[d] += scores[(size_t)h * end + j] * v[d];
-                }
-            }
+        for (int task = 0; task < KV * parts; task++) {
+            if (!scores || !seen) continue;
+            const int g = task / parts, part = task % parts;
+            const int t0 = (int)((long)T * part / parts), t1 = (int)((long)T * (part + 1) / parts);
+            for (int c = t0; c < t1; c += ROWS)
+                attend_rows(qkv, width, H, per_kv, D, keys + (size_t)g * capacity * D,
+                            values + (size_t)g * capacity * D, g, c, imin(c + ROWS, t1), start,
+                            end, mask, scale, scores, seen, out);
         }
-        free(slots);
         free(scores);
+        free(seen);
     }
     return failed;
 }

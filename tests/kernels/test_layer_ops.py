@@ -104,11 +104,43 @@ def test_a_masked_attention_sees_only_its_slots(kernels):
         assert torch.equal(again[0], got[0]) != changes
 
 
-def test_a_position_is_the_same_alone_or_among_others(kernels):
+def test_a_tree_that_sees_the_whole_prefix_gets_torchs_attention(kernels):
+    """A tree's usual mask: every position sees the whole cache before it
+    (whole blocks of slots, read for all rows at once) and some of the fed
+    positions (blocks seen in part, slot by slot)."""
+    heads, kv, d, start, t = 6, 2, 32, 70, 9
+    qkv, cos, sin, keys, values = _case(heads, kv, d, start, t, seed=6)
+    mask = torch.ones(t, start + t, dtype=torch.bool)
+    mask[:, start:] = torch.eye(t, dtype=torch.bool) | (
+        torch.rand(t, t, generator=torch.Generator().manual_seed(7)) < 0.4).tril()
+    want, _, _ = _torch_attention(qkv, cos, sin, keys, values, start, mask, heads)
+    got = kernels.attention(qkv.clone(), cos, sin, keys, values, start,
+                            mask.to(torch.uint8), heads)
+    assert torch.allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("start,t", [(0, 20), (45, 20), (100, 3)])
+def test_the_causal_mask_given_as_a_mask_changes_no_bit(kernels, start, t):
+    """The causal mask passed as a mask, or no mask: the same result to the
+    bit, whichever blocks of slots a row sees whole or in part (more rows
+    than share one read of the cache, too)."""
+    heads, kv, d = 7, 1, 64
+    qkv, cos, sin, keys, values = _case(heads, kv, d, start, t, capacity=130, seed=8)
+    causal = torch.arange(start + t)[None] <= torch.arange(start, start + t)[:, None]
+    plain = kernels.attention(qkv.clone(), cos, sin, keys.clone(), values.clone(), start,
+                              None, heads)
+    masked = kernels.attention(qkv.clone(), cos, sin, keys.clone(), values.clone(), start,
+                               causal.to(torch.uint8), heads)
+    assert torch.equal(plain, masked)
+
+
+@pytest.mark.parametrize("heads,kv,d", [(14, 2, 64), (9, 3, 64), (4, 1, 128)])
+def test_a_position_is_the_same_alone_or_among_others(kernels, heads, kv, d):
     """Row invariance: a position's output is bit-identical fed alone (as a
     one-position step sees the slots before it) or anywhere among up to 17
-    positions, on 1 or 2 threads."""
-    heads, kv, d, start = 14, 2, 64, 120
+    positions (more than share one read of the cache), on 1 or 2 threads,
+    with more key heads than threads, fewer, or a number they don't divide."""
+    start = 120
     qkv, cos, sin, keys, values = _case(heads, kv, d, start, 17, seed=5)
     threads = torch.get_num_threads()
     try:
