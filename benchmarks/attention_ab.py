@@ -65,7 +65,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         theirs = build_at(args.against, Path(tmp)).fr_attention
         theirs.argtypes, theirs.restype = ops._attention.argtypes, ops._attention.restype
-        builds = {"HEAD": ops._attention, args.against: theirs}
+        builds = {"this tree": ops._attention, f"at {args.against}": theirs}
         spent = [0.0]
         attention = ops.attention
 
@@ -93,17 +93,17 @@ def main() -> None:
                                                             spent[0]))
                     if not torch.equal(logits.setdefault((name, t), out), out):
                         raise SystemExit(f"{name}'s logits for {t} positions vary between steps")
-        ops._attention, ops.attention = builds["HEAD"], attention
+        ops._attention, ops.attention = builds["this tree"], attention
         decoder.rollback(base)
     print(f"{args.model} ({args.weights}) after {args.context} tokens, {cpu_name()}, "
           f"{torch.get_num_threads()} threads; median of {args.steps} steps, ms")
-    print(f"{'positions':>9}  {'build':12} {'step':>8} {'attention':>10}")
+    print(f"{'positions':>9}  {'build':16} {'step':>8} {'attention':>10}")
     for t in counts:
         for name in builds:
             rows = times[(name, t)]
-            print(f"{t:>9}  {name:12} {statistics.median(r[0] for r in rows) * 1e3:8.2f} "
+            print(f"{t:>9}  {name:16} {statistics.median(r[0] for r in rows) * 1e3:8.2f} "
                   f"{statistics.median(r[1] for r in rows) * 1e3:10.2f}")
-        if not torch.equal(logits[("HEAD", t)], logits[(args.against, t)]):
+        if not torch.equal(*(logits[(name, t)] for name in builds)):
             raise SystemExit(f"the two builds' logits differ for {t} positions")
     print("logits: identical to the bit")
 
