@@ -4,10 +4,12 @@ run, with activations quantized to int8 per group of 32 instead of cast to
 bfloat16.
 
 They hold the weights in the kernels' layout, padded along the input to a
-multiple of 256: 4-bit values with a float16 scale and minimum per group
-(``w = scale * q + minimum``, which is the engine's ``(q - 8) * scale +
-zero`` with ``minimum = zero - 8 * scale``), a Q6_K tensor's 6-bit values
-with their scales, or int8 values with a float32 scale per row.
+multiple of 256 and along the output to a multiple of 4, in row groups
+(:func:`~forerun.kernels.native.to_row_groups`): 4-bit values with a
+float16 scale and minimum per group (``w = scale * q + minimum``, which is
+the engine's ``(q - 8) * scale + zero`` with ``minimum = zero - 8 *
+scale``), a Q6_K tensor's 6-bit values with their scales, or int8 values
+with a float32 scale per row.
 :func:`native_layer` makes one where the kernels run and the values fit,
 and returns None otherwise, so the caller falls back to torch's kernels.
 """
@@ -61,6 +63,22 @@ class _NativeLinear(Linear):
         layer.out_features, layer.in_features = shape
         return layer, native.padded(layer.in_features) - layer.in_features
 
+    @property
+    def _blocks(self) -> int:
+        """Blocks of 256 input values per row."""
+        return native.padded(self.in_features) // native.BLOCK
+
+    def _grouped(self, v: torch.Tensor) -> torch.Tensor:
+        """A per-row layout ``[N, W]`` (padded columns) as the layer holds it."""
+        return native.row_grouped(v, self._blocks)
+
+    def _rows(self, v: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        """Rows ``index`` (all, by default) of a tensor held in row groups,
+        in the per-row layout."""
+        if index is None:
+            return native.from_row_groups(v, self._blocks)[:self.out_features]
+        return native.rows_of_groups(v, index, self._blocks)
+
     @classmethod
     def _restored(cls, meta: dict, tensors: dict[str, torch.Tensor], names: tuple[str, ...]):
         layer = cls.__new__(cls)
@@ -70,7 +88,20 @@ class _NativeLinear(Linear):
                 raise ConfigError(f"stored {cls.format} layer lacks its tensor {name!r}")
             setattr(layer, name, tensors[name].contiguous())
         layer._kernels()
-        return layer
+        return layer._checked()
+
+    def _checked(self) -> "_NativeLinear":
+        """The layer, once its arrays are checked to be what the kernels read
+        (:func:`~forerun.kernels.native.check_matrix`): once here, not per
+        product.  Raises ConfigError."""
+        names = (*native.LAYOUTS[self.format], "scale")
+        try:
+            native.check_matrix(self.format, self.out_features, native.padded(self.in_features),
+                                {name: getattr(self, name, None) for name in names})
+        except ValueError as exc:
+            raise ConfigError(f"this {self.format} layer's arrays don't fit its shape "
+                              f"{self.out_features} x {self.in_features}: {exc}") from None
+        return self
 
 
 class NativeInt4Linear(_NativeLinear):
@@ -87,21 +118,20 @@ class NativeInt4Linear(_NativeLinear):
         if not (torch.isfinite(scale16).all() and torch.isfinite(minimum16).all()):
             return None
         layer, pad = cls._empty(values.shape)
-        layer.q = native.pack_nibbles(torch.nn.functional.pad(values.q.cpu(), (0, pad)))
+        layer.q = layer._grouped(native.pack_nibbles(
+            torch.nn.functional.pad(values.q.cpu(), (0, pad))))
         groups = pad // native.GROUP
-        layer.scale = torch.nn.functional.pad(scale16.cpu(), (0, groups)).contiguous()
-        layer.minimum = torch.nn.functional.pad(minimum16.cpu(), (0, groups)).contiguous()
+        layer.scale = layer._grouped(torch.nn.functional.pad(scale16.cpu(), (0, groups)))
+        layer.minimum = layer._grouped(torch.nn.functional.pad(minimum16.cpu(), (0, groups)))
         layer.bias = None if bias is None else bias.float().cpu()
-        return layer
+        return layer._checked()
 
     @property
     def nbytes(self) -> int:
         return self.q.numel() + 2 * (self.scale.numel() + self.minimum.numel())
 
     def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        q, s, m = self.q, self.scale, self.minimum
-        if index is not None:
-            q, s, m = q[index], s[index], m[index]
+        q, s, m = (self._rows(v, index) for v in (self.q, self.scale, self.minimum))
         values = native.unpack_nibbles(q).float()
         w = values * s.float().repeat_interleave(self.group, 1) + \
             m.float().repeat_interleave(self.group, 1)
@@ -117,7 +147,7 @@ class NativeInt4Linear(_NativeLinear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = self._kernels().q4_linear(x2, self.q, self.scale, self.minimum)
+        y = self._kernels().q4_linear(x2, self.q, self.scale, self.minimum, self.out_features)
         return self._add_bias(y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features))
 
 
@@ -132,14 +162,14 @@ class NativeInt6Linear(_NativeLinear):
     def build(cls, values: Int6Blocks, bias: torch.Tensor | None) -> "NativeInt6Linear":
         layer, pad = cls._empty(values.shape)
         q = torch.nn.functional.pad(values.q.cpu(), (0, pad))
-        layer.low = native.pack_nibbles(q & 15)
-        layer.high = native.pack_high_bits(q).contiguous()
+        layer.low = layer._grouped(native.pack_nibbles(q & 15))
+        layer.high = layer._grouped(native.pack_high_bits(q))
         scale = torch.nn.functional.pad(values.scale.cpu(), (0, pad // 16))
-        layer.scale = native.half_group_order(scale).contiguous()
-        layer.d = torch.nn.functional.pad(values.d.float().cpu(),
-                                          (0, pad // native.BLOCK)).contiguous()
+        layer.scale = layer._grouped(native.half_group_order(scale))
+        layer.d = layer._grouped(torch.nn.functional.pad(values.d.float().cpu(),
+                                                         (0, pad // native.BLOCK)))
         layer.bias = None if bias is None else bias.float().cpu()
-        return layer
+        return layer._checked()
 
     @property
     def nbytes(self) -> int:
@@ -148,9 +178,8 @@ class NativeInt6Linear(_NativeLinear):
     def values(self, index: torch.Tensor | None = None) -> Int6Blocks:
         """The layer's 6-bit values (rows ``index``, all by default), as
         :class:`Int6Blocks` over the padded input length."""
-        low, high, scale, d = self.low, self.high, self.scale, self.d
-        if index is not None:
-            low, high, scale, d = low[index], high[index], scale[index], d[index]
+        low, high, scale, d = (self._rows(v, index)
+                               for v in (self.low, self.high, self.scale, self.d))
         q = native.unpack_nibbles(low) | native.unpack_high_bits(high)
         return Int6Blocks(q, native.natural_half_order(scale), d)
 
@@ -167,7 +196,8 @@ class NativeInt6Linear(_NativeLinear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = self._kernels().q6_linear(x2, self.low, self.high, self.scale, self.d)
+        y = self._kernels().q6_linear(x2, self.low, self.high, self.scale, self.d,
+                                      self.out_features)
         return self._add_bias(y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features))
 
 
@@ -180,20 +210,20 @@ class NativeInt8Linear(_NativeLinear):
     @classmethod
     def build(cls, values: Int8Rows, bias: torch.Tensor | None) -> "NativeInt8Linear":
         layer, pad = cls._empty(values.shape)
-        layer.q = native.to_chunks(torch.nn.functional.pad(values.q.cpu(), (0, pad))
-                                   ).contiguous()
-        layer.scale = values.scale.float().cpu().contiguous()
+        layer.q = layer._grouped(native.to_chunks(
+            torch.nn.functional.pad(values.q.cpu(), (0, pad))))
+        extra = native.padded_rows(layer.out_features) - layer.out_features
+        layer.scale = torch.nn.functional.pad(values.scale.float().cpu(), (0, extra)).contiguous()
         layer.bias = None if bias is None else bias.float().cpu()
-        return layer
+        return layer._checked()
 
     @property
     def nbytes(self) -> int:
         return self.q.numel() + 4 * self.scale.numel()
 
     def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        q, s = self.q, self.scale
-        if index is not None:
-            q, s = q[index], s[index]
+        q = self._rows(self.q, index)
+        s = self.scale[:self.out_features] if index is None else self.scale[index]
         return (native.from_chunks(q).float() * s[:, None])[:, :self.in_features]
 
     def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -205,7 +235,7 @@ class NativeInt8Linear(_NativeLinear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = self._kernels().q8_linear(x2, self.q, self.scale)
+        y = self._kernels().q8_linear(x2, self.q, self.scale, self.out_features)
         return self._add_bias(y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features))
 
 

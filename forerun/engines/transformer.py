@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError, ModelFormatError
 from ..kv_cache import KVCache
 from ..kernels import native
-from ..kernels.native import from_chunks
+from ..kernels.native import BLOCK, from_chunks, padded, rows_of_groups
 from .linear import (QUANTIZED_FORMATS, WEIGHT_FORMATS, DenseLinear, Int8Linear, Int8Rows,
                      Linear, check_kernels, fuse_linear, int8_layer, quantize_int8,
                      restore_linear)
@@ -47,8 +47,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Embedding:
     """Token embeddings: a float table, or int8 rows with a scale each
     (which a tied LM head shares).  ``chunked``: the rows are a native int8
-    LM head's, in its kernel's layout and padded (:meth:`sharing`), and this
-    is the true row length."""
+    LM head's, in its kernel's layout (chunks, row groups) and padded
+    (:meth:`sharing`), and this is the true row length."""
 
     chunked: int | None = None
 
@@ -72,10 +72,13 @@ class Embedding:
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return F.embedding(tokens, self.table).float()
-        rows = self.q[tokens]
-        if self.chunked is not None:
-            rows = from_chunks(rows)[:, :self.chunked]
-        return rows.float() * self.scale[tokens].float()[:, None]
+        if self.chunked is None:
+            rows = self.q[tokens]
+        else:       # the native head's rows: in row groups, in the chunk layout
+            index = tokens.reshape(-1)
+            rows = from_chunks(rows_of_groups(self.q, index, padded(self.chunked) // BLOCK))
+            rows = rows[:, :self.chunked].reshape(*tokens.shape, self.chunked)
+        return rows.float() * self.scale[tokens].float()[..., None]
 
 
 class Transformer:

@@ -37,6 +37,17 @@
  *         the 8 second halves (chunks 4-7).
  * 8-bit:  W[n, k] = scale[n] * q[n, k], q in -128..127, float scale.
  *
+ * Row groups.  The output rows are padded to a multiple of 4 (ROWS) with
+ * zero weights, and each group of 4 rows stores its blocks interleaved:
+ * block b of rows 4m, 4m + 1, 4m + 2, 4m + 3, then block b + 1 of each
+ * (every per-block array: packed values, high bits, scales, minimums, the
+ * 6-bit d; the 8-bit row scales stay one per row).  A pass runs the 4
+ * rows of a group together, so each activation load serves 4 rows and the
+ * weights are read as one stream: read as 4 streams a row apart, 4 rows
+ * ran slower than one (an AMD Zen 4, 2 threads: 0.75 against 0.37 ms for
+ * 17920 x 1536 4-bit weights and one position), interleaved they verified
+ * 4 positions for 1.1 to 1.7 times one, where one row a pass took 2 to 3.
+ *
  * Dot-product instructions.  Built with FR_DPBUSD defined (as
  * `-DFR_DPBUSD=512` with -mavx512vnni -mavx512vl, or `-DFR_DPBUSD=256` with
  * -mavxvnni), the sums of products use vpdpbusd, which multiplies 4 pairs of
@@ -58,9 +69,23 @@
 
 #define GROUP 32
 #define BLOCK 256        /* 8 groups */
-#define ROW_CHUNK 16     /* output rows a thread takes at a time */
-#define TILE 6           /* activation rows sharing one pass over a weight row */
-#define PREFETCH 2048    /* bytes ahead of the 4-bit weights being read */
+#define ROW_CHUNK 16     /* output rows a thread takes at a time (4 row groups) */
+#define ROWS 4           /* weight rows per row group, run together */
+/* Activation rows a pass runs against a row group: each weight load serves
+ * TILE positions, and ROWS x TILE integer sums and float accumulators are
+ * live.  AVX-512's 32 vector registers (the AVX512-VNNI build: -mavx512vl
+ * lets 256-bit code use them) hold them all; AVX2's 16 spill the float
+ * accumulators, which are touched once per block, and still ran faster
+ * than one row a pass for 6 positions. */
+#ifdef FR_TILE
+#define TILE FR_TILE
+#else
+#define TILE 4
+#endif
+#if TILE < 1 || TILE > 6
+#error "TILE must be 1 to 6 (the passes' cases)"
+#endif
+#define PREFETCH 4096    /* bytes ahead of the weights being read */
 
 #ifdef FR_DPBUSD
 #if FR_DPBUSD == 512
@@ -76,7 +101,7 @@
 #define FR_DPBUSD_KIND -1
 #endif
 
-int fr_abi_version(void) { return 4; }
+int fr_abi_version(void) { return 5; }
 
 /* How this build sums products: -1 vpmaddubsw (AVX2), 0 the vpdpbusd code
  * with its AVX2 stand-in, 256 AVX-VNNI, 512 AVX512-VNNI. */
@@ -208,81 +233,113 @@ static inline float sum_lanes(__m256 v) {
 #define Q4_DOT(s) _mm256_madd_epi16(s, ones)
 #endif
 
-/* One 4-bit weight row against TT (1..TILE) activation rows. */
-static inline __attribute__((always_inline)) void q4_row(
+/* Prefetch the lines `bytes` of a row group's block span, PREFETCH ahead. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, int bytes) {
+    for (int i = 0; i < bytes; i += 64)
+        _mm_prefetch((const char *)p + PREFETCH + i, _MM_HINT_T0);
+}
+
+/* One row group of 4-bit weights (q: its Kp / 256 blocks of 4 x 128 bytes;
+ * scale, min: 4 x 8 half floats per block) against TT (1..TILE) activation
+ * rows; y[t * N + r] for the group's first `valid` rows. */
+static inline __attribute__((always_inline)) void q4_group(
         const uint8_t *q, const uint16_t *scale, const uint16_t *min, int ng,
-        const int8_t *a, const float *sa, const float *sasum, int Kp, int TT, float *y,
-        int N) {
-    __m256 acc[TILE];
-    for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+        const int8_t *a, const float *sa, const float *sasum, int Kp, int TT, int valid,
+        float *y, int N) {
+    __m256 acc[ROWS][TILE];
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int g0 = 0; g0 < ng; g0 += 8) {
-        const uint8_t *qb = q + (size_t)g0 * 16;
+        const uint8_t *qb = q + (size_t)g0 * 16 * ROWS;          /* 4 x 128 bytes */
         const int8_t *ab = a + (size_t)g0 * GROUP;
-        _mm_prefetch((const char *)(qb + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(qb + PREFETCH + 64), _MM_HINT_T0);
-        __m256i sums[TILE];
-        for (int t = 0; t < TT; t++) sums[t] = _mm256_setzero_si256();
+        prefetch_ahead(qb, 128 * ROWS);
+        __m256i sums[ROWS][TILE];
+        for (int r = 0; r < ROWS; r++)
+            for (int t = 0; t < TT; t++) sums[r][t] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
-            const __m256i packed = _mm256_loadu_si256((const __m256i *)(qb + 32 * p));
-            const __m256i w0 = _mm256_and_si256(packed, nibble);
-            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+            __m256i w0[ROWS], w1[ROWS];
+            for (int r = 0; r < ROWS; r++) {
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(qb + 128 * r + 32 * p));
+                w0[r] = _mm256_and_si256(packed, nibble);
+                w1[r] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+            }
             for (int t = 0; t < TT; t++) {
                 const int8_t *at = ab + (size_t)t * Kp + 64 * p;
-                sums[t] = Q4_SUMS(sums[t], w0, _mm256_loadu_si256((const __m256i *)at),
-                                  w1, _mm256_loadu_si256((const __m256i *)(at + 32)));
-                /* Keep the sum in a register: without this gcc reorders the
-                   sums of a tile's rows and spills the products to the stack,
-                   which cost a third of the speed of verifying 4 positions. */
-                __asm__("" : "+x"(sums[t]));
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)at);
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(at + 32));
+                /* Load once for the 4 rows: left alone, gcc folds the load
+                   into each row's product, loading it 4 times. */
+                __asm__("" : "+x"(x0), "+x"(x1));
+                for (int r = 0; r < ROWS; r++) {
+                    sums[r][t] = Q4_SUMS(sums[r][t], w0[r], x0, w1[r], x1);
+                    /* Keep the sum in a register: without this gcc reorders
+                       the sums of a tile's rows and spills the products to
+                       the stack, which cost a third of the speed of
+                       verifying 4 positions. */
+                    __asm__("" : "+x"(sums[r][t]));
+                }
             }
         }
-        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g0)));
-        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + g0)));
-        for (int t = 0; t < TT; t++) {
-            const __m256 dot = _mm256_cvtepi32_ps(Q4_DOT(sums[t]));
-            const __m256 d = _mm256_loadu_ps(sa + (size_t)t * ng + g0);
-            const __m256 ds = _mm256_loadu_ps(sasum + (size_t)t * ng + g0);
-            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dot, d), sc, acc[t]);
-            acc[t] = _mm256_fmadd_ps(mn, ds, acc[t]);
+        const uint16_t *sb = scale + (size_t)g0 * ROWS, *mb = min + (size_t)g0 * ROWS;
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 8 * r)));
+            const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mb + 8 * r)));
+            for (int t = 0; t < TT; t++) {
+                const __m256 dot = _mm256_cvtepi32_ps(Q4_DOT(sums[r][t]));
+                const __m256 d = _mm256_loadu_ps(sa + (size_t)t * ng + g0);
+                const __m256 ds = _mm256_loadu_ps(sasum + (size_t)t * ng + g0);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(dot, d), sc, acc[r][t]);
+                acc[r][t] = _mm256_fmadd_ps(mn, ds, acc[r][t]);
+            }
         }
     }
-    for (int t = 0; t < TT; t++) y[(size_t)t * N] = sum_lanes(acc[t]);
+    for (int r = 0; r < valid; r++)
+        for (int t = 0; t < TT; t++) y[(size_t)t * N + r] = sum_lanes(acc[r][t]);
     (void)ones;
 }
 
-/* One 8-bit weight row against TT (1..TILE) activation rows. */
-static inline __attribute__((always_inline)) void q8_row(
-        const int8_t *q, float scale, int ng, const int8_t *a, const float *sa, int Kp,
-        int TT, float *y, int N) {
-    __m256 acc[TILE];
-    for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+/* One row group of 8-bit weights (q: its Kp / 256 blocks of 4 x 256 bytes;
+ * scale: its 4 row scales) against TT (1..TILE) activation rows;
+ * y[t * N + r] for the group's first `valid` rows. */
+static inline __attribute__((always_inline)) void q8_group(
+        const int8_t *q, const float *scale, int ng, const int8_t *a, const float *sa, int Kp,
+        int TT, int valid, float *y, int N) {
+    __m256 acc[ROWS][TILE];
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int g0 = 0; g0 < ng; g0 += 8) {
-        const int8_t *qb = q + (size_t)g0 * GROUP;
+        const int8_t *qb = q + (size_t)g0 * GROUP * ROWS;         /* 4 x 256 bytes */
         const int8_t *ab = a + (size_t)g0 * GROUP;
-        _mm_prefetch((const char *)(qb + 2 * PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(qb + 2 * PREFETCH + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(qb + 2 * PREFETCH + 128), _MM_HINT_T0);
-        _mm_prefetch((const char *)(qb + 2 * PREFETCH + 192), _MM_HINT_T0);
-        __m256i s32[TILE];
-        for (int t = 0; t < TT; t++) s32[t] = _mm256_setzero_si256();
+        prefetch_ahead(qb, 256 * ROWS);
+        __m256i s32[ROWS][TILE];
+        for (int r = 0; r < ROWS; r++)
+            for (int t = 0; t < TT; t++) s32[r][t] = _mm256_setzero_si256();
         for (int i = 0; i < 8; i++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(qb + 32 * i));
-            const __m256i wabs = _mm256_sign_epi8(w, w);  /* -128 stays 128 unsigned */
+            __m256i w[ROWS], wabs[ROWS];
+            for (int r = 0; r < ROWS; r++) {
+                w[r] = _mm256_loadu_si256((const __m256i *)(qb + 256 * r + 32 * i));
+                wabs[r] = _mm256_sign_epi8(w[r], w[r]);  /* -128 stays 128 unsigned */
+            }
             for (int t = 0; t < TT; t++) {
-                const __m256i x =
-                    _mm256_loadu_si256((const __m256i *)(ab + (size_t)t * Kp + 32 * i));
-                s32[t] = SUMS1(s32[t], wabs, _mm256_sign_epi8(x, w));
-                __asm__("" : "+x"(s32[t]));     /* as in q4_row */
+                __m256i x = _mm256_loadu_si256((const __m256i *)(ab + (size_t)t * Kp + 32 * i));
+                __asm__("" : "+x"(x));                   /* as in q4_group */
+                for (int r = 0; r < ROWS; r++) {
+                    s32[r][t] = SUMS1(s32[r][t], wabs[r], _mm256_sign_epi8(x, w[r]));
+                    __asm__("" : "+x"(s32[r][t]));      /* as in q4_group */
+                }
             }
         }
-        for (int t = 0; t < TT; t++)
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[t]),
-                                     _mm256_loadu_ps(sa + (size_t)t * ng + g0), acc[t]);
+        for (int r = 0; r < ROWS; r++)
+            for (int t = 0; t < TT; t++)
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r][t]),
+                                            _mm256_loadu_ps(sa + (size_t)t * ng + g0),
+                                            acc[r][t]);
     }
-    for (int t = 0; t < TT; t++) y[(size_t)t * N] = scale * sum_lanes(acc[t]);
+    for (int r = 0; r < valid; r++)
+        for (int t = 0; t < TT; t++) y[(size_t)t * N + r] = scale[r] * sum_lanes(acc[r][t]);
     (void)ones;
 }
 
@@ -324,111 +381,130 @@ static inline __attribute__((always_inline)) void q6_chunks(
                           _mm256_and_si256(h1, high));
 }
 
-/* One 6-bit weight row against TT (1..TILE) activation rows. */
-static inline __attribute__((always_inline)) void q6_row(
+/* One row group of 6-bit weights (ql: its Kp / 256 blocks of 4 x 128
+ * bytes of low bits; qh: 4 x 64 bytes of high bits; sc: 4 x 16 int8 scales;
+ * dw: 4 floats per block) against TT (1..TILE) activation rows;
+ * y[t * N + r] for the group's first `valid` rows. */
+static inline __attribute__((always_inline)) void q6_group(
         const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *dw, int ng,
-        const int8_t *a, const float *sa, const int32_t *hs, int Kp, int TT, float *y,
-        int N) {
-    __m256 acc[TILE];
-    for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+        const int8_t *a, const float *sa, const int32_t *hs, int Kp, int TT, int valid,
+        float *y, int N) {
+    __m256 acc[ROWS][TILE];
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int g0 = 0; g0 < ng; g0 += 8) {
         const int b = g0 / 8;
-        const uint8_t *qb = ql + (size_t)b * 128;
-        const uint8_t *hb = qh + (size_t)b * 64;
-        _mm_prefetch((const char *)(qb + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(qb + PREFETCH + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(hb + PREFETCH / 2), _MM_HINT_T0);
-        const __m256 d = _mm256_set1_ps(dw[b]);
+        const uint8_t *qb = ql + (size_t)b * 128 * ROWS, *hb = qh + (size_t)b * 64 * ROWS;
+        prefetch_ahead(qb, 128 * ROWS);
+        prefetch_ahead(hb, 64 * ROWS);
         for (int h = 0; h < 2; h++) {          /* first halves, then second halves */
-            const __m256i hv = _mm256_loadu_si256((const __m256i *)(hb + 32 * h));
-            __m256i s32[TILE];
-            for (int t = 0; t < TT; t++) s32[t] = _mm256_setzero_si256();
+            __m256i hv[ROWS], s32[ROWS][TILE];
+            for (int r = 0; r < ROWS; r++) {
+                hv[r] = _mm256_loadu_si256((const __m256i *)(hb + 64 * r + 32 * h));
+                for (int t = 0; t < TT; t++) s32[r][t] = _mm256_setzero_si256();
+            }
             for (int p = 2 * h; p < 2 * h + 2; p++) {
-                __m256i w0, w1;
-                q6_chunks(qb, hv, p, &w0, &w1);
+                __m256i w0[ROWS], w1[ROWS];
+                for (int r = 0; r < ROWS; r++) q6_chunks(qb + 128 * r, hv[r], p, &w0[r], &w1[r]);
                 for (int t = 0; t < TT; t++) {
                     const int8_t *at = a + (size_t)t * Kp + (size_t)b * BLOCK + 64 * p;
-                    s32[t] = SUMS2(s32[t], w0, _mm256_loadu_si256((const __m256i *)at),
-                                   w1, _mm256_loadu_si256((const __m256i *)(at + 32)));
-                    __asm__("" : "+x"(s32[t]));     /* as in q4_row */
+                    __m256i x0 = _mm256_loadu_si256((const __m256i *)at);
+                    __m256i x1 = _mm256_loadu_si256((const __m256i *)(at + 32));
+                    __asm__("" : "+x"(x0), "+x"(x1));    /* as in q4_group */
+                    for (int r = 0; r < ROWS; r++) {
+                        s32[r][t] = SUMS2(s32[r][t], w0[r], x0, w1[r], x1);
+                        __asm__("" : "+x"(s32[r][t]));  /* as in q4_group */
+                    }
                 }
             }
-            const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                _mm_loadl_epi64((const __m128i *)(sc + 2 * g0 + 8 * h)))));
-            for (int t = 0; t < TT; t++) {
-                const __m256i offset = _mm256_loadu_si256(
-                    (const __m256i *)(hs + (size_t)t * 2 * ng + 2 * g0 + 8 * h));
-                const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(s32[t], offset));
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dot, scale),
-                                         _mm256_loadu_ps(sa + (size_t)t * ng + g0), acc[t]);
+            for (int r = 0; r < ROWS; r++) {
+                const __m256 scale = _mm256_mul_ps(
+                    _mm256_set1_ps(dw[(size_t)b * ROWS + r]),
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        (const __m128i *)(sc + (size_t)b * 16 * ROWS + 16 * r + 8 * h)))));
+                for (int t = 0; t < TT; t++) {
+                    const __m256i offset = _mm256_loadu_si256(
+                        (const __m256i *)(hs + (size_t)t * 2 * ng + 2 * g0 + 8 * h));
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(s32[r][t], offset));
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(dot, scale),
+                                                _mm256_loadu_ps(sa + (size_t)t * ng + g0),
+                                                acc[r][t]);
+                }
             }
         }
     }
-    for (int t = 0; t < TT; t++) y[(size_t)t * N] = sum_lanes(acc[t]);
+    for (int r = 0; r < valid; r++)
+        for (int t = 0; t < TT; t++) y[(size_t)t * N + r] = sum_lanes(acc[r][t]);
     (void)ones;
 }
 
+/* The row groups of output rows n0..n1 (n0 a multiple of 4) against every
+ * activation row, in passes of TILE activation rows: CALL(n, t0, TT, valid)
+ * runs the group of rows n.. with a constant TT (the cases above TILE are
+ * never taken). */
 #define FOR_TILES(CALL)                                                         \
     for (int t0 = 0; t0 < T; t0 += TILE) {                                      \
         const int TT = T - t0 < TILE ? T - t0 : TILE;                           \
-        for (int n = n0; n < n1; n++) {                                         \
+        for (int n = n0; n < n1; n += ROWS) {                                   \
+            const int valid = N - n < ROWS ? N - n : ROWS;                      \
             switch (TT) {                                                       \
-                case 6: CALL(6); break;                                         \
-                case 5: CALL(5); break;                                         \
-                case 4: CALL(4); break;                                         \
-                case 3: CALL(3); break;                                         \
-                case 2: CALL(2); break;                                         \
-                default: CALL(1); break;                                        \
+                case 6: CALL(n, t0, TILE < 6 ? TILE : 6, valid); break;         \
+                case 5: CALL(n, t0, TILE < 5 ? TILE : 5, valid); break;         \
+                case 4: CALL(n, t0, TILE < 4 ? TILE : 4, valid); break;         \
+                case 3: CALL(n, t0, TILE < 3 ? TILE : 3, valid); break;         \
+                case 2: CALL(n, t0, TILE < 2 ? TILE : 2, valid); break;         \
+                default: CALL(n, t0, 1, valid); break;                          \
             }                                                                   \
         }                                                                       \
     }
+#define FOR_CHUNKS                                                              \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")          \
+    for (int c = 0; c < (N + ROW_CHUNK - 1) / ROW_CHUNK; c++)
 
-/* q: [N, Kp / 2] packed nibbles; scale, min: [N, Kp / 32] half floats;
- * a, sa, sasum from fr_quantize_rows; y: [T, N] float32. */
+/* q: [Np, Kp / 2] packed nibbles; scale, min: [Np, Kp / 32] half floats, in
+ * row groups (Np: N rounded up to 4); a, sa, sasum from fr_quantize_rows;
+ * y: [T, N] float32. */
 void fr_q4_matmul(const uint8_t *q, const uint16_t *scale, const uint16_t *min, int N,
                   int Kp, const int8_t *a, const float *sa, const float *sasum, int T,
                   float *y, int threads) {
     const int ng = Kp / GROUP;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int c = 0; c < (N + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
+    FOR_CHUNKS {
         const int n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
-#define Q4_CALL(TT_)                                                            \
-    q4_row(q + (size_t)n * (Kp / 2), scale + (size_t)n * ng, min + (size_t)n * ng, ng, \
-           a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, sasum + (size_t)t0 * ng, Kp, TT_, \
-           y + (size_t)t0 * N + n, N)
+#define Q4_CALL(n, t0, TT_, valid)                                              \
+    q4_group(q + (size_t)n * (Kp / 2), scale + (size_t)n * ng, min + (size_t)n * ng, ng, \
+             a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, sasum + (size_t)t0 * ng, Kp, TT_, \
+             valid, y + (size_t)t0 * N + n, N)
         FOR_TILES(Q4_CALL)
     }
 }
 
-/* q: [N, Kp] int8 in the chunk layout; scale: [N] float32. */
+/* q: [Np, Kp] int8 in the chunk layout, in row groups; scale: [Np] float32. */
 void fr_q8_matmul(const int8_t *q, const float *scale, int N, int Kp, const int8_t *a,
                   const float *sa, int T, float *y, int threads) {
     const int ng = Kp / GROUP;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int c = 0; c < (N + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
+    FOR_CHUNKS {
         const int n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
-#define Q8_CALL(TT_)                                                            \
-    q8_row(q + (size_t)n * Kp, scale[n], ng, a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, \
-           Kp, TT_, y + (size_t)t0 * N + n, N)
+#define Q8_CALL(n, t0, TT_, valid)                                              \
+    q8_group(q + (size_t)n * Kp, scale + n, ng, a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, \
+             Kp, TT_, valid, y + (size_t)t0 * N + n, N)
         FOR_TILES(Q8_CALL)
     }
 }
 
-/* ql: [N, Kp / 2] packed low nibbles; qh: [N, Kp / 4] high bits; sc: [N, Kp / 16]
- * int8 half-group scales; d: [N, Kp / 256] float32; a, sa from fr_quantize_rows,
- * hs from half_sums; y: [T, N] float32. */
+/* ql: [Np, Kp / 2] packed low nibbles; qh: [Np, Kp / 4] high bits; sc:
+ * [Np, Kp / 16] int8 half-group scales; d: [Np, Kp / 256] float32, in row
+ * groups; a, sa from fr_quantize_rows, hs from half_sums; y: [T, N] float32. */
 static void q6_matmul(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *d,
                       int N, int Kp, const int8_t *a, const float *sa, const int32_t *hs,
                       int T, float *y, int threads) {
     const int ng = Kp / GROUP;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int c = 0; c < (N + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
+    FOR_CHUNKS {
         const int n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
-#define Q6_CALL(TT_)                                                            \
-    q6_row(ql + (size_t)n * (Kp / 2), qh + (size_t)n * (Kp / 4), sc + (size_t)n * (Kp / 16), \
-           d + (size_t)n * (Kp / BLOCK), ng, a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, \
-           hs + (size_t)t0 * 2 * ng, Kp, TT_, y + (size_t)t0 * N + n, N)
+#define Q6_CALL(n, t0, TT_, valid)                                              \
+    q6_group(ql + (size_t)n * (Kp / 2), qh + (size_t)n * (Kp / 4), sc + (size_t)n * (Kp / 16), \
+             d + (size_t)n * (Kp / BLOCK), ng, a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, \
+             hs + (size_t)t0 * 2 * ng, Kp, TT_, valid, y + (size_t)t0 * N + n, N)
         FOR_TILES(Q6_CALL)
     }
 }

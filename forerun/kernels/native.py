@@ -72,11 +72,14 @@ INSTRUCTIONS = {-1: "avx2", 0: "avx2 stand-in for vpdpbusd", 256: "avx-vnni",
                 512: "avx512-vnni"}
 # Bumped whenever the layouts or the functions' signatures change (the
 # packed-weight cache is keyed by it).
-ABI_VERSION = 4
+ABI_VERSION = 5
 SWITCH = "FORERUN_NATIVE_KERNELS"
 # Input lengths are padded to a multiple of this (8 groups of 32).
 BLOCK = 256
 GROUP = 32
+# Output rows are padded to a multiple of this and stored in row groups
+# (:func:`to_row_groups`), which the products run together.
+ROWS = 4
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -85,6 +88,11 @@ _I = ctypes.c_int
 def padded(k: int) -> int:
     """``k`` rounded up to a multiple of :data:`BLOCK`."""
     return -(-k // BLOCK) * BLOCK
+
+
+def padded_rows(n: int) -> int:
+    """``n`` output rows rounded up to a multiple of :data:`ROWS`."""
+    return -(-n // ROWS) * ROWS
 
 
 @dataclass
@@ -99,7 +107,11 @@ class QuantizedRows:
 
 
 class NativeKernels:
-    """The loaded library.  Every method takes contiguous CPU tensors."""
+    """The loaded library.  Every method takes contiguous CPU tensors, and
+    the products take matrices of the shapes :func:`check_matrix` accepts
+    (the layers check theirs once, when built or restored: a check per call
+    cost 1% of a decoding step), and inputs no longer than the matrices'
+    padded columns."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
@@ -146,66 +158,67 @@ class NativeKernels:
         return QuantizedRows(values, scale, sums)
 
     def q4_matmul(self, x: QuantizedRows, q: torch.Tensor, scale: torch.Tensor,
-                  minimum: torch.Tensor) -> torch.Tensor:
-        """``[T, N]`` float32 products of ``x`` with the 4-bit matrix
-        ``q`` ``[N, Kp / 2]`` (packed nibbles), ``scale`` and ``minimum``
-        ``[N, Kp / 32]`` float16."""
+                  minimum: torch.Tensor, n: int) -> torch.Tensor:
+        """``[T, n]`` float32 products of ``x`` with the 4-bit matrix of ``n``
+        rows: ``q`` ``[Np, Kp / 2]`` (:func:`pack_nibbles`), ``scale`` and
+        ``minimum`` ``[Np, Kp / 32]`` float16, each in row groups
+        (:func:`to_row_groups`; ``Np`` is ``n`` padded to :data:`ROWS`)."""
         t, kp = x.values.shape
-        n = q.shape[0]
         y = torch.empty(t, n)
         self._q4(q.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, kp,
                  x.values.data_ptr(), x.scale.data_ptr(), x.scaled_sums.data_ptr(), t,
                  y.data_ptr(), torch.get_num_threads())
         return y
 
-    def q8_matmul(self, x: QuantizedRows, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """``[T, N]`` float32 products of ``x`` with the int8 matrix ``q``
-        ``[N, Kp]`` (chunk layout) and its float32 row ``scale`` ``[N]``."""
+    def q8_matmul(self, x: QuantizedRows, q: torch.Tensor, scale: torch.Tensor,
+                  n: int) -> torch.Tensor:
+        """``[T, n]`` float32 products of ``x`` with the int8 matrix of ``n``
+        rows: ``q`` ``[Np, Kp]`` (:func:`to_chunks`, in row groups) and its
+        float32 row ``scale`` ``[Np]``."""
         t, kp = x.values.shape
-        n = q.shape[0]
         y = torch.empty(t, n)
         self._q8(q.data_ptr(), scale.data_ptr(), n, kp, x.values.data_ptr(),
                  x.scale.data_ptr(), t, y.data_ptr(), torch.get_num_threads())
         return y
 
-
     def q4_linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                  minimum: torch.Tensor) -> torch.Tensor:
+                  minimum: torch.Tensor, n: int) -> torch.Tensor:
         """:meth:`quantize` then :meth:`q4_matmul` in one call (what a
         layer runs: no tensors for the quantized activations)."""
         x = x.float().contiguous()
         t, k = x.shape
-        n = q.shape[0]
+        kp = 2 * q.shape[1]
         y = torch.empty(t, n)
-        if self._q4_linear(x.data_ptr(), t, k, 2 * q.shape[1], q.data_ptr(), scale.data_ptr(),
+        if self._q4_linear(x.data_ptr(), t, k, kp, q.data_ptr(), scale.data_ptr(),
                            minimum.data_ptr(), n, y.data_ptr(), torch.get_num_threads()):
             raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
         return y
 
-    def q8_linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def q8_linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                  n: int) -> torch.Tensor:
         """:meth:`quantize` then :meth:`q8_matmul` in one call."""
         x = x.float().contiguous()
         t, k = x.shape
-        n = q.shape[0]
+        kp = q.shape[1]
         y = torch.empty(t, n)
-        if self._q8_linear(x.data_ptr(), t, k, q.shape[1], q.data_ptr(), scale.data_ptr(), n,
+        if self._q8_linear(x.data_ptr(), t, k, kp, q.data_ptr(), scale.data_ptr(), n,
                            y.data_ptr(), torch.get_num_threads()):
             raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
         return y
 
-
     def q6_linear(self, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
-                  scale: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """``[T, N]`` float32 products of ``x`` ``[T, K]`` (quantized to int8
-        per group of 32 in the call) with the 6-bit matrix of
-        :func:`pack_nibbles` ``low`` ``[N, Kp / 2]``, :func:`pack_high_bits`
-        ``high`` ``[N, Kp / 4]``, :func:`half_group_order` int8 ``scale``
-        ``[N, Kp / 16]`` and float32 ``d`` ``[N, Kp / 256]``."""
+                  scale: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
+        """``[T, n]`` float32 products of ``x`` ``[T, K]`` (quantized to int8
+        per group of 32 in the call) with the 6-bit matrix of ``n`` rows:
+        :func:`pack_nibbles` ``low`` ``[Np, Kp / 2]``, :func:`pack_high_bits`
+        ``high`` ``[Np, Kp / 4]``, :func:`half_group_order` int8 ``scale``
+        ``[Np, Kp / 16]`` and float32 ``d`` ``[Np, Kp / 256]``, each in row
+        groups."""
         x = x.float().contiguous()
         t, k = x.shape
-        n = low.shape[0]
+        kp = 2 * low.shape[1]
         y = torch.empty(t, n)
-        if self._q6_linear(x.data_ptr(), t, k, 2 * low.shape[1], low.data_ptr(),
+        if self._q6_linear(x.data_ptr(), t, k, kp, low.data_ptr(),
                            high.data_ptr(), scale.data_ptr(), d.data_ptr(), n, y.data_ptr(),
                            torch.get_num_threads()):
             raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
@@ -270,7 +283,76 @@ class NativeKernels:
         return out
 
 
+# What each format's arrays hold per input value (the padded columns): the
+# per-row layouts of :class:`~forerun.engines.native_linear` layers.
+LAYOUTS = {
+    "q4": {"q": (2, torch.uint8), "scale": (GROUP, torch.float16),
+           "minimum": (GROUP, torch.float16)},
+    "q6": {"low": (2, torch.uint8), "high": (4, torch.uint8), "scale": (16, torch.int8),
+           "d": (BLOCK, torch.float32)},
+    "q8": {"q": (1, torch.int8)},
+}
+
+
+def check_matrix(kind: str, n: int, kp: int, arrays: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError unless ``arrays`` are a ``kind`` matrix (``q4``,
+    ``q6``, ``q8``) of ``n`` rows and ``kp`` padded columns as the kernels
+    read it: each contiguous, on the CPU, of its dtype and shape
+    ``[padded_rows(n), kp / values per entry]`` (``q8``'s ``scale``:
+    float32 ``[padded_rows(n)]``).  The kernels read that many bytes, so a
+    smaller array would be read past its end."""
+    rows = padded_rows(n)
+    want = {name: ((rows, kp // per), dtype) for name, (per, dtype) in LAYOUTS[kind].items()}
+    if kind == "q8":
+        want["scale"] = ((rows,), torch.float32)
+    if n <= 0 or kp <= 0 or kp % BLOCK:
+        raise ValueError(f"a {kind} matrix needs rows and a multiple of {BLOCK} padded "
+                         f"columns, got {n} x {kp}")
+    for name, (shape, dtype) in want.items():
+        t = arrays.get(name)
+        if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.dtype == dtype
+                and t.is_contiguous() and t.device.type == "cpu"):
+            got = ("nothing" if t is None else
+                   f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                   f"{'' if t.is_contiguous() else ', not contiguous'}")
+            raise ValueError(f"a {kind} matrix of {n} rows and {kp} padded columns needs "
+                             f"{name} as contiguous CPU {dtype} {list(shape)}, got {got}")
+
+
 # -- layouts -------------------------------------------------------------------------
+
+def to_row_groups(v: torch.Tensor, blocks: int) -> torch.Tensor:
+    """A per-row layout ``[N, W]`` whose rows span ``blocks`` blocks of 256
+    input values (``W / blocks`` entries each: packed bytes, scales, ...)
+    in the kernels' row groups: for each group of :data:`ROWS` rows (``N``
+    a multiple of it), block ``b`` of each of its rows in turn, then block
+    ``b + 1``.  Returned as ``[N, W]``."""
+    n, width = v.shape
+    return (v.reshape(n // ROWS, ROWS, blocks, width // blocks).transpose(1, 2)
+            .reshape(n, width).contiguous())
+
+
+def row_grouped(v: torch.Tensor, blocks: int) -> torch.Tensor:
+    """A per-row layout ``[N, W]`` padded with zero rows to
+    :func:`padded_rows` and put in row groups (:func:`to_row_groups`)."""
+    extra = padded_rows(v.shape[0]) - v.shape[0]
+    return to_row_groups(torch.nn.functional.pad(v, (0, 0, 0, extra)), blocks)
+
+
+def from_row_groups(v: torch.Tensor, blocks: int) -> torch.Tensor:
+    """The inverse of :func:`to_row_groups`."""
+    n, width = v.shape
+    return (v.reshape(n // ROWS, blocks, ROWS, width // blocks).transpose(1, 2)
+            .reshape(n, width).contiguous())
+
+
+def rows_of_groups(v: torch.Tensor, index: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Rows ``index`` of the per-row layout, read from ``v`` in row groups
+    (:func:`to_row_groups`) without reordering the rest."""
+    n, width = v.shape
+    grouped = v.reshape(n // ROWS, blocks, ROWS, width // blocks)
+    return grouped[index // ROWS, :, index % ROWS].reshape(len(index), width)
+
 
 def to_chunks(v: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` values (K a multiple of 256) in the kernels' chunk order:
@@ -578,15 +660,22 @@ class _CheckMatrices:
     s6: torch.Tensor
     d6: torch.Tensor
 
-    def packed4(self) -> tuple[torch.Tensor, ...]:
-        return pack_nibbles(self.q4), self.scale, self.minimum
+    def packed4(self) -> tuple:
+        b = self.q4.shape[1] // BLOCK
+        return (row_grouped(pack_nibbles(self.q4), b), row_grouped(self.scale, b),
+                row_grouped(self.minimum, b), self.q4.shape[0])
 
-    def packed6(self) -> tuple[torch.Tensor, ...]:
-        return (pack_nibbles(self.q6 & 15), pack_high_bits(self.q6), half_group_order(self.s6),
-                self.d6)
+    def packed6(self) -> tuple:
+        b = self.q6.shape[1] // BLOCK
+        return (row_grouped(pack_nibbles(self.q6 & 15), b),
+                row_grouped(pack_high_bits(self.q6), b),
+                row_grouped(half_group_order(self.s6), b), row_grouped(self.d6, b),
+                self.q6.shape[0])
 
-    def packed8(self) -> tuple[torch.Tensor, ...]:
-        return to_chunks(self.q8).contiguous(), self.s8
+    def packed8(self) -> tuple:
+        n = self.q8.shape[0]
+        scale = torch.nn.functional.pad(self.s8, (0, padded_rows(n) - n))
+        return row_grouped(to_chunks(self.q8), self.q8.shape[1] // BLOCK), scale, n
 
 
 def _check_matrices(gen: torch.Generator, n: int, kp: int) -> _CheckMatrices:
@@ -606,7 +695,7 @@ def _self_check(kernels: NativeKernels) -> None:
     """The products on random values, against the same sums in float64
     from the quantized activations the library itself made."""
     gen = torch.Generator().manual_seed(0)
-    n, k = 40, 300                            # padding, and a part row chunk
+    n, k = 38, 300                            # padded rows and columns, a part row chunk
     x = torch.randn(5, k, generator=gen)
     rows = kernels.quantize(x)
     kp = padded(k)
@@ -763,7 +852,8 @@ class _RawProduct:
         self.in_features = layer.in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q4_linear(x, self.layer.q, self.layer.scale, self.layer.minimum)
+        return self.kernels.q4_linear(x, self.layer.q, self.layer.scale, self.layer.minimum,
+                                      self.layer.out_features)
 
 
 def time_against_torch(kernels: NativeKernels, repeats: int = 3) -> dict[str, list[float]]:

@@ -83,6 +83,46 @@ def test_layouts_round_trip():
     assert torch.equal(native.natural_half_order(ordered), scale)
 
 
+def test_row_groups_round_trip_and_read_rows():
+    """Row groups: block b of rows 4m..4m+3 in turn, then block b + 1; rows
+    are padded with zeros to a multiple of 4, and single rows read back."""
+    v = torch.arange(6 * 3 * 2).reshape(6, 6)            # 6 rows, 3 blocks of 2 entries
+    grouped = native.row_grouped(v, 3)
+    assert grouped.shape == (8, 6)
+    # The first group's first block: rows 0..3's entries 0-1, then block 1.
+    assert grouped[0].tolist() == [0, 1, 6, 7, 12, 13]
+    assert grouped[1].tolist() == [18, 19, 2, 3, 8, 9]
+    assert (native.from_row_groups(grouped, 3)[6:] == 0).all()
+    assert torch.equal(native.from_row_groups(grouped, 3)[:6], v)
+    index = torch.tensor([5, 0, 3, 3])
+    assert torch.equal(native.rows_of_groups(grouped, index, 3), v[index])
+    assert native.padded_rows(6) == 8 and native.padded_rows(8) == 8
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q6", "q8"])
+def test_a_stored_layer_whose_arrays_do_not_fit_is_refused(kernels, fmt):
+    """The kernels read [padded rows, ...] bytes of each array: a stored layer
+    whose arrays are smaller (a truncated cache entry) or of another dtype
+    is refused when restored, instead of being read past its end."""
+    from forerun.errors import ConfigError
+
+    gen = torch.Generator().manual_seed(0)
+    layer = {"q4": lambda: NativeInt4Linear.build(_random_q4(6, 320, gen), None),
+             "q6": lambda: NativeInt6Linear.build(_random_q6(6, 512, gen), None),
+             "q8": lambda: NativeInt8Linear.build(quantize_int8(torch.randn(6, 300)), None)}[fmt]()
+    meta, tensors = layer.state()
+    restored = type(layer).restore(meta, dict(tensors))
+    x = torch.randn(2, layer.in_features)
+    assert torch.equal(restored(x), layer(x)) and layer(x).shape == (2, 6)
+    for name, t in tensors.items():
+        for bad in (t[:4], t[:, :-1] if t.dim() == 2 else t[:-1],
+                    t.float() if t.dtype != torch.float32 else t.half()):
+            with pytest.raises(ConfigError, match=f"{fmt} layer's arrays don't fit.*{name}"):
+                type(layer).restore(meta, {**tensors, name: bad})
+    with pytest.raises(ConfigError, match="don't fit its shape 9 x"):
+        type(layer).restore({**meta, "shape": [9, layer.in_features]}, dict(tensors))
+
+
 def test_activations_are_quantized_per_group_of_32(kernels):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 300, generator=gen) * torch.rand(3, 300, generator=gen) * 5
@@ -447,14 +487,24 @@ def test_the_dot_product_build_follows_the_cpu_flags():
     assert native.dot_build({"avx2", "fma", "f16c"}) is None
 
 
-def test_the_vpdpbusd_code_gives_the_avx2_products_bit_for_bit(kernels):
-    """The products' vpdpbusd code, built with its AVX2 stand-in for the
-    instruction (what a CPU without VNNI can run), equals the AVX2 build bit
-    for bit, in every format, through layers and at any number of rows: what
-    a VNNI build must also show before it is used."""
+@pytest.mark.parametrize("build", ["stand-in", "this CPU's"])
+def test_the_vpdpbusd_code_gives_the_avx2_products_bit_for_bit(kernels, build):
+    """The products' vpdpbusd code equals the AVX2 build bit for bit, in
+    every format, through layers and at any number of rows and weight rows
+    (whole passes of 4 weight rows and the rows left over): built with its
+    AVX2 stand-in for the instruction (what a CPU without VNNI can run), and
+    as this CPU's VNNI build where it has one."""
     avx2 = native.layer_ops()
-    stand_in = native.build_library(native.STAND_IN_FLAGS)
-    assert avx2.instruction == "avx2" and stand_in.instruction == "avx2 stand-in for vpdpbusd"
+    if build == "stand-in":
+        stand_in = native.build_library(native.STAND_IN_FLAGS)
+        assert stand_in.instruction == "avx2 stand-in for vpdpbusd"
+    else:
+        chosen = native.dot_build(native._cpu_flags())
+        if chosen is None:
+            pytest.skip("this CPU has no vpdpbusd")
+        stand_in = native.build_library(chosen[1])
+        assert stand_in.instruction in ("avx512-vnni", "avx-vnni")
+    assert avx2.instruction == "avx2"
     assert stand_in.path != avx2.path
     native._check_same_products(stand_in, avx2)
     gen = torch.Generator().manual_seed(3)
@@ -464,12 +514,12 @@ def test_the_vpdpbusd_code_gives_the_avx2_products_bit_for_bit(kernels):
     q8 = NativeInt8Linear.build(quantize_int8(torch.randn(19, k, generator=gen)), None)
     for t in (1, 4, 6, 7, 13):
         x = torch.randn(t, k, generator=gen)
-        assert torch.equal(stand_in.q4_linear(x, q4.q, q4.scale, q4.minimum),
-                           avx2.q4_linear(x, q4.q, q4.scale, q4.minimum)), t
-        assert torch.equal(stand_in.q6_linear(x, q6.low, q6.high, q6.scale, q6.d),
-                           avx2.q6_linear(x, q6.low, q6.high, q6.scale, q6.d)), t
-        assert torch.equal(stand_in.q8_linear(x, q8.q, q8.scale),
-                           avx2.q8_linear(x, q8.q, q8.scale)), t
+        assert torch.equal(stand_in.q4_linear(x, q4.q, q4.scale, q4.minimum, 19),
+                           avx2.q4_linear(x, q4.q, q4.scale, q4.minimum, 19)), t
+        assert torch.equal(stand_in.q6_linear(x, q6.low, q6.high, q6.scale, q6.d, 19),
+                           avx2.q6_linear(x, q6.low, q6.high, q6.scale, q6.d, 19)), t
+        assert torch.equal(stand_in.q8_linear(x, q8.q, q8.scale, 19),
+                           avx2.q8_linear(x, q8.q, q8.scale, 19)), t
 
 
 def test_the_vnni_builds_compile(fresh_cache):
