@@ -395,8 +395,11 @@ class Transformer:
         c, t = self.config, x.shape[0]
         end = start + t
         visible: list[torch.Tensor | int] | None = None
-        if rowwise and t > 1:
-            # Per row: the end of a causal prefix, or the slots a mask allows.
+        if rowwise and (t > 1 or mask is not None):
+            # Per row: the end of a causal prefix, or the slots a mask allows
+            # (gathered even for one row: attention over a span with masked
+            # holes sums in another order than over the same slots side by
+            # side, which is how plain decoding of the branch saw them).
             visible = ([start + i + 1 for i in range(t)] if mask is None else
                        [torch.nonzero(mask[i]).reshape(-1) for i in range(t)])
         elif mask is None and t > 1:

@@ -95,6 +95,31 @@ def test_tree_forward_matches_each_path_alone(arch, shape):
         assert (alone.hidden[-1] - out.hidden[i]).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=["counts221", "sparse"])
+def test_a_tree_fed_one_node_at_a_time_is_its_branches_to_the_bit(arch, shape,
+                                                                   matrix_kernels):
+    """Fed one node per forward (a verification group of 1, what float32
+    matrices on a CPU need), each node's logits equal those of its branch fed
+    one token at a time, bit for bit, on the native layer operations and on
+    torch's (another device's path): a node's attention runs over the slots
+    its mask allows gathered side by side, as the branch's plain decoding saw
+    them.  Over the span with masked holes torch's attention summed in
+    another order (differences of ~1e-7, enough to flip a greedy near-tie)."""
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, VOCAB, (9,), generator=gen).tolist()
+    tokens = [prefix[-1]] + torch.randint(0, VOCAB, (shape.num_nodes,), generator=gen).tolist()
+    dec = _fresh(arch)
+    dec.verify_group = 1
+    dec.feed(prefix[:-1])
+    base = dec.length
+    out = dec.forward(tokens, shape.positions(base), shape.attention_mask(base)).logits
+    for i in range(shape.size):
+        dec.rollback(base)
+        branch = [tokens[j] for j in shape.path_nodes(i)]
+        alone = torch.cat([dec.feed([t]).logits for t in branch])
+        assert torch.equal(alone[-1], out[i]), f"node {i}"
+
+
 @pytest.mark.parametrize("leaf", [0, -1, 3])
 def test_compacted_path_equals_fresh_prefill(arch, leaf):
     shape = TreeShape.from_counts([2, 2, 1])
