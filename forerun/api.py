@@ -351,7 +351,7 @@ class Model:
         in forerun's cache): for verifications on ``threads`` threads
         against plain decoding on the decoder's own count, when given."""
         from .calibration import CalibrationStore
-        from .engines.grouping_probe import GroupingResult, exact_group_size
+        from .engines.grouping_probe import MAX_GROUP, GroupingResult, exact_group_size
 
         decoder = self.decoder
         contexts = self._probe_contexts()
@@ -359,10 +359,11 @@ class Model:
         if threads is not None:
             key["verified_on_threads"] = threads
         store = CalibrationStore("grouping", key, label=f"{self.name}-{decoder.engine}")
+        largest = decoder.group_ceiling or MAX_GROUP
         return store.load_or_measure(
             GroupingResult.from_dict,
-            lambda: exact_group_size(decoder, self._probe_tokens(max(contexts) + 16),
-                                     contexts=contexts, threads=threads),
+            lambda: exact_group_size(decoder, self._probe_tokens(max(contexts) + largest),
+                                     contexts=contexts, threads=threads, max_group=largest),
             f"which verification groups {self.name} computes exactly", GroupingResult.to_dict)
 
     def _probe_contexts(self) -> tuple[int, ...]:

@@ -123,6 +123,14 @@ class Decoder(Protocol):
     #: verification's logits do not depend on how positions are grouped.
     verify_group: int | None
 
+    #: The largest verification group the engine can promise on its
+    #: device before any measurement (``None``: whatever the grouping probe
+    #: finds).  1 where a row's rounding can depend on the rows beside it in
+    #: ways that only some data show, which a probe's samples can miss:
+    #: every verified position then gets a forward of its own, exact by
+    #: construction.
+    group_ceiling: int | None
+
     #: The long cached length at which the grouping probe compares groups
     #: with one-by-one forwards: past every context length at which the
     #: kernels a verified group runs could change (the probe also runs at a

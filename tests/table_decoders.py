@@ -85,6 +85,7 @@ class TableDecoder:
     # Table lookups do not depend on grouping, nor on the context.
     verify_group = None
     probe_context = 40
+    group_ceiling = None
 
     @property
     def settings(self) -> dict:

@@ -77,6 +77,10 @@ class GroupingResult:
         if self.exact_group == 0:
             return (f"this thread count changes the logits (by up to "
                     f"{self.max_difference:.3g}): no verification on it is exact")
+        if self.max_group == 1:
+            return ("the engine promises no grouping of verified positions on this device "
+                    "(its kernels' rounding of a row can depend on the rows beside it): each "
+                    "position is verified in a forward of its own")
         if self.exact_group == 1:
             return ("no grouping of verified positions is exact on this machine: each "
                     "position is verified in a forward of its own (exact, but speculative "

@@ -194,6 +194,7 @@ class LlamaCppDecoder(EngineDecoder):
     # Past the KV lengths (256, 512, 1024) where llama.cpp's attention
     # kernels change their tiling.
     probe_context = 1200
+    group_ceiling = None
     device = "cpu"
     # No hidden states, and one sequence id per token: no tree masks yet.
     capabilities = Capabilities(fork=True)

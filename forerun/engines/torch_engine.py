@@ -43,6 +43,18 @@ class TorchDecoder(EngineDecoder):
     # llama.cpp needs, took 30 s of a q8 1.5B's first run on an AMD EPYC.
     probe_context = GEMM_ROWS + 32
 
+    @property
+    def group_ceiling(self) -> int | None:
+        """None on the CPU, where each kernel's rounding of a row is fixed
+        by the shapes it runs at, so the probe's tokens show any difference.
+        1 on other devices: on an NVIDIA H200 (torch 2.11, CUDA 13) groups of
+        2 to 16 positions in bfloat16 differed from one-position forwards on
+        1 to 10 of 28 token windows after the probe had found every group
+        exact on its own tokens, though each ``F.linear`` shape was
+        row-invariant there (``benchmarks/row_invariance.py``); float32
+        differed always.  MPS is unmeasured."""
+        return None if self.device.type == "cpu" else 1
+
     def __init__(self, model: Transformer, context_length: int,
                  eos_token_ids: Sequence[int] = ()) -> None:
         self.model = model

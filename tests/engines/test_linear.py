@@ -381,3 +381,31 @@ def test_real_model_greedy_speculation_is_plain_decoding(preset_gguf, fmt):
         assert out.stats.drafted > 0 or k is None, (draft, k)
     assert model.drafts[-1] is not model
     assert model.drafts[-1].decoder.settings["weights"] == "q4-all"
+
+
+def test_off_the_cpu_the_engine_promises_no_grouping(tmp_path_factory, monkeypatch, tmp_path):
+    """Off the CPU the torch engine promises no verification group (on an
+    H200, bfloat16 groups the probe had found exact differed on other
+    tokens): the probe stops at one position, keeps that, and speculative
+    decoding verifies one position per forward, still token-identical to
+    plain decoding."""
+    from types import SimpleNamespace
+
+    from tiny_models import hf_folders
+
+    assert TorchDecoder.group_ceiling.fget(SimpleNamespace(device=torch.device("cpu"))) is None
+    for device in ("cuda", "mps"):
+        assert TorchDecoder.group_ceiling.fget(SimpleNamespace(device=torch.device(device))) == 1
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    monkeypatch.setattr(TorchDecoder, "group_ceiling", 1)     # as on a GPU
+    target, draft = hf_folders(tmp_path_factory, [3, 3], prefix="ceiling")
+    model = forerun.load(target, context_length=128, weights="float32", progress=False)
+    result = model.verification_grouping()
+    assert (result.exact_group, result.max_group) == (1, 1)
+    assert model.decoder.verify_group == 1 and "promises no grouping" in result.describe()
+    prompt = list(range(5, 25))
+    plain = model.generate(prompt_ids=prompt, max_new_tokens=24, temperature=0, draft=None)
+    spec = model.generate(prompt_ids=prompt, max_new_tokens=24, temperature=0, draft=draft,
+                          draft_k=4)
+    assert spec.tokens == plain.tokens and spec.stats.verify_group == 1
+    assert spec.stats.drafted > 0
