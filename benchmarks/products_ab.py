@@ -1,0 +1,138 @@
+"""forerun's native matrix products against the same kernels at another git
+revision, side by side in one process, on the matrices of a whole decoding
+step of Qwen2.5-1.5B (28 layers of q/k/v, o, gate/up and down, half the down
+projections in 6 bits as Q4_K_M stores them, and the 6-bit LM head), with
+distinct weights per matrix so that they stream from memory as a real step's
+do.
+
+    python benchmarks/products_ab.py --against HEAD~1 [--positions 1,2,3,4,5,6]
+        [--rounds 6] [--build avx2|dot] [--cflags -DFR_TILE=6]
+
+It builds ``forerun/kernels/avx2_int_products.c`` as it was at
+``--against`` and as it is in this tree (with the flags forerun builds it
+with; ``--build dot`` adds this CPU's vpdpbusd flags to both), fills the
+matrices with random bytes (the layouts differ between revisions, the
+amount of work does not), and times one pass over all of them per number of
+positions, alternating the two builds pass by pass so that a drift of the
+machine touches both alike.  It prints the mean of the rounds after the
+first, in ms, and each build's cost of T positions over one.
+
+Run it on an idle machine (nothing else running): every figure is a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from forerun.calibration import cpu_name
+from forerun.kernels import native
+
+SOURCE = "forerun/kernels/avx2_int_products.c"
+ROOT = Path(__file__).resolve().parent.parent
+# (out, in, 6-bit) of one layer's matrices, then the LM head.
+LAYER = ((2048, 1536, False), (1536, 1536, False), (17920, 1536, False))
+HEAD = (151936, 1536, True)
+
+
+def build(source: bytes, folder: Path, name: str, extra: tuple[str, ...]) -> ctypes.CDLL:
+    path = folder / f"{name}.c"
+    path.write_bytes(source)
+    library = folder / f"{name}.so"
+    subprocess.run(["cc", *native.FLAGS, *extra, str(path), "-o", str(library), "-lm"],
+                   check=True)
+    lib = ctypes.CDLL(str(library))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.fr_q4_linear.argtypes = [p, i, i, i, p, p, p, i, p, i]
+    lib.fr_q6_linear.argtypes = [p, i, i, i, p, p, p, p, i, p, i]
+    return lib
+
+
+def matrices(layers: int) -> list[tuple]:
+    """Random bytes for each matrix of a step: (N, K, six, arrays)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [m for n in range(layers) for m in (*LAYER, (1536, 8960, n % 2 == 1))] + [HEAD]
+    out = []
+    for n, k, six in shapes:
+        rows = native.padded_rows(n)
+
+        def b(width, dtype=torch.uint8):
+            return torch.randint(0, 256, (rows, width), dtype=torch.uint8,
+                                 generator=gen).view(dtype)
+        if six:
+            arrays = (b(k // 2), b(k // 4), b(k // 16, torch.int8),
+                      torch.rand(rows, k // 256, generator=gen) * 1e-3)
+        else:
+            arrays = (b(k // 2), (torch.rand(rows, k // 32, generator=gen) * 1e-2).half(),
+                      (torch.rand(rows, k // 32, generator=gen) * -1e-2).half())
+        out.append((n, k, six, arrays))
+    return out
+
+
+def one_pass(lib: ctypes.CDLL, mats: list[tuple], x: torch.Tensor, y: torch.Tensor,
+             t: int) -> float:
+    threads = torch.get_num_threads()
+    start = time.perf_counter()
+    for n, k, six, a in mats:
+        if six:
+            lib.fr_q6_linear(x.data_ptr(), t, k, k, a[0].data_ptr(), a[1].data_ptr(),
+                             a[2].data_ptr(), a[3].data_ptr(), n, y.data_ptr(), threads)
+        else:
+            lib.fr_q4_linear(x.data_ptr(), t, k, k, a[0].data_ptr(), a[1].data_ptr(),
+                             a[2].data_ptr(), n, y.data_ptr(), threads)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--against", required=True, help="a git revision, e.g. HEAD~1")
+    p.add_argument("--positions", default="1,2,3,4,5,6")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--build", choices=("avx2", "dot"), default="avx2",
+                   help="avx2: forerun's AVX2 build; dot: this CPU's vpdpbusd build")
+    p.add_argument("--cflags", default="",
+                   help="extra compiler flags for this tree's build only, e.g. -DFR_TILE=6")
+    args = p.parse_args()
+    extra: tuple[str, ...] = ()
+    if args.build == "dot":
+        chosen = native.dot_build(native._cpu_flags())
+        if chosen is None:
+            raise SystemExit("this CPU has no vpdpbusd build")
+        extra = chosen[1]
+    theirs = subprocess.run(["git", "show", f"{args.against}:{SOURCE}"], cwd=ROOT,
+                            check=True, capture_output=True).stdout
+    counts = [int(t) for t in args.positions.split(",")]
+    mats = matrices(args.layers)
+    x = torch.randn(max(counts), 8960)
+    y = torch.empty(max(counts), HEAD[0])
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = {f"at {args.against}": build(theirs, Path(tmp), "theirs", extra),
+                  "this tree": build((ROOT / SOURCE).read_bytes(), Path(tmp), "ours",
+                                     (*extra, *args.cflags.split()))}
+        spent = {(name, t): 0.0 for name in builds for t in counts}
+        for r in range(args.rounds):
+            for t in counts:
+                for name, lib in builds.items():
+                    dt = one_pass(lib, mats, x, y, t)
+                    if r:
+                        spent[(name, t)] += dt / (args.rounds - 1)
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, {args.build} build; "
+          f"{args.layers} layers and the LM head; mean of {args.rounds - 1} rounds, ms")
+    names = list(builds)
+    print(f"{'positions':>9}  " + "  ".join(f"{n:>14} {'x one':>6}" for n in names)
+          + f"  {'ours/theirs':>11}")
+    for t in counts:
+        cells = "  ".join(f"{spent[(n, t)] * 1e3:14.1f} {spent[(n, t)] / spent[(n, 1)]:6.2f}"
+                          for n in names)
+        print(f"{t:>9}  {cells}  {spent[(names[1], t)] / spent[(names[0], t)]:11.3f}")
+
+
+if __name__ == "__main__":
+    main()
