@@ -20,9 +20,8 @@ from ..config import ModelConfig
 from ..errors import ConfigError, ModelFormatError
 from ..kv_cache import KVCache
 from ..kernels import native
-from ..kernels.native import BLOCK, from_chunks, padded, rows_of_groups
 from .linear import (QUANTIZED_FORMATS, WEIGHT_FORMATS, DenseLinear, Int8Linear, Int8Rows,
-                     Linear, check_kernels, fuse_linear, int8_layer, quantize_int8,
+                     Linear, check_kernels, fuse_linear, int8_layer, make_linear, quantize_int8,
                      restore_linear)
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -45,12 +44,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Embedding:
-    """Token embeddings: a float table, or int8 rows with a scale each
-    (which a tied LM head shares).  ``chunked``: the rows are a native int8
-    LM head's, in its kernel's layout (chunks, row groups) and padded
-    (:meth:`sharing`), and this is the true row length."""
+    """Token embeddings: a float table, int8 rows with a scale each, or the
+    rows of a tied LM head on forerun's native kernels (:meth:`sharing`:
+    one copy of the weights, read in the head's layout)."""
 
-    chunked: int | None = None
+    head: Linear | None = None
 
     def __init__(self, table: "torch.Tensor | Int8Rows", device: torch.device) -> None:
         if isinstance(table, Int8Rows):
@@ -63,22 +61,19 @@ class Embedding:
 
     @classmethod
     def sharing(cls, head: Linear) -> "Embedding":
-        """The embedding whose rows are the tied native int8 ``head``'s."""
+        """The embedding whose rows are the tied native ``head``'s weights."""
         self = cls.__new__(cls)
-        self.q, self.scale, self.table = head.q, head.scale, None
-        self.chunked = head.in_features
+        self.q = self.scale = self.table = None
+        self.head = head
         return self
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return F.embedding(tokens, self.table).float()
-        if self.chunked is None:
-            rows = self.q[tokens]
-        else:       # the native head's rows: in row groups, in the chunk layout
-            index = tokens.reshape(-1)
-            rows = from_chunks(rows_of_groups(self.q, index, padded(self.chunked) // BLOCK))
-            rows = rows[:, :self.chunked].reshape(*tokens.shape, self.chunked)
-        return rows.float() * self.scale[tokens].float()[..., None]
+        if self.head is not None:
+            rows = self.head.weight_rows(tokens.reshape(-1))
+            return rows.reshape(*tokens.shape, rows.shape[-1])
+        return self.q[tokens].float() * self.scale[tokens].float()[..., None]
 
 
 class Transformer:
@@ -119,7 +114,16 @@ class Transformer:
         if tied and not c.tie_word_embeddings:
             raise ModelFormatError("the weights lack 'lm_head.weight' and the config "
                                    "does not tie word embeddings")
-        if fmt in QUANTIZED_FORMATS:
+        head = None
+        if fmt == "q4-all" and tied:
+            # Every matrix in 4 bits, the tied head too (a draft model's
+            # largest matrix); the embedding reads its rows from it.
+            head = make_linear(embed, None, fmt, self.device)
+            if head.kernel != "native":
+                head = None
+        if head is not None:
+            self.lm_head, self.embed = head, Embedding.sharing(head)
+        elif fmt in QUANTIZED_FORMATS:
             # The embedding table as int8 rows; a tied LM head reads the same rows.
             if not isinstance(embed, Int8Rows):
                 embed = quantize_int8(embed)
@@ -198,7 +202,7 @@ class Transformer:
 
         if self.embed.table is not None:
             tensors["embed.table"] = self.embed.table
-        else:
+        elif self.embed.head is None:
             tensors["embed.q"], tensors["embed.scale"] = self.embed.q, self.embed.scale
         # A tied LM head that reads the embedding's rows is stored once.
         tied = (getattr(self.lm_head, "q", None) is self.embed.q is not None
@@ -211,8 +215,8 @@ class Transformer:
                            for name in ("qkv", "o", "gate_up", "down")})
         meta = {"weights_format": self.weights_format, "dtype": str(self.dtype),
                 "lm_head": head, "layers": layers}
-        if self.embed.chunked is not None:
-            meta["embed_chunked"] = self.embed.chunked
+        if self.embed.head is not None:
+            meta["embed_from_head"] = True
         return meta, {k: t.contiguous() for k, t in tensors.items()}
 
     @classmethod
@@ -237,15 +241,12 @@ class Transformer:
             dev = self.device
             if "embed.table" in tensors:
                 self.embed = Embedding(tensors["embed.table"], dev)
-            elif meta.get("embed_chunked") is None:
+            elif not meta.get("embed_from_head"):
                 self.embed = Embedding(Int8Rows(tensors["embed.q"], tensors["embed.scale"]), dev)
-            if meta.get("embed_chunked") is not None:
-                if meta["lm_head"] != "tied":
-                    raise ConfigError("an embedding in the LM head's layout needs a tied head")
-                self.lm_head = restore_linear(
-                    {"kind": "q8", "kernel": "native",
-                     "shape": [config.vocab_size, int(meta["embed_chunked"])]},
-                    {"q": tensors["embed.q"], "scale": tensors["embed.scale"]}, dev)
+            if meta.get("embed_from_head"):
+                if meta["lm_head"] == "tied":
+                    raise ConfigError("an embedding read from the LM head needs a stored head")
+                self.lm_head = restore_linear(meta["lm_head"], group("lm_head"), dev)
                 self.embed = Embedding.sharing(self.lm_head)
             elif meta["lm_head"] != "tied":
                 self.lm_head = restore_linear(meta["lm_head"], group("lm_head"), dev)

@@ -31,7 +31,7 @@ from ..engines.transformer import Transformer
 from ..errors import CacheError, ModelFormatError
 from .cache_entry import CacheEntry, ensure, remove_path
 
-PACKED_VERSION = "2"
+PACKED_VERSION = "3"
 FILE_NAME = "network.safetensors"
 
 

@@ -413,11 +413,12 @@ def test_a_read_only_cache_builds_in_a_temporary_folder(fresh_cache, monkeypatch
     assert kernels is not None and fresh_cache not in kernels.path.parents
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q4-all"])
 def test_a_tied_head_shares_its_rows_with_the_embedding(kernels, fmt):
-    """A tied int8 LM head runs on the native kernel, the embedding reads
-    the same rows from its layout (one copy), and the network stored and
-    restored computes the same logits, still sharing them."""
+    """A tied LM head runs on the native kernels (int8; in q4-all, 4-bit
+    groups like every other matrix), the embedding reads its rows from the
+    head's layout (one copy), and the network stored and restored computes
+    the same logits, still sharing them."""
     from forerun.config import ModelConfig
     from forerun.engines.transformer import Transformer
     from tiny_models import hf_model
@@ -428,18 +429,23 @@ def test_a_tied_head_shares_its_rows_with_the_embedding(kernels, fmt):
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     network = Transformer(config, state, weights_format=fmt)
     head, embed = network.lm_head, network.embed
-    assert head.kernel == "native" and embed.q is head.q and embed.chunked == 96
+    assert head.kernel == "native" and embed.head is head and embed.q is None
+    assert head.format == ("q4" if fmt == "q4-all" else "q8")
     tokens = torch.tensor([0, 5, VOCAB - 1])
     assert torch.equal(embed(tokens), head.weight_rows(tokens))
-    want = quantize_int8(state["model.embed_tokens.weight"]).dequantize()[tokens]
-    assert torch.equal(embed(tokens), want)
+    weights = state["model.embed_tokens.weight"]
+    want = (quantize_int4(weights) if fmt == "q4-all" else quantize_int8(weights)).dequantize()
+    torch.testing.assert_close(embed(tokens), want[tokens], rtol=0, atol=1e-3)
+    if fmt != "q4-all":                   # int8 rows with a float32 scale: exactly
+        assert torch.equal(embed(tokens), want[tokens])
+    assert embed(tokens[None]).shape == (1, 3, 96)
     prompt = list(range(3, 30))
     logits = TorchDecoder(network, 64).feed(prompt).logits
     meta, tensors = network.state()
+    assert meta["embed_from_head"] and not any(k.startswith("embed.") for k in tensors)
     copy = Transformer.from_state(config, meta, tensors)
-    assert copy.embed.q is copy.lm_head.q and copy.embed.chunked == 96
+    assert copy.embed.head is copy.lm_head
     assert torch.equal(TorchDecoder(copy, 64).feed(prompt).logits, logits)
-
 
 
 @pytest.mark.parametrize("winner", ["native", "torch"])
