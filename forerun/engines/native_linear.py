@@ -4,8 +4,9 @@ run, with activations quantized to int8 per group of 32 instead of cast to
 bfloat16.
 
 They hold the weights in the kernels' layout, padded along the input to a
-multiple of 256 and along the output to a multiple of 4, in row groups
-(:func:`~forerun.kernels.native.to_row_groups`): 4-bit values with a
+multiple of 256 and along the output to a multiple of the kernels' row group
+(:func:`~forerun.kernels.native.to_row_groups`: 4 rows interleaved block by
+block in the AVX512-VNNI build, one in the AVX2 one): 4-bit values with a
 float16 scale and minimum per group (``w = scale * q + minimum``, which is
 the engine's ``(q - 8) * scale + zero`` with ``minimum = zero - 8 *
 scale``), a Q6_K tensor's 6-bit values with their scales, or int8 values
@@ -30,37 +31,47 @@ def native_layer(values: "Int4Groups | Int6Blocks | Int8Rows", bias: torch.Tenso
     """The native layer for ``values`` on ``device``, or None where the
     kernels don't run (another device, no kernels here) or the values
     don't fit them (a scale beyond float16's range)."""
-    if device.type != "cpu" or native.native_kernels() is None:
+    kernels = native.native_kernels() if device.type == "cpu" else None
+    if kernels is None:
         return None
     if isinstance(values, Int4Groups):
         if values.group != native.GROUP:
             return None
-        return NativeInt4Linear.build(values, bias)
+        return NativeInt4Linear.build(values, bias, kernels.row_group)
     if isinstance(values, Int6Blocks):
-        return NativeInt6Linear.build(values, bias)
-    return NativeInt8Linear.build(values, bias)
+        return NativeInt6Linear.build(values, bias, kernels.row_group)
+    return NativeInt8Linear.build(values, bias, kernels.row_group)
 
 
 class _NativeLinear(Linear):
     kernel = KERNEL
+    # The rows of the row groups its arrays are stored in: the row group of
+    # the kernels it was built for (NativeKernels.row_group).
+    rows: int
 
     def _kernels(self) -> native.NativeKernels:
         kernels = native.native_kernels()
         if kernels is None:
             raise ConfigError(f"this {self.format} layer needs forerun's native kernels, "
                               f"which are not available: {native.unavailable_reason()}")
+        if kernels.row_group != self.rows:
+            raise ConfigError(f"this {self.format} layer is stored in row groups of "
+                              f"{self.rows}, the native kernels loaded here read groups of "
+                              f"{kernels.row_group} ({kernels.instruction}): build it again")
         return kernels
 
     def _shape_meta(self) -> dict:
         return {"kind": self.format, "kernel": KERNEL,
-                "shape": [self.out_features, self.in_features]}
+                "shape": [self.out_features, self.in_features], "rows": self.rows}
 
     @classmethod
-    def _empty(cls, shape: tuple[int, int]) -> tuple["_NativeLinear", int]:
-        """A layer of ``shape`` ``[N, K]`` to fill, and the zero columns
-        its input is padded with (to whole blocks of 256)."""
+    def _empty(cls, shape: tuple[int, int], rows: int) -> tuple["_NativeLinear", int]:
+        """A layer of ``shape`` ``[N, K]`` in row groups of ``rows`` to fill,
+        and the zero columns its input is padded with (to whole blocks of
+        256)."""
         layer = cls.__new__(cls)
         layer.out_features, layer.in_features = shape
+        layer.rows = rows
         return layer, native.padded(layer.in_features) - layer.in_features
 
     @property
@@ -70,19 +81,20 @@ class _NativeLinear(Linear):
 
     def _grouped(self, v: torch.Tensor) -> torch.Tensor:
         """A per-row layout ``[N, W]`` (padded columns) as the layer holds it."""
-        return native.row_grouped(v, self._blocks)
+        return native.row_grouped(v, self._blocks, self.rows)
 
     def _rows(self, v: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
         """Rows ``index`` (all, by default) of a tensor held in row groups,
         in the per-row layout."""
         if index is None:
-            return native.from_row_groups(v, self._blocks)[:self.out_features]
-        return native.rows_of_groups(v, index, self._blocks)
+            return native.from_row_groups(v, self._blocks, self.rows)[:self.out_features]
+        return native.rows_of_groups(v, index, self._blocks, self.rows)
 
     @classmethod
     def _restored(cls, meta: dict, tensors: dict[str, torch.Tensor], names: tuple[str, ...]):
         layer = cls.__new__(cls)
         layer.out_features, layer.in_features = (int(v) for v in meta["shape"])
+        layer.rows = int(meta.get("rows", 0))
         for name in names:
             if name not in tensors:
                 raise ConfigError(f"stored {cls.format} layer lacks its tensor {name!r}")
@@ -96,8 +108,10 @@ class _NativeLinear(Linear):
         product.  Raises ConfigError."""
         names = (*native.LAYOUTS[self.format], "scale")
         try:
+            if self.rows not in (1, 4):
+                raise ValueError(f"row groups of {self.rows} rows")
             native.check_matrix(self.format, self.out_features, native.padded(self.in_features),
-                                {name: getattr(self, name, None) for name in names})
+                                {name: getattr(self, name, None) for name in names}, self.rows)
         except ValueError as exc:
             raise ConfigError(f"this {self.format} layer's arrays don't fit its shape "
                               f"{self.out_features} x {self.in_features}: {exc}") from None
@@ -111,13 +125,14 @@ class NativeInt4Linear(_NativeLinear):
     group = native.GROUP
 
     @classmethod
-    def build(cls, values: Int4Groups, bias: torch.Tensor | None) -> "NativeInt4Linear | None":
+    def build(cls, values: Int4Groups, bias: torch.Tensor | None, rows: int
+              ) -> "NativeInt4Linear | None":
         scale = values.scale.float()
         minimum = values.zero.float() - 8 * scale
         scale16, minimum16 = scale.half(), minimum.half()
         if not (torch.isfinite(scale16).all() and torch.isfinite(minimum16).all()):
             return None
-        layer, pad = cls._empty(values.shape)
+        layer, pad = cls._empty(values.shape, rows)
         layer.q = layer._grouped(native.pack_nibbles(
             torch.nn.functional.pad(values.q.cpu(), (0, pad))))
         groups = pad // native.GROUP
@@ -159,8 +174,9 @@ class NativeInt6Linear(_NativeLinear):
     format = "q6"
 
     @classmethod
-    def build(cls, values: Int6Blocks, bias: torch.Tensor | None) -> "NativeInt6Linear":
-        layer, pad = cls._empty(values.shape)
+    def build(cls, values: Int6Blocks, bias: torch.Tensor | None, rows: int
+              ) -> "NativeInt6Linear":
+        layer, pad = cls._empty(values.shape, rows)
         q = torch.nn.functional.pad(values.q.cpu(), (0, pad))
         layer.low = layer._grouped(native.pack_nibbles(q & 15))
         layer.high = layer._grouped(native.pack_high_bits(q))
@@ -208,11 +224,12 @@ class NativeInt8Linear(_NativeLinear):
     format = "q8"
 
     @classmethod
-    def build(cls, values: Int8Rows, bias: torch.Tensor | None) -> "NativeInt8Linear":
-        layer, pad = cls._empty(values.shape)
+    def build(cls, values: Int8Rows, bias: torch.Tensor | None, rows: int
+              ) -> "NativeInt8Linear":
+        layer, pad = cls._empty(values.shape, rows)
         layer.q = layer._grouped(native.to_chunks(
             torch.nn.functional.pad(values.q.cpu(), (0, pad))))
-        extra = native.padded_rows(layer.out_features) - layer.out_features
+        extra = native.padded_rows(layer.out_features, rows) - layer.out_features
         layer.scale = torch.nn.functional.pad(values.scale.float().cpu(), (0, extra)).contiguous()
         layer.bias = None if bias is None else bias.float().cpu()
         return layer._checked()

@@ -21,7 +21,7 @@ from ..errors import ConfigError, ModelFormatError
 from ..kv_cache import KVCache
 from ..kernels import native
 from .linear import (QUANTIZED_FORMATS, WEIGHT_FORMATS, DenseLinear, Int8Linear, Int8Rows,
-                     Linear, check_kernels, fuse_linear, int8_layer, make_linear, quantize_int8,
+                     Linear, check_kernels, fuse_linear, int8_layer, quantize_int8,
                      restore_linear)
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -114,16 +114,7 @@ class Transformer:
         if tied and not c.tie_word_embeddings:
             raise ModelFormatError("the weights lack 'lm_head.weight' and the config "
                                    "does not tie word embeddings")
-        head = None
-        if fmt == "q4-all" and tied:
-            # Every matrix in 4 bits, the tied head too (a draft model's
-            # largest matrix); the embedding reads its rows from it.
-            head = make_linear(embed, None, fmt, self.device)
-            if head.kernel != "native":
-                head = None
-        if head is not None:
-            self.lm_head, self.embed = head, Embedding.sharing(head)
-        elif fmt in QUANTIZED_FORMATS:
+        if fmt in QUANTIZED_FORMATS:
             # The embedding table as int8 rows; a tied LM head reads the same rows.
             if not isinstance(embed, Int8Rows):
                 embed = quantize_int8(embed)

@@ -37,16 +37,20 @@
  *         the 8 second halves (chunks 4-7).
  * 8-bit:  W[n, k] = scale[n] * q[n, k], q in -128..127, float scale.
  *
- * Row groups.  The output rows are padded to a multiple of 4 (ROWS) with
- * zero weights, and each group of 4 rows stores its blocks interleaved:
- * block b of rows 4m, 4m + 1, 4m + 2, 4m + 3, then block b + 1 of each
- * (every per-block array: packed values, high bits, scales, minimums, the
- * 6-bit d; the 8-bit row scales stay one per row).  A pass runs the 4
- * rows of a group together, so each activation load serves 4 rows and the
- * weights are read as one stream: read as 4 streams a row apart, 4 rows
- * ran slower than one (an AMD Zen 4, 2 threads: 0.75 against 0.37 ms for
- * 17920 x 1536 4-bit weights and one position), interleaved they verified
- * 4 positions for 1.1 to 1.7 times one, where one row a pass took 2 to 3.
+ * Row groups.  The output rows are padded to a multiple of ROWS (this
+ * build's row group, fr_row_group(): 4 in the AVX512-VNNI build, 1 in the
+ * AVX2 one) with zero weights, and each group stores its blocks
+ * interleaved: block b of each of its rows in turn, then block b + 1 (every
+ * per-block array: packed values, high bits, scales, minimums, the 6-bit d;
+ * the 8-bit row scales stay one per row).  A pass runs a group's rows
+ * together, so each activation load serves ROWS rows and the weights are
+ * read as one stream.  Read as 4 streams a row apart, 4 rows ran slower
+ * than one (an AMD Zen 4, 2 threads: 0.75 against 0.37 ms for 17920 x 1536
+ * 4-bit weights and one position); interleaved, the AVX512-VNNI build's
+ * products of a 1.5B's step cost 1.14 to 1.31 times one position's for 4,
+ * where one row a pass cost 1.37 to 1.48.  AVX2's 16 vector registers
+ * can't hold 4 rows' sums for several positions: 4-row groups made its
+ * build 4% slower at one position and 15% at 5 there, so it keeps one. 
  *
  * Dot-product instructions.  Built with FR_DPBUSD defined (as
  * `-DFR_DPBUSD=512` with -mavx512vnni -mavx512vl, or `-DFR_DPBUSD=256` with
@@ -69,23 +73,37 @@
 
 #define GROUP 32
 #define BLOCK 256        /* 8 groups */
-#define ROW_CHUNK 16     /* output rows a thread takes at a time (4 row groups) */
-#define ROWS 4           /* weight rows per row group, run together */
-/* Activation rows a pass runs against a row group: each weight load serves
- * TILE positions, and ROWS x TILE integer sums and float accumulators are
- * live.  AVX-512's 32 vector registers (the AVX512-VNNI build: -mavx512vl
- * lets 256-bit code use them) hold them all; AVX2's 16 spill the float
- * accumulators, which are touched once per block, and still ran faster
- * than one row a pass for 6 positions. */
+#define ROW_CHUNK 16     /* output rows a thread takes at a time (whole row groups) */
+/* Weight rows per row group, run together (FR_ROWS overrides it: the tests
+ * build the AVX2 stand-in for vpdpbusd with 4, so that every machine checks
+ * those passes).  Running a group's rows one or two at a time reads its
+ * interleaved blocks as strided streams, which ran 1.1 to 1.35 times slower
+ * on a Zen 4. */
+#if defined(FR_ROWS)
+#define ROWS FR_ROWS
+#elif defined(__AVX512VL__)
+#define ROWS 4
+#else
+#define ROWS 1
+#endif
+/* Most activation rows a pass runs against a row group: each weight load
+ * serves them all, and ROWS x TILE integer sums and float accumulators are
+ * live.  With 4 rows they spill from the 32 vector registers -mavx512vl
+ * gives the AVX512-VNNI build, but the accumulators are touched once per
+ * block: passes of up to 6 verified 5 and 6 positions as fast as passes of
+ * up to 4 there.  FR_TILE overrides it. */
 #ifdef FR_TILE
 #define TILE FR_TILE
 #else
-#define TILE 4
+#define TILE 6
 #endif
-#if TILE < 1 || TILE > 6
-#error "TILE must be 1 to 6 (the passes' cases)"
+#if TILE < 1 || TILE > 6 || (ROWS != 1 && ROWS != 4)
+#error "TILE must be 1 to 6 (the passes' cases), ROWS 1 or 4"
 #endif
-#define PREFETCH 4096    /* bytes ahead of the weights being read */
+/* Bytes ahead of the 4-bit weights being read that a pass prefetches (a
+ * group of 4 rows streams 4 times as many bytes a block); 8-bit weights
+ * twice as far, 6-bit high bits half as far, as the one-row kernels did. */
+#define PREFETCH (ROWS == 1 ? 2048 : 4096)
 
 #ifdef FR_DPBUSD
 #if FR_DPBUSD == 512
@@ -101,7 +119,10 @@
 #define FR_DPBUSD_KIND -1
 #endif
 
-int fr_abi_version(void) { return 5; }
+int fr_abi_version(void) { return 6; }
+
+/* The rows of this build's row groups: its layout of every matrix. */
+int fr_row_group(void) { return ROWS; }
 
 /* How this build sums products: -1 vpmaddubsw (AVX2), 0 the vpdpbusd code
  * with its AVX2 stand-in, 256 AVX-VNNI, 512 AVX512-VNNI. */
@@ -233,14 +254,15 @@ static inline float sum_lanes(__m256 v) {
 #define Q4_DOT(s) _mm256_madd_epi16(s, ones)
 #endif
 
-/* Prefetch the lines `bytes` of a row group's block span, PREFETCH ahead. */
-static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, int bytes) {
+/* Prefetch the lines of the `bytes` from p, `ahead` bytes ahead. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, int bytes,
+                                                                 int ahead) {
     for (int i = 0; i < bytes; i += 64)
-        _mm_prefetch((const char *)p + PREFETCH + i, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + ahead + i, _MM_HINT_T0);
 }
 
-/* One row group of 4-bit weights (q: its Kp / 256 blocks of 4 x 128 bytes;
- * scale, min: 4 x 8 half floats per block) against TT (1..TILE) activation
+/* One row group of 4-bit weights (q: its Kp / 256 blocks of ROWS x 128
+ * bytes; scale, min: ROWS x 8 half floats per block) against TT (1..TILE) activation
  * rows; y[t * N + r] for the group's first `valid` rows. */
 static inline __attribute__((always_inline)) void q4_group(
         const uint8_t *q, const uint16_t *scale, const uint16_t *min, int ng,
@@ -252,9 +274,9 @@ static inline __attribute__((always_inline)) void q4_group(
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int g0 = 0; g0 < ng; g0 += 8) {
-        const uint8_t *qb = q + (size_t)g0 * 16 * ROWS;          /* 4 x 128 bytes */
+        const uint8_t *qb = q + (size_t)g0 * 16 * ROWS;          /* ROWS x 128 bytes */
         const int8_t *ab = a + (size_t)g0 * GROUP;
-        prefetch_ahead(qb, 128 * ROWS);
+        prefetch_ahead(qb, 128 * ROWS, PREFETCH);
         __m256i sums[ROWS][TILE];
         for (int r = 0; r < ROWS; r++)
             for (int t = 0; t < TT; t++) sums[r][t] = _mm256_setzero_si256();
@@ -269,9 +291,9 @@ static inline __attribute__((always_inline)) void q4_group(
                 const int8_t *at = ab + (size_t)t * Kp + 64 * p;
                 __m256i x0 = _mm256_loadu_si256((const __m256i *)at);
                 __m256i x1 = _mm256_loadu_si256((const __m256i *)(at + 32));
-                /* Load once for the 4 rows: left alone, gcc folds the load
-                   into each row's product, loading it 4 times. */
-                __asm__("" : "+x"(x0), "+x"(x1));
+                /* Load once for the group's rows: left alone, gcc folds the
+                   load into each row's product, loading it ROWS times. */
+                if (ROWS > 1) __asm__("" : "+x"(x0), "+x"(x1));
                 for (int r = 0; r < ROWS; r++) {
                     sums[r][t] = Q4_SUMS(sums[r][t], w0[r], x0, w1[r], x1);
                     /* Keep the sum in a register: without this gcc reorders
@@ -300,8 +322,8 @@ static inline __attribute__((always_inline)) void q4_group(
     (void)ones;
 }
 
-/* One row group of 8-bit weights (q: its Kp / 256 blocks of 4 x 256 bytes;
- * scale: its 4 row scales) against TT (1..TILE) activation rows;
+/* One row group of 8-bit weights (q: its Kp / 256 blocks of ROWS x 256
+ * bytes; scale: its ROWS row scales) against TT (1..TILE) activation rows;
  * y[t * N + r] for the group's first `valid` rows. */
 static inline __attribute__((always_inline)) void q8_group(
         const int8_t *q, const float *scale, int ng, const int8_t *a, const float *sa, int Kp,
@@ -311,9 +333,9 @@ static inline __attribute__((always_inline)) void q8_group(
         for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int g0 = 0; g0 < ng; g0 += 8) {
-        const int8_t *qb = q + (size_t)g0 * GROUP * ROWS;         /* 4 x 256 bytes */
+        const int8_t *qb = q + (size_t)g0 * GROUP * ROWS;         /* ROWS x 256 bytes */
         const int8_t *ab = a + (size_t)g0 * GROUP;
-        prefetch_ahead(qb, 256 * ROWS);
+        prefetch_ahead(qb, 256 * ROWS, 2 * PREFETCH);
         __m256i s32[ROWS][TILE];
         for (int r = 0; r < ROWS; r++)
             for (int t = 0; t < TT; t++) s32[r][t] = _mm256_setzero_si256();
@@ -325,7 +347,7 @@ static inline __attribute__((always_inline)) void q8_group(
             }
             for (int t = 0; t < TT; t++) {
                 __m256i x = _mm256_loadu_si256((const __m256i *)(ab + (size_t)t * Kp + 32 * i));
-                __asm__("" : "+x"(x));                   /* as in q4_group */
+                if (ROWS > 1) __asm__("" : "+x"(x));      /* as in q4_group */
                 for (int r = 0; r < ROWS; r++) {
                     s32[r][t] = SUMS1(s32[r][t], wabs[r], _mm256_sign_epi8(x, w[r]));
                     __asm__("" : "+x"(s32[r][t]));      /* as in q4_group */
@@ -381,9 +403,9 @@ static inline __attribute__((always_inline)) void q6_chunks(
                           _mm256_and_si256(h1, high));
 }
 
-/* One row group of 6-bit weights (ql: its Kp / 256 blocks of 4 x 128
- * bytes of low bits; qh: 4 x 64 bytes of high bits; sc: 4 x 16 int8 scales;
- * dw: 4 floats per block) against TT (1..TILE) activation rows;
+/* One row group of 6-bit weights (ql: its Kp / 256 blocks of ROWS x 128
+ * bytes of low bits; qh: ROWS x 64 bytes of high bits; sc: ROWS x 16 int8
+ * scales; dw: ROWS floats per block) against TT (1..TILE) activation rows;
  * y[t * N + r] for the group's first `valid` rows. */
 static inline __attribute__((always_inline)) void q6_group(
         const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *dw, int ng,
@@ -396,8 +418,8 @@ static inline __attribute__((always_inline)) void q6_group(
     for (int g0 = 0; g0 < ng; g0 += 8) {
         const int b = g0 / 8;
         const uint8_t *qb = ql + (size_t)b * 128 * ROWS, *hb = qh + (size_t)b * 64 * ROWS;
-        prefetch_ahead(qb, 128 * ROWS);
-        prefetch_ahead(hb, 64 * ROWS);
+        prefetch_ahead(qb, 128 * ROWS, PREFETCH);
+        prefetch_ahead(hb, 64 * ROWS, PREFETCH / 2);
         for (int h = 0; h < 2; h++) {          /* first halves, then second halves */
             __m256i hv[ROWS], s32[ROWS][TILE];
             for (int r = 0; r < ROWS; r++) {
@@ -411,7 +433,7 @@ static inline __attribute__((always_inline)) void q6_group(
                     const int8_t *at = a + (size_t)t * Kp + (size_t)b * BLOCK + 64 * p;
                     __m256i x0 = _mm256_loadu_si256((const __m256i *)at);
                     __m256i x1 = _mm256_loadu_si256((const __m256i *)(at + 32));
-                    __asm__("" : "+x"(x0), "+x"(x1));    /* as in q4_group */
+                    if (ROWS > 1) __asm__("" : "+x"(x0), "+x"(x1));   /* as in q4_group */
                     for (int r = 0; r < ROWS; r++) {
                         s32[r][t] = SUMS2(s32[r][t], w0[r], x0, w1[r], x1);
                         __asm__("" : "+x"(s32[r][t]));  /* as in q4_group */
@@ -439,13 +461,16 @@ static inline __attribute__((always_inline)) void q6_group(
     (void)ones;
 }
 
-/* The row groups of output rows n0..n1 (n0 a multiple of 4) against every
- * activation row, in passes of TILE activation rows: CALL(n, t0, TT, valid)
+/* The row groups of output rows n0..n1 (n0 a multiple of ROWS) against every
+ * activation row, in passes of at most TILE activation rows, of even sizes:
+ * CALL(n, t0, TT, valid)
  * runs the group of rows n.. with a constant TT (the cases above TILE are
  * never taken). */
 #define FOR_TILES(CALL)                                                         \
-    for (int t0 = 0; t0 < T; t0 += TILE) {                                      \
-        const int TT = T - t0 < TILE ? T - t0 : TILE;                           \
+    const int passes = (T + TILE - 1) / TILE;                                   \
+    for (int i = 0, t0 = 0; i < passes; t0 += T / passes + (i < T % passes), i++) { \
+        /* passes of even sizes: 7 positions as 4 + 3, not 6 + 1 */            \
+        const int TT = T / passes + (i < T % passes);                          \
         for (int n = n0; n < n1; n += ROWS) {                                   \
             const int valid = N - n < ROWS ? N - n : ROWS;                      \
             switch (TT) {                                                       \

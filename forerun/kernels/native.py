@@ -65,21 +65,19 @@ DOT_BUILDS = (
      ("-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256", "-DFR_DPBUSD=512")),
     ("avx-vnni", ("avx_vnni",), ("-mavxvnni", "-DFR_DPBUSD=256")),
 )
-# The vpdpbusd code with an AVX2 stand-in for the instruction: how a CPU
-# without VNNI tests that code (tests/kernels/test_native.py).
-STAND_IN_FLAGS = ("-DFR_DPBUSD=0",)
+# The vpdpbusd code with an AVX2 stand-in for the instruction, in row groups
+# of 4 as the AVX512-VNNI build runs them: how a CPU without VNNI tests that
+# code (tests/kernels/test_native.py).
+STAND_IN_FLAGS = ("-DFR_DPBUSD=0", "-DFR_ROWS=4")
 INSTRUCTIONS = {-1: "avx2", 0: "avx2 stand-in for vpdpbusd", 256: "avx-vnni",
                 512: "avx512-vnni"}
 # Bumped whenever the layouts or the functions' signatures change (the
 # packed-weight cache is keyed by it).
-ABI_VERSION = 5
+ABI_VERSION = 6
 SWITCH = "FORERUN_NATIVE_KERNELS"
 # Input lengths are padded to a multiple of this (8 groups of 32).
 BLOCK = 256
 GROUP = 32
-# Output rows are padded to a multiple of this and stored in row groups
-# (:func:`to_row_groups`), which the products run together.
-ROWS = 4
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -90,9 +88,10 @@ def padded(k: int) -> int:
     return -(-k // BLOCK) * BLOCK
 
 
-def padded_rows(n: int) -> int:
-    """``n`` output rows rounded up to a multiple of :data:`ROWS`."""
-    return -(-n // ROWS) * ROWS
+def padded_rows(n: int, rows: int) -> int:
+    """``n`` output rows rounded up to a multiple of ``rows`` (a build's row
+    group, :attr:`NativeKernels.row_group`)."""
+    return -(-n // rows) * rows
 
 
 @dataclass
@@ -117,6 +116,9 @@ class NativeKernels:
         self.path = path
         # How its products sum (:data:`INSTRUCTIONS`): "avx2", "avx512-vnni", ...
         self.instruction = INSTRUCTIONS.get(lib.fr_dot_instruction(), "unknown")
+        # The rows of its row groups (to_row_groups): the layout of every
+        # matrix it multiplies, 4 in the AVX512-VNNI build, 1 in the AVX2 one.
+        self.row_group: int = lib.fr_row_group()
         self._quantize = lib.fr_quantize_rows
         self._quantize.argtypes = [_P, _I, _I, _I, _P, _P, _P]
         self._quantize.restype = None
@@ -161,8 +163,9 @@ class NativeKernels:
                   minimum: torch.Tensor, n: int) -> torch.Tensor:
         """``[T, n]`` float32 products of ``x`` with the 4-bit matrix of ``n``
         rows: ``q`` ``[Np, Kp / 2]`` (:func:`pack_nibbles`), ``scale`` and
-        ``minimum`` ``[Np, Kp / 32]`` float16, each in row groups
-        (:func:`to_row_groups`; ``Np`` is ``n`` padded to :data:`ROWS`)."""
+        ``minimum`` ``[Np, Kp / 32]`` float16, each in this build's row groups
+        (:func:`to_row_groups`; ``Np`` is ``n`` padded to
+        :attr:`row_group`)."""
         t, kp = x.values.shape
         y = torch.empty(t, n)
         self._q4(q.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, kp,
@@ -294,14 +297,15 @@ LAYOUTS = {
 }
 
 
-def check_matrix(kind: str, n: int, kp: int, arrays: dict[str, torch.Tensor]) -> None:
+def check_matrix(kind: str, n: int, kp: int, arrays: dict[str, torch.Tensor],
+                 group: int) -> None:
     """Raise ValueError unless ``arrays`` are a ``kind`` matrix (``q4``,
-    ``q6``, ``q8``) of ``n`` rows and ``kp`` padded columns as the kernels
-    read it: each contiguous, on the CPU, of its dtype and shape
-    ``[padded_rows(n), kp / values per entry]`` (``q8``'s ``scale``:
-    float32 ``[padded_rows(n)]``).  The kernels read that many bytes, so a
-    smaller array would be read past its end."""
-    rows = padded_rows(n)
+    ``q6``, ``q8``) of ``n`` rows and ``kp`` padded columns as kernels of
+    row group ``group`` read it: each contiguous, on the CPU, of its dtype
+    and shape ``[padded_rows(n, group), kp / values per entry]`` (``q8``'s
+    ``scale``: float32 ``[padded_rows(n, group)]``).  The kernels read that
+    many bytes, so a smaller array would be read past its end."""
+    rows = padded_rows(n, group)
     want = {name: ((rows, kp // per), dtype) for name, (per, dtype) in LAYOUTS[kind].items()}
     if kind == "q8":
         want["scale"] = ((rows,), torch.float32)
@@ -321,37 +325,38 @@ def check_matrix(kind: str, n: int, kp: int, arrays: dict[str, torch.Tensor]) ->
 
 # -- layouts -------------------------------------------------------------------------
 
-def to_row_groups(v: torch.Tensor, blocks: int) -> torch.Tensor:
+def to_row_groups(v: torch.Tensor, blocks: int, rows: int) -> torch.Tensor:
     """A per-row layout ``[N, W]`` whose rows span ``blocks`` blocks of 256
     input values (``W / blocks`` entries each: packed bytes, scales, ...)
-    in the kernels' row groups: for each group of :data:`ROWS` rows (``N``
-    a multiple of it), block ``b`` of each of its rows in turn, then block
-    ``b + 1``.  Returned as ``[N, W]``."""
+    in row groups of ``rows``: for each group of ``rows`` rows (``N`` a
+    multiple of it), block ``b`` of each of its rows in turn, then block
+    ``b + 1``.  Returned as ``[N, W]``; groups of 1 are the per-row layout."""
     n, width = v.shape
-    return (v.reshape(n // ROWS, ROWS, blocks, width // blocks).transpose(1, 2)
+    return (v.reshape(n // rows, rows, blocks, width // blocks).transpose(1, 2)
             .reshape(n, width).contiguous())
 
 
-def row_grouped(v: torch.Tensor, blocks: int) -> torch.Tensor:
+def row_grouped(v: torch.Tensor, blocks: int, rows: int) -> torch.Tensor:
     """A per-row layout ``[N, W]`` padded with zero rows to
     :func:`padded_rows` and put in row groups (:func:`to_row_groups`)."""
-    extra = padded_rows(v.shape[0]) - v.shape[0]
-    return to_row_groups(torch.nn.functional.pad(v, (0, 0, 0, extra)), blocks)
+    extra = padded_rows(v.shape[0], rows) - v.shape[0]
+    return to_row_groups(torch.nn.functional.pad(v, (0, 0, 0, extra)), blocks, rows)
 
 
-def from_row_groups(v: torch.Tensor, blocks: int) -> torch.Tensor:
+def from_row_groups(v: torch.Tensor, blocks: int, rows: int) -> torch.Tensor:
     """The inverse of :func:`to_row_groups`."""
     n, width = v.shape
-    return (v.reshape(n // ROWS, blocks, ROWS, width // blocks).transpose(1, 2)
+    return (v.reshape(n // rows, blocks, rows, width // blocks).transpose(1, 2)
             .reshape(n, width).contiguous())
 
 
-def rows_of_groups(v: torch.Tensor, index: torch.Tensor, blocks: int) -> torch.Tensor:
+def rows_of_groups(v: torch.Tensor, index: torch.Tensor, blocks: int, rows: int
+                   ) -> torch.Tensor:
     """Rows ``index`` of the per-row layout, read from ``v`` in row groups
-    (:func:`to_row_groups`) without reordering the rest."""
+    of ``rows`` (:func:`to_row_groups`) without reordering the rest."""
     n, width = v.shape
-    grouped = v.reshape(n // ROWS, blocks, ROWS, width // blocks)
-    return grouped[index // ROWS, :, index % ROWS].reshape(len(index), width)
+    grouped = v.reshape(n // rows, blocks, rows, width // blocks)
+    return grouped[index // rows, :, index % rows].reshape(len(index), width)
 
 
 def to_chunks(v: torch.Tensor) -> torch.Tensor:
@@ -660,22 +665,23 @@ class _CheckMatrices:
     s6: torch.Tensor
     d6: torch.Tensor
 
-    def packed4(self) -> tuple:
+    def packed4(self, rows: int) -> tuple:
+        """The 4-bit matrix's arguments for kernels of row group ``rows``."""
         b = self.q4.shape[1] // BLOCK
-        return (row_grouped(pack_nibbles(self.q4), b), row_grouped(self.scale, b),
-                row_grouped(self.minimum, b), self.q4.shape[0])
+        return (row_grouped(pack_nibbles(self.q4), b, rows), row_grouped(self.scale, b, rows),
+                row_grouped(self.minimum, b, rows), self.q4.shape[0])
 
-    def packed6(self) -> tuple:
+    def packed6(self, rows: int) -> tuple:
         b = self.q6.shape[1] // BLOCK
-        return (row_grouped(pack_nibbles(self.q6 & 15), b),
-                row_grouped(pack_high_bits(self.q6), b),
-                row_grouped(half_group_order(self.s6), b), row_grouped(self.d6, b),
+        return (row_grouped(pack_nibbles(self.q6 & 15), b, rows),
+                row_grouped(pack_high_bits(self.q6), b, rows),
+                row_grouped(half_group_order(self.s6), b, rows), row_grouped(self.d6, b, rows),
                 self.q6.shape[0])
 
-    def packed8(self) -> tuple:
+    def packed8(self, rows: int) -> tuple:
         n = self.q8.shape[0]
-        scale = torch.nn.functional.pad(self.s8, (0, padded_rows(n) - n))
-        return row_grouped(to_chunks(self.q8), self.q8.shape[1] // BLOCK), scale, n
+        scale = torch.nn.functional.pad(self.s8, (0, padded_rows(n, rows) - n))
+        return (row_grouped(to_chunks(self.q8), self.q8.shape[1] // BLOCK, rows), scale, n)
 
 
 def _check_matrices(gen: torch.Generator, n: int, kp: int) -> _CheckMatrices:
@@ -706,14 +712,15 @@ def _self_check(kernels: NativeKernels) -> None:
     w4 = m.q4.double() * m.scale.double().repeat_interleave(GROUP, 1) + \
         m.minimum.double().repeat_interleave(GROUP, 1)
     w8 = m.q8.double() * m.s8.double()[:, None]
-    got4 = kernels.q4_matmul(rows, *m.packed4())
-    got8 = kernels.q8_matmul(rows, *m.packed8())
-    if not (torch.equal(kernels.q4_linear(x, *m.packed4()), got4)
-            and torch.equal(kernels.q8_linear(x, *m.packed8()), got8)):
+    group = kernels.row_group
+    got4 = kernels.q4_matmul(rows, *m.packed4(group))
+    got8 = kernels.q8_matmul(rows, *m.packed8(group))
+    if not (torch.equal(kernels.q4_linear(x, *m.packed4(group)), got4)
+            and torch.equal(kernels.q8_linear(x, *m.packed8(group)), got8)):
         raise _Unavailable("the built library's one-call products differ from its two-call ones")
     w6 = ((m.q6.double() - 32) * m.s6.double().repeat_interleave(16, 1)
           * m.d6.double().repeat_interleave(BLOCK, 1))
-    got6 = kernels.q6_linear(x, *m.packed6())
+    got6 = kernels.q6_linear(x, *m.packed6(group))
     for got, w, name in ((got4, w4, "4-bit"), (got6, w6, "6-bit"), (got8, w8, "8-bit")):
         want = xq @ w.t()
         if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-3 * float(want.abs().max())):
@@ -825,19 +832,21 @@ def _shown(ms: dict[str, list[float]]) -> str:
 def _check_same_products(dot: NativeKernels, avx2: NativeKernels) -> None:
     """``dot``'s products equal ``avx2``'s bit for bit: the 4-, 6- and 8-bit
     products of 1 to 9 rows, on random values with the extreme weights
-    (products that would overflow an int16 sum if a build let them).
-    Raises _Unavailable naming the first that differs."""
+    (products that would overflow an int16 sum if a build let them), each
+    build given the matrices in its own row groups.  Raises _Unavailable
+    naming the first that differs."""
     gen = torch.Generator().manual_seed(2)
     n, k = 21, 520                            # a part row chunk, and padding
     m = _check_matrices(gen, n, padded(k))
     m.q4[0], m.q6[0], m.q8[0] = 15, 63, -128  # the largest products
-    p4, p6, p8 = m.packed4(), m.packed6(), m.packed8()
+    packed = {lib.row_group: (m.packed4(lib.row_group), m.packed6(lib.row_group),
+                              m.packed8(lib.row_group)) for lib in (dot, avx2)}
     for t in range(1, 10):
         x = torch.randn(t, k, generator=gen) * 3
         x[0, :64] = 100                      # whole groups at +127
-        for name, run in (("4-bit", lambda lib: lib.q4_linear(x, *p4)),
-                          ("6-bit", lambda lib: lib.q6_linear(x, *p6)),
-                          ("8-bit", lambda lib: lib.q8_linear(x, *p8))):
+        for name, run in (("4-bit", lambda lib: lib.q4_linear(x, *packed[lib.row_group][0])),
+                          ("6-bit", lambda lib: lib.q6_linear(x, *packed[lib.row_group][1])),
+                          ("8-bit", lambda lib: lib.q8_linear(x, *packed[lib.row_group][2]))):
             if not torch.equal(run(dot), run(avx2)):
                 raise _Unavailable(f"its {name} products of {t} rows differ from the AVX2 "
                                    f"build's")
@@ -883,7 +892,8 @@ def time_q4_mlp(candidates: dict[str, NativeKernels | None],
     result = {}
     for name, kernels in candidates.items():
         if kernels is not None:
-            blocks = [tuple(_RawProduct(kernels, NativeInt4Linear.build(v, None)) for v in pair)
+            blocks = [tuple(_RawProduct(kernels, NativeInt4Linear.build(
+                v, None, kernels.row_group)) for v in pair)
                       for pair in values]
         else:
             blocks = [tuple(Int4Linear(v, None, cpu) for v in pair) for pair in values]

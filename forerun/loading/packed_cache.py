@@ -9,7 +9,8 @@ int8 rows, bfloat16 scales, float norms) is saved once, by
 ``<cache>/packed/<key>/network.safetensors``, and later loads read it back
 as is.  The key holds the GGUF's SHA-256, the format, the device type, the
 torch version (the packed layout is torch's), whether forerun's native
-kernels run (their layout is forerun's) and :data:`PACKED_VERSION`
+kernels run and in which row groups (their layout is forerun's) and
+:data:`PACKED_VERSION`
 (forerun's layout of the file).  The entry is a
 :class:`~forerun.loading.cache_entry.CacheEntry`: checked at load, rebuilt
 when damaged, built under a lock and published atomically.  When the cache
@@ -31,7 +32,7 @@ from ..engines.transformer import Transformer
 from ..errors import CacheError, ModelFormatError
 from .cache_entry import CacheEntry, ensure, remove_path
 
-PACKED_VERSION = "3"
+PACKED_VERSION = "4"
 FILE_NAME = "network.safetensors"
 
 
@@ -42,9 +43,10 @@ def packed_entry(digest: str, fmt: str, device: torch.device) -> CacheEntry:
 
     from ..kernels.native import ABI_VERSION, native_kernels
 
-    # The layers' layout depends on whether forerun's native kernels run here.
-    kernels = (f"native{ABI_VERSION}" if device.type == "cpu" and native_kernels() is not None
-               else "torch")
+    # The layers' layout depends on whether forerun's native kernels run
+    # here, and on the row groups of the build that does.
+    native = native_kernels() if device.type == "cpu" else None
+    kernels = f"native{ABI_VERSION}-rows{native.row_group}" if native is not None else "torch"
     key = hashlib.sha256(f"{digest}|{fmt}|{device.type}|{torch.__version__}|{kernels}"
                          .encode()).hexdigest()[:32]
     return CacheEntry(cache_dir() / "packed" / key,
