@@ -809,7 +809,8 @@ def _timed_once(kind: str, measure, names: tuple[str, ...], what: str) -> dict[s
     from ..engines.format_choice import TIMED_POSITIONS
 
     key = {"shape": list(TIMED_SHAPE), "positions": list(TIMED_POSITIONS),
-           "threads": torch.get_num_threads(), "torch": torch.__version__}
+           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "timing": "interleaved"}
     store = CalibrationStore(kind, key, label="q4-mlp")
 
     def valid(value):
@@ -875,7 +876,10 @@ def time_q4_mlp(candidates: dict[str, NativeKernels | None],
                 repeats: int = 3) -> dict[str, list[float]]:
     """Milliseconds of a q4 MLP block of :data:`TIMED_SHAPE` by each
     candidate (a native library, or None for torch's kernels), at the format
-    choice's positions (best of ``repeats``, distinct weights per run)."""
+    choice's positions: best of ``repeats``, distinct weights per run, the
+    candidates' runs interleaved, so that a slow spell of the machine
+    touches each alike (timed one after the other, a spell during one
+    candidate's turn once kept a faster build from being used)."""
     import itertools
 
     from ..engines.format_choice import (TIMED_POSITIONS, _random_weights, block_copies,
@@ -889,19 +893,25 @@ def time_q4_mlp(candidates: dict[str, NativeKernels | None],
     copies = block_copies(h, i, "q4", repeats)
     values = [(_random_weights("q4", 2 * i, h, gen), _random_weights("q4", h, i, gen))
               for _ in range(copies)]
-    result = {}
+    built, turns = {}, {}
     for name, kernels in candidates.items():
         if kernels is not None:
-            blocks = [tuple(_RawProduct(kernels, NativeInt4Linear.build(
-                v, None, kernels.row_group)) for v in pair)
-                      for pair in values]
+            built[name] = [tuple(_RawProduct(kernels, NativeInt4Linear.build(
+                v, None, kernels.row_group)) for v in pair) for pair in values]
         else:
-            blocks = [tuple(Int4Linear(v, None, cpu) for v in pair) for pair in values]
-        turn = itertools.count()
+            built[name] = [tuple(Int4Linear(v, None, cpu) for v in pair) for pair in values]
+        turns[name] = itertools.count()
         # A pass over every block first: a process's first products ran
         # 10x slower on an AMD EPYC (16 ms for a 1 ms block), both kinds.
-        time_mlp_blocks(blocks, torch.randn(1, h, generator=gen), len(blocks), turn)
-        result[name] = [time_mlp_blocks(blocks, torch.randn(t, h, generator=gen), repeats, turn)
-                        for t in TIMED_POSITIONS]
-        del blocks
+        time_mlp_blocks(built[name], torch.randn(1, h, generator=gen), len(values),
+                        turns[name])
+    result: dict[str, list[float]] = {name: [] for name in candidates}
+    for t in TIMED_POSITIONS:
+        x = torch.randn(t, h, generator=gen)
+        best = {name: float("inf") for name in candidates}
+        for _ in range(repeats):
+            for name, blocks in built.items():
+                best[name] = min(best[name], time_mlp_blocks(blocks, x, 1, turns[name]))
+        for name in candidates:
+            result[name].append(best[name])
     return result
