@@ -17,7 +17,6 @@ cleanly.
 from __future__ import annotations
 
 import gc
-import os
 import random
 import threading
 from dataclasses import dataclass
@@ -154,8 +153,8 @@ FLOAT32 = {"weights": "float32"}
 def models(tmp_path_factory):
     """A tiny Qwen2 target and a draft perturbed from it (acceptance about
     0.5), loaded through forerun.load with a tokenizer."""
-    os.environ["FORERUN_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FORERUN_CACHE", str(tmp_path_factory.mktemp("cache")))
         target = hf_model("qwen2", seed=3)
         draft = hf_model("qwen2", seed=3)
         gen = torch.Generator().manual_seed(5)
@@ -170,8 +169,6 @@ def models(tmp_path_factory):
             loaded.append(forerun.load(folder, context_length=96, device="cpu",
                                        progress=False, **FLOAT32))
         yield loaded
-    finally:
-        del os.environ["FORERUN_CACHE"]
 
 
 N_MAX = 24

@@ -32,11 +32,9 @@ FLOAT32 = ({"weights": "float32"} if "weights" in inspect.signature(forerun.load
 @pytest.fixture(scope="module")
 def pristine(gguf_path, tmp_path_factory):
     """The tokens a correctly converted model generates."""
-    os.environ["FORERUN_CACHE"] = str(tmp_path_factory.mktemp("pristine-cache"))
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FORERUN_CACHE", str(tmp_path_factory.mktemp("pristine-cache")))
         return generate(gguf_path)
-    finally:
-        del os.environ["FORERUN_CACHE"]
 
 
 def generate(path) -> list[int]:
