@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quick import QUICK  # noqa: E402
+from quick import QUICK, QUICK_LEAVES_OUT  # noqa: E402
 
 if QUICK:
     # The quick subset runs on two workers (``-n 2``, see the README): one
@@ -117,6 +117,9 @@ def gguf_path(tmp_path_factory):
 
 
 PRESET_FIXTURES = {"preset_gguf", "preset_model"}
+# Fixtures that compile the native kernels again from source, in a cache of
+# their own (tests/kernels/conftest.py): seconds a test.
+BUILD_FIXTURES = {"fresh_cache", "altered_source"}
 
 
 def pytest_configure(config):
@@ -127,17 +130,23 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Tests that use a real preset are marked ``real_model`` (so ``-m 'not
-    real_model'`` leaves them out without assembling anything); the quick
-    subset leaves out the ``power`` tests (see :mod:`quick`)."""
+    real_model'`` leaves them out without assembling anything), and tests
+    that compile the native kernels again are marked ``builds``; the quick
+    subset leaves out the ``power`` and ``builds`` tests (see :mod:`quick`)."""
     for item in items:
-        if (item.get_closest_marker("needs_preset") is not None
-                or PRESET_FIXTURES & set(getattr(item, "fixturenames", ()))):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("needs_preset") is not None or PRESET_FIXTURES & fixtures:
             item.add_marker(pytest.mark.real_model)
+        if BUILD_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.builds)
     if QUICK:
-        left_out = [item for item in items if item.get_closest_marker("power") is not None]
+        def left(item):
+            return any(item.get_closest_marker(name) is not None for name in QUICK_LEAVES_OUT)
+
+        left_out = [item for item in items if left(item)]
         if left_out:
             config.hook.pytest_deselected(items=left_out)
-            items[:] = [item for item in items if item.get_closest_marker("power") is None]
+            items[:] = [item for item in items if not left(item)]
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -6,6 +6,10 @@
 * Tests marked ``power`` (that a statistical test catches a broken twin of
   an algorithm) are left out: they test the tests' power at the full
   counts, which the quick subset does not draw.
+* Tests marked ``builds`` (that compile the native kernels again from
+  source, to test building: a damaged library, two builders at once, a
+  read-only cache, a build that computes wrongly) are left out too: a few
+  seconds each, and they test the build, not the numbers.
 * Stress tests run fewer rounds.
 * torch runs one thread per process (``OMP_NUM_THREADS=1``, set by
   ``conftest.py``), for the two workers of ``pytest -n 2``.
@@ -16,6 +20,8 @@ from __future__ import annotations
 import os
 
 QUICK = os.environ.get("FORERUN_QUICK", "") not in ("", "0")
+
+QUICK_LEAVES_OUT = ("power", "builds")
 
 
 def draws(full: int, quick: int) -> int:
