@@ -499,13 +499,17 @@ def lookup_applies(draft, draft_k, tree, split) -> bool:
 def cost_store(model: "Model", tag: str = "") -> "CalibrationStore":
     """Where the measured verification costs of ``model`` on this machine
     are kept, so the adaptive draft length calibrates once per model,
-    engine settings (weight format, threads, options), CPU and context."""
+    engine settings (weight format, threads, options), CPU and context.
+    ``timing`` names how the sizes were timed (interleaved, since costs
+    timed size after size could be bent by one slow spell), so curves
+    timed the old way are measured again."""
     from .calibration import CalibrationStore
 
     decoder = model.decoder
     key = {"model": model.identity, **decoder.settings,
            "context_length": decoder.context_length,
-           "verify_group": decoder.verify_group, "method": tag or "chain"}
+           "verify_group": decoder.verify_group, "method": tag or "chain",
+           "timing": "interleaved"}
     return CalibrationStore("costs", key, label=f"{model.name}-{decoder.engine}{tag}")
 
 

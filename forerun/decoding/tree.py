@@ -61,7 +61,6 @@ accuracies make deeper nodes' path probabilities worth their cost).
 from __future__ import annotations
 
 import heapq
-import time
 from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
@@ -292,19 +291,9 @@ class TreePolicy:
 
     def calibrate(self, decoder, token: int, sizes: Sequence[int] = (1, 2, 3, 4, 6, 8)
                   ) -> None:
-        """Time target forwards of a few sizes (best of two, after a warm-up
-        run) at the decoder's current length, then roll back."""
-        base = decoder.length
-        for t in sizes:
-            if t >= len(self.costs.seconds) or base + t > decoder.context_length:
-                continue
-            best = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                decoder.feed([token] * t)
-                best = min(best, time.perf_counter() - start)
-                decoder.rollback(base)
-            self.costs.seconds[t] = best
+        """Time target forwards of a few sizes at the decoder's current
+        length, then roll back (:meth:`VerifyCosts.calibrate`)."""
+        self.costs.calibrate(decoder, token, sizes=sizes)
 
 
 # -- drafters of ranked candidates ------------------------------------------------

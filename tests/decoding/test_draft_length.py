@@ -194,6 +194,39 @@ def test_calibrate_times_every_size_and_rolls_back(monkeypatch):
         assert costs.seconds[t] == pytest.approx(0.010 + 0.001 * t)
 
 
+@pytest.mark.parametrize("spell_starts", range(0, 12))
+def test_a_slow_spell_touches_every_size_alike(monkeypatch, spell_starts):
+    """Three forwards in a row run 4x slower (another process on the
+    cores), wherever they fall: each size keeps a fast run, so the curve
+    stays the true one.  Timed size after size, the spell would take all
+    of one size's runs."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(draft_length, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    forwards = itertools.count()
+
+    def cost(tokens):
+        slow = spell_starts <= next(forwards) < spell_starts + 3
+        return (0.010 + 0.001 * len(tokens)) * (4 if slow else 1)
+
+    decoder = ClockedWrapper(TableDecoder(torch.zeros(3, 4, 4)), clock, cost)
+    decoder.feed([1, 2, 3])
+    decoder.commit()
+    next(forwards)                                   # the prompt's feed above
+    costs = VerifyCosts(4)
+    costs.calibrate(decoder, token=1)
+    assert costs.seconds[1:] == pytest.approx([0.011, 0.012, 0.013, 0.014])
+
+
+def test_calibrate_times_the_sizes_asked_for(monkeypatch):
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(draft_length, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    decoder = ClockedWrapper(TableDecoder(torch.zeros(3, 4, 4)), clock)
+    costs = VerifyCosts(5)
+    costs.calibrate(decoder, token=1, sizes=(2, 4, 8))   # 8 is past the table
+    assert costs.seconds == [None, None, pytest.approx(0.012), None, pytest.approx(0.014), None]
+    assert decoder.length == 0
+
+
 def test_calibrate_stops_at_the_context_limit(monkeypatch):
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(draft_length, "time", SimpleNamespace(perf_counter=lambda: clock.now))
