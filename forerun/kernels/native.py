@@ -712,15 +712,15 @@ def _self_check(kernels: NativeKernels) -> None:
     w4 = m.q4.double() * m.scale.double().repeat_interleave(GROUP, 1) + \
         m.minimum.double().repeat_interleave(GROUP, 1)
     w8 = m.q8.double() * m.s8.double()[:, None]
-    group = kernels.row_group
-    got4 = kernels.q4_matmul(rows, *m.packed4(group))
-    got8 = kernels.q8_matmul(rows, *m.packed8(group))
-    if not (torch.equal(kernels.q4_linear(x, *m.packed4(group)), got4)
-            and torch.equal(kernels.q8_linear(x, *m.packed8(group)), got8)):
+    p4, p8 = m.packed4(kernels.row_group), m.packed8(kernels.row_group)
+    got4 = kernels.q4_matmul(rows, *p4)
+    got8 = kernels.q8_matmul(rows, *p8)
+    if not (torch.equal(kernels.q4_linear(x, *p4), got4)
+            and torch.equal(kernels.q8_linear(x, *p8), got8)):
         raise _Unavailable("the built library's one-call products differ from its two-call ones")
     w6 = ((m.q6.double() - 32) * m.s6.double().repeat_interleave(16, 1)
           * m.d6.double().repeat_interleave(BLOCK, 1))
-    got6 = kernels.q6_linear(x, *m.packed6(group))
+    got6 = kernels.q6_linear(x, *m.packed6(kernels.row_group))
     for got, w, name in ((got4, w4, "4-bit"), (got6, w6, "6-bit"), (got8, w8, "8-bit")):
         want = xq @ w.t()
         if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-3 * float(want.abs().max())):
