@@ -16,7 +16,7 @@ from forerun.engines.grouping_probe import exact_group_size
 from forerun.engines.linear import (QUANTIZE_ROWS, WEIGHT_FORMATS, ConcatLinear, Int4Groups,
                                     check_kernels, concat_rows, fuse_linear, make_linear,
                                     quantize_int4, quantize_int8, restore_linear)
-from forerun.engines.torch_engine import TorchDecoder
+from forerun.engines.torch_engine import PER_POSITION_FEED, TorchDecoder
 from forerun.engines.transformer import Transformer
 from forerun.errors import ConfigError, EngineError
 from forerun.kernels import native
@@ -303,6 +303,29 @@ def test_verification_is_exact_in_the_probed_groups(fmt, arch):
     mask = torch.ones(9, 159, dtype=torch.bool).tril(diagonal=150)
     out = decoder.forward(more, torch.arange(150, 159), mask).logits
     assert torch.equal(out, one_by_one)
+
+
+@pytest.mark.parametrize("size", [2, 5, PER_POSITION_FEED])
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_a_short_last_only_feed_is_one_position_forwards(fmt, size):
+    """A ``last_only`` feed of up to PER_POSITION_FEED positions (a draft
+    model's catch-up on a round's committed tokens) runs each position as a
+    one-position forward does, in the native layer operations, which is
+    faster there than torch's batched operators: on the native kernels,
+    whose products don't depend on the rows fed, its logits and its cache
+    are those of feeding the tokens one by one, to the bit."""
+    if native.layer_ops() is None:
+        pytest.skip(f"forerun's native library doesn't run here: {native.unavailable_reason()}")
+    decoder = TorchDecoder(_network(fmt), 128)
+    ids = [int(t) for t in torch.randint(3, VOCAB, (40 + size,),
+                                         generator=torch.Generator().manual_seed(3))]
+    decoder.feed(ids[:40])
+    last = decoder.feed(ids[40:], last_only=True).logits[0]
+    after = decoder.feed([7]).logits[0]
+    decoder.rollback(40)
+    one_by_one = [decoder.feed([t]).logits[0] for t in ids[40:]]
+    assert torch.equal(last, one_by_one[-1])
+    assert torch.equal(after, decoder.feed([7]).logits[0])
 
 
 @pytest.mark.parametrize("fmt", ["float32", "q8"])
