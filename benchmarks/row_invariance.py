@@ -2,7 +2,7 @@
 rows are computed beside it, on a device: what decides whether a verification
 group can be exact there (forerun.engines.grouping_probe).
 
-    python benchmarks/row_invariance.py [--device cuda] [--windows 4]
+    python benchmarks/row_invariance.py [--device cuda] [--windows 4] [--timing 20]
 
 It checks, with random data: ``F.linear`` in bfloat16 and float32 at the
 1.5B's shapes (rows 2..16 against each row alone), RMSNorm at hidden sizes
@@ -14,8 +14,10 @@ its logits differ from one-position forwards.  On an NVIDIA H200 (torch
 2.11) the bfloat16 engine differed on 1 to 10 of 28 windows, though every
 ``F.linear`` shape was row-invariant (results in
 ``benchmarks/results/2026-11-25-h200-verification-groups.txt``), which is
-why the torch engine promises no grouping off the CPU
-(``TorchDecoder.group_ceiling``).  Needs ``transformers`` (to build the
+why the torch engine now runs every short forward off the CPU at
+``PADDED_ROWS`` rows; the engine is checked both ways, padded (as it
+runs) and unpadded.  ``--timing N`` times forwards of 1 to 16 positions of
+a network of Qwen2.5-1.5B's shapes, padded and unpadded.  Needs ``transformers`` (to build the
 tiny model) and the tests folder on the path, as the tests have it.
 """
 
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from forerun.config import ModelConfig  # noqa: E402
 from forerun.engines.torch_engine import TorchDecoder  # noqa: E402
-from forerun.engines.transformer import Transformer, rms_norm  # noqa: E402
+from forerun.engines.transformer import PADDED_ROWS, Transformer, rms_norm  # noqa: E402
 
 
 def differing_rows(run, one, trials: int = 3) -> list[int]:
@@ -50,6 +52,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--timing", type=int, default=0, metavar="REPEATS",
+                   help="also time forwards of a network of the 1.5B's shapes, padded and not")
     args = p.parse_args()
     dev = args.device
     gen = torch.Generator().manual_seed(0)
@@ -88,9 +92,12 @@ def main() -> None:
     config = ModelConfig.from_hf(hf.config.to_dict())
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     contexts = (8, 16, 24, 32, 64, 100, 160)
-    for fmt in ("bfloat16", "float32"):
-        d = TorchDecoder(Transformer(config, state, device=dev, weights_format=fmt), 256,
-                         config.eos_token_ids)
+    for fmt, padded in (("bfloat16", True), ("float32", True), ("bfloat16", False),
+                        ("float32", False)):
+        network = Transformer(config, state, device=dev, weights_format=fmt)
+        network.layer_ops = None              # torch's operators, as off the CPU
+        network.padded_rows = PADDED_ROWS if padded else None
+        d = TorchDecoder(network, 256, config.eos_token_ids)
         counts: dict[int, int] = {}
         tokens_gen = torch.Generator().manual_seed(1)
         for context in contexts:
@@ -104,8 +111,65 @@ def main() -> None:
                     if not torch.equal(d.feed(toks[context:context + size]).logits,
                                        reference[:size]):
                         counts[size] = counts.get(size, 0) + 1
-        print(f"engine {fmt}: group sizes differing (of {len(contexts) * args.windows} "
+        rows = f"padded to {network.padded_rows} rows" if network.padded_rows else "unpadded"
+        print(f"engine {fmt}, {rows}: group sizes differing (of {len(contexts) * args.windows} "
               f"windows each): {dict(sorted(counts.items())) or 'none'}")
+    if args.timing:
+        step_times(dev, args.timing)
+
+
+def step_times(dev: str, repeats: int) -> None:
+    """ms per forward of T positions of a network of Qwen2.5-1.5B's shapes
+    (random bfloat16 weights, 256 positions of context), padded to
+    PADDED_ROWS rows and unpadded, alternating."""
+    import time
+
+    config = ModelConfig.from_hf({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
+        "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+        "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True})
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (151936, 1536), "model.norm.weight": (1536,)}
+    for n in range(28):
+        p = f"model.layers.{n}."
+        shapes.update({p + "input_layernorm.weight": (1536,),
+                       p + "post_attention_layernorm.weight": (1536,),
+                       p + "self_attn.q_proj.weight": (1536, 1536),
+                       p + "self_attn.k_proj.weight": (256, 1536),
+                       p + "self_attn.v_proj.weight": (256, 1536),
+                       p + "self_attn.q_proj.bias": (1536,), p + "self_attn.k_proj.bias": (256,),
+                       p + "self_attn.v_proj.bias": (256,),
+                       p + "self_attn.o_proj.weight": (1536, 1536),
+                       p + "mlp.gate_proj.weight": (8960, 1536),
+                       p + "mlp.up_proj.weight": (8960, 1536),
+                       p + "mlp.down_proj.weight": (1536, 8960)})
+    state = {name: torch.randn(shape, generator=gen, device=dev, dtype=torch.bfloat16) * 0.02
+             for name, shape in shapes.items()}
+    network = Transformer(config, state, device=dev, weights_format="bfloat16")
+    network.layer_ops = None
+    del state
+    decoder = TorchDecoder(network, 512)
+    decoder.feed(list(range(1000, 1256)), last_only=True)
+    base = decoder.length
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    spent: dict[tuple[int, bool], list[float]] = {}
+    for _ in range(repeats):
+        for t in (1, 2, 4, 8, 16):
+            for padded in (True, False):
+                network.padded_rows = PADDED_ROWS if padded else None
+                sync()
+                start = time.perf_counter()
+                decoder.feed(list(range(2000, 2000 + t)))
+                sync()
+                spent.setdefault((t, padded), []).append(time.perf_counter() - start)
+                decoder.rollback(base)
+    print(f"1.5B-shaped network, bfloat16, random weights, 256 positions of context, "
+          f"median of {repeats} forwards, ms (padded to {PADDED_ROWS} rows / unpadded):")
+    for t in (1, 2, 4, 8, 16):
+        a = sorted(spent[(t, True)])[repeats // 2] * 1e3
+        b = sorted(spent[(t, False)])[repeats // 2] * 1e3
+        print(f"  T={t:>2}: {a:7.2f} / {b:7.2f}")
 
 
 if __name__ == "__main__":

@@ -125,10 +125,11 @@ class Decoder(Protocol):
 
     #: The largest verification group the engine can promise on its
     #: device before any measurement (``None``: whatever the grouping probe
-    #: finds).  1 where a row's rounding can depend on the rows beside it in
-    #: ways that only some data show, which a probe's samples can miss:
-    #: every verified position then gets a forward of its own, exact by
-    #: construction.
+    #: finds).  Where a row's rounding can depend on the rows beside it in
+    #: ways that only some data show, which a probe's samples can miss, the
+    #: most positions the engine computes exactly by construction: 1 (every
+    #: verified position gets a forward of its own), or, as the torch engine
+    #: off the CPU, the fixed row count it pads every short forward to.
     group_ceiling: int | None
 
     #: The long cached length at which the grouping probe compares groups

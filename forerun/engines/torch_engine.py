@@ -58,13 +58,17 @@ class TorchDecoder(EngineDecoder):
     def group_ceiling(self) -> int | None:
         """None on the CPU, where each kernel's rounding of a row is fixed
         by the shapes it runs at, so the probe's tokens show any difference.
-        1 on other devices: on an NVIDIA H200 (torch 2.11, CUDA 13) groups of
-        2 to 16 positions in bfloat16 differed from one-position forwards on
-        1 to 10 of 28 token windows after the probe had found every group
-        exact on its own tokens, though each ``F.linear`` shape was
-        row-invariant there (``benchmarks/row_invariance.py``); float32
-        differed always.  MPS is unmeasured."""
-        return None if self.device.type == "cpu" else 1
+        On other devices the network's padded rows
+        (:data:`~forerun.engines.transformer.PADDED_ROWS`): every forward of
+        up to that many positions runs its row-wise operations at that many
+        rows, so each row is computed as a one-position forward computes it.
+        Unpadded, on an NVIDIA H200 (torch 2.11, CUDA 13), groups of 2 to 16
+        positions in bfloat16 differed from one-position forwards on 1 to 10
+        of 28 token windows after the probe had found every group exact on
+        its own tokens (``benchmarks/row_invariance.py``); float32 differed
+        always.  A device where a group still differs is caught by the
+        probe, which measures up to this ceiling."""
+        return None if self.device.type == "cpu" else self.model.padded_rows
 
     def __init__(self, model: Transformer, context_length: int,
                  eos_token_ids: Sequence[int] = ()) -> None:

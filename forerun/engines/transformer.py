@@ -26,6 +26,22 @@ from .linear import (QUANTIZED_FORMATS, WEIGHT_FORMATS, DenseLinear, Int8Linear,
 from .rope import RotaryEmbedding, apply_rotary
 
 
+#: Off the CPU, every forward of up to this many positions runs its row-wise
+#: operations (the matrix products, norms, gating and the LM head) at
+#: exactly this many rows, the fed ones padded with zero rows.  A kernel's
+#: rounding of a row may depend on how many rows it is given: on an NVIDIA
+#: H200 (torch 2.11, CUDA 13) bfloat16 RMSNorm at 1,536 values was not
+#: row-invariant from 4 rows, and float32 products never were, so groups
+#: that the grouping probe had found exact differed from one-position
+#: forwards on other tokens.  At one shape for every group, each row's
+#: numerics are those of a one-position forward.  The padding costs a GPU
+#: nothing it notices at batch size 1 (the weights are read once either
+#: way); the CPU needs none (its native kernels are row-invariant, and its
+#: float formats would pay up to 3x for the rows).  It equals the grouping
+#: probe's largest group.
+PADDED_ROWS = 16
+
+
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
@@ -175,6 +191,8 @@ class Transformer:
         # attention in one call each instead of dozens of torch operators.
         self.layer_ops = (native.layer_ops() if self.device.type == "cpu"
                           and self.dtype == torch.float32 else None)
+        # The rows every short forward runs at (PADDED_ROWS), None on the CPU.
+        self.padded_rows = None if self.device.type == "cpu" else PADDED_ROWS
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
 
@@ -372,7 +390,19 @@ class Transformer:
                 h = ops.rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
                 x = x + layer.down(ops.silu_mul(layer.gate_up(h)))
         else:
-            x = self._layers_in_torch(x, cos, sin, cache, start, mask, rowwise)
+            padded = self.padded_rows is not None and t <= self.padded_rows
+            if padded:
+                x = F.pad(x, (0, 0, 0, self.padded_rows - t))
+            x = self._layers_in_torch(x, t, cos, sin, cache, start, mask, rowwise)
+            if padded:
+                # The norm and the LM head at the padded rows too; then the fed ones.
+                cache.advance(t)
+                hidden = rms_norm(x, self.norm, c.rms_norm_eps)
+                logits = self.lm_head(hidden).float()[:t]
+                hidden = hidden[:t]
+                if logits_rows is not None:
+                    logits, hidden = logits[logits_rows], hidden[logits_rows]
+                return logits, hidden
         cache.advance(t)
         if logits_rows is not None:
             x = x[logits_rows]
@@ -380,11 +410,14 @@ class Transformer:
         logits = self.lm_head(hidden).float()
         return logits, hidden
 
-    def _layers_in_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _layers_in_torch(self, x: torch.Tensor, t: int, cos: torch.Tensor, sin: torch.Tensor,
                          cache: KVCache, start: int, mask: torch.Tensor | None,
                          rowwise: bool) -> torch.Tensor:
-        """The decoder blocks in torch's operators (any device and dtype)."""
-        c, t = self.config, x.shape[0]
+        """The decoder blocks in torch's operators (any device and dtype).
+        ``x``: the ``t`` fed positions' rows, then any zero rows they are
+        padded with (:data:`PADDED_ROWS`), which every row-wise operation
+        runs with and attention leaves out."""
+        c, rows = self.config, x.shape[0]
         end = start + t
         visible: list[torch.Tensor | int] | None = None
         if rowwise and (t > 1 or mask is not None):
@@ -399,7 +432,7 @@ class Transformer:
         attn_mask = None if mask is None else mask[None, None]
         for n, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            qkv = layer.qkv(h).to(self.dtype)
+            qkv = layer.qkv(h).to(self.dtype)[:t]
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q = q.view(t, c.num_heads, c.head_dim).transpose(0, 1)
             k = k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
@@ -416,6 +449,8 @@ class Transformer:
                 attn = torch.cat([self._attend_one(q[:, i:i + 1], keys, values, seen)
                                   for i, seen in enumerate(visible)], dim=2)
             attn = attn[0].transpose(0, 1).reshape(t, self.q_size)
+            if rows > t:
+                attn = F.pad(attn, (0, 0, 0, rows - t))
             x = x + layer.o(attn).to(self.dtype)
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(h).to(self.dtype).chunk(2, dim=-1)

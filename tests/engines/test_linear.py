@@ -12,12 +12,12 @@ import torch
 from gguf import GGMLQuantizationType as GGMLType
 
 import forerun
-from forerun.engines.grouping_probe import exact_group_size
+from forerun.engines.grouping_probe import MAX_GROUP, exact_group_size
 from forerun.engines.linear import (QUANTIZE_ROWS, WEIGHT_FORMATS, ConcatLinear, Int4Groups,
                                     check_kernels, concat_rows, fuse_linear, make_linear,
                                     quantize_int4, quantize_int8, restore_linear)
 from forerun.engines.torch_engine import PER_POSITION_FEED, TorchDecoder
-from forerun.engines.transformer import Transformer
+from forerun.engines.transformer import PADDED_ROWS, Transformer
 from forerun.errors import ConfigError, EngineError
 from forerun.kernels import native
 from forerun.loading.dequantize import dequantize
@@ -406,21 +406,62 @@ def test_real_model_greedy_speculation_is_plain_decoding(preset_gguf, fmt):
     assert model.drafts[-1].decoder.settings["weights"] == "q4-all"
 
 
-def test_off_the_cpu_the_engine_promises_no_grouping(tmp_path_factory, monkeypatch, tmp_path):
-    """Off the CPU the torch engine promises no verification group (on an
-    H200, bfloat16 groups the probe had found exact differed on other
-    tokens): the probe stops at one position, keeps that, and speculative
-    decoding verifies one position per forward, still token-identical to
-    plain decoding."""
+def test_off_the_cpu_the_ceiling_is_the_padded_rows():
+    """On the CPU the torch engine leaves the verification group to the
+    probe; on other devices it promises groups up to the rows every short
+    forward is padded to, as a network built for such a device runs them."""
     from types import SimpleNamespace
 
+    from forerun.config import ModelConfig
+
+    ceiling = TorchDecoder.group_ceiling.fget
+    assert ceiling(SimpleNamespace(device=torch.device("cpu"))) is None
+    for device in ("cuda", "mps", "meta"):
+        network = Transformer.__new__(Transformer)
+        network._setup(ModelConfig.from_hf(hf_model("qwen2").config.to_dict()), torch.float32,
+                       device, "float32")
+        assert network.padded_rows == PADDED_ROWS == MAX_GROUP
+        assert ceiling(SimpleNamespace(device=torch.device(device), model=network)) == PADDED_ROWS
+    assert _network("float32").padded_rows is None        # on the CPU: no padding
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "q8"])
+def test_padded_rows_make_every_group_one_position_forwards(fmt):
+    """With every forward of up to PADDED_ROWS positions run at that many
+    rows (what the engine does off the CPU), torch's operators compute each
+    fed position as a one-position forward does, to the bit, in every
+    format, whatever the group: float32 products on this CPU, which differ
+    between row counts unpadded, included.  Through feed() and through
+    forward() with an explicit causal mask."""
+    network = _network(fmt)
+    network.layer_ops = None                  # torch's operators, as on a GPU
+    network.padded_rows = PADDED_ROWS
+    decoder = TorchDecoder(network, 256)
+    tokens = [int(t) for t in torch.randint(3, VOCAB, (200,),
+                                            generator=torch.Generator().manual_seed(1))]
+    for context in (20, 150):
+        decoder.reset()
+        decoder.feed(tokens[:context], last_only=True)
+        one_by_one = torch.cat([decoder.feed([t]).logits for t in tokens[context:context + 12]])
+        for size in (2, 5, 9, 12):
+            decoder.rollback(context)
+            group = tokens[context:context + size]
+            assert torch.equal(decoder.feed(group).logits, one_by_one[:size]), (context, size)
+            decoder.rollback(context)
+            mask = torch.ones(size, context + size, dtype=torch.bool).tril(diagonal=context)
+            out = decoder.forward(group, torch.arange(context, context + size), mask).logits
+            assert torch.equal(out, one_by_one[:size]), (context, size)
+
+
+def test_an_engine_ceiling_caps_the_probe(tmp_path_factory, monkeypatch, tmp_path):
+    """An engine that promises no verification group (group_ceiling 1):
+    the probe stops at one position, keeps that, and speculative decoding
+    verifies one position per forward, still token-identical to plain
+    decoding."""
     from tiny_models import hf_folders
 
-    assert TorchDecoder.group_ceiling.fget(SimpleNamespace(device=torch.device("cpu"))) is None
-    for device in ("cuda", "mps"):
-        assert TorchDecoder.group_ceiling.fget(SimpleNamespace(device=torch.device(device))) == 1
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
-    monkeypatch.setattr(TorchDecoder, "group_ceiling", 1)     # as on a GPU
+    monkeypatch.setattr(TorchDecoder, "group_ceiling", 1)
     target, draft = hf_folders(tmp_path_factory, [3, 3], prefix="ceiling")
     model = forerun.load(target, context_length=128, weights="float32", progress=False)
     result = model.verification_grouping()
