@@ -68,7 +68,7 @@ class TorchDecoder(EngineDecoder):
         its own tokens (``benchmarks/row_invariance.py``); float32 differed
         always.  A device where a group still differs is caught by the
         probe, which measures up to this ceiling."""
-        return None if self.device.type == "cpu" else self.model.padded_rows
+        return self.model.padded_rows
 
     def __init__(self, model: Transformer, context_length: int,
                  eos_token_ids: Sequence[int] = ()) -> None:

@@ -378,7 +378,9 @@ class Transformer:
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         x = self.embed(tokens).to(self.dtype)
         ops = self.layer_ops
-        if ops is not None and (t == 1 or rowwise):
+        native_ops = ops is not None and (t == 1 or rowwise)
+        padded = not native_ops and self.padded_rows is not None and t <= self.padded_rows
+        if native_ops:
             # Every position on its own, as a one-position forward computes it.
             rows = None if mask is None else mask.to(torch.uint8).contiguous()
             cos, sin = cos.contiguous(), sin.contiguous()
@@ -390,24 +392,20 @@ class Transformer:
                 h = ops.rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
                 x = x + layer.down(ops.silu_mul(layer.gate_up(h)))
         else:
-            padded = self.padded_rows is not None and t <= self.padded_rows
             if padded:
                 x = F.pad(x, (0, 0, 0, self.padded_rows - t))
             x = self._layers_in_torch(x, t, cos, sin, cache, start, mask, rowwise)
-            if padded:
-                # The norm and the LM head at the padded rows too; then the fed ones.
-                cache.advance(t)
-                hidden = rms_norm(x, self.norm, c.rms_norm_eps)
-                logits = self.lm_head(hidden).float()[:t]
-                hidden = hidden[:t]
-                if logits_rows is not None:
-                    logits, hidden = logits[logits_rows], hidden[logits_rows]
-                return logits, hidden
         cache.advance(t)
-        if logits_rows is not None:
+        # Padded, the norm and the LM head run at the padded rows too, and
+        # the rows asked for are taken after them.
+        if logits_rows is not None and not padded:
             x = x[logits_rows]
         hidden = rms_norm(x, self.norm, c.rms_norm_eps)
         logits = self.lm_head(hidden).float()
+        if padded:
+            logits, hidden = logits[:t], hidden[:t]
+            if logits_rows is not None:
+                logits, hidden = logits[logits_rows], hidden[logits_rows]
         return logits, hidden
 
     def _layers_in_torch(self, x: torch.Tensor, t: int, cos: torch.Tensor, sin: torch.Tensor,

@@ -415,14 +415,15 @@ def test_off_the_cpu_the_ceiling_is_the_padded_rows():
     from forerun.config import ModelConfig
 
     ceiling = TorchDecoder.group_ceiling.fget
-    assert ceiling(SimpleNamespace(device=torch.device("cpu"))) is None
+    on_cpu = _network("float32")
+    assert on_cpu.padded_rows is None                     # on the CPU: no padding
+    assert ceiling(SimpleNamespace(device=torch.device("cpu"), model=on_cpu)) is None
     for device in ("cuda", "mps", "meta"):
         network = Transformer.__new__(Transformer)
         network._setup(ModelConfig.from_hf(hf_model("qwen2").config.to_dict()), torch.float32,
                        device, "float32")
         assert network.padded_rows == PADDED_ROWS == MAX_GROUP
         assert ceiling(SimpleNamespace(device=torch.device(device), model=network)) == PADDED_ROWS
-    assert _network("float32").padded_rows is None        # on the CPU: no padding
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "q8"])
