@@ -108,8 +108,14 @@ def main() -> None:
     if len(costs) < 2:
         raise SystemExit("--costs needs the cost of at least 1 and 2 positions")
     alpha = parse_alpha(args.alpha)
-    with open(args.report) as f:
-        prefill, decode, llama = category_times(json.load(f))
+    try:
+        with open(args.report) as f:
+            prefill, decode, llama = category_times(json.load(f))
+    except OSError as exc:
+        raise SystemExit(f"can't read the report {args.report}: {exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"{args.report} is not a forerun bench report (.json): "
+                         f"{type(exc).__name__}: {exc}") from None
     cats = [c for c in decode if c in llama]
     missing = [c for c in cats if c not in alpha]
     if missing:
