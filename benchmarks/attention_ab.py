@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import forerun
-from forerun.calibration import cpu_name
+from forerun.machine.calibration import cpu_name
 from forerun.kernels import native
 
 SOURCE = "forerun/kernels/avx2_layer_ops.c"

@@ -11,7 +11,7 @@ import argparse
 
 import forerun
 from forerun.bench.prompts import load_prompts, select_prompts
-from forerun.calibration import cpu_name
+from forerun.machine.calibration import cpu_name
 
 
 def draft_ab_parser(doc: str) -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ import torch
 
 import forerun
 from forerun.bench.prompts import load_prompts
-from forerun.calibration import cpu_name
+from forerun.machine.calibration import cpu_name
 
 # Logits: a reference top-1 ahead of its runner-up by less than this is a near-tie.
 MARGIN = 0.1

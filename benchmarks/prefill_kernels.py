@@ -29,7 +29,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from forerun.calibration import cpu_name
+from forerun.machine.calibration import cpu_name
 
 # (out_features, in_features) of one layer: fused q/k/v, o, fused gate/up, down.
 QWEN_1_5B = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]

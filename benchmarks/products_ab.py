@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from forerun.calibration import cpu_name
+from forerun.machine.calibration import cpu_name
 from forerun.kernels import native
 
 SOURCE = "forerun/kernels/avx2_int_products.c"

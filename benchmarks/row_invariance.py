@@ -1,6 +1,6 @@
 """Which parts of the torch engine's path give a row the same bits whatever
 rows are computed beside it, on a device: what decides whether a verification
-group can be exact there (forerun.engines.grouping_probe).
+group can be exact there (forerun.protocol.grouping_probe).
 
     python benchmarks/row_invariance.py [--device cuda] [--windows 4] [--timing 20]
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from forerun.config import ModelConfig  # noqa: E402
+from forerun.protocol.model_config import ModelConfig  # noqa: E402
 from forerun.engines.torch_engine import TorchDecoder  # noqa: E402
 from forerun.engines.transformer import PADDED_ROWS, Transformer, rms_norm  # noqa: E402
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 import forerun
-from forerun.calibration import cpu_name
+from forerun.machine.calibration import cpu_name
 from forerun.engines.torch_engine import PER_POSITION_FEED
 
 MODELS = (("qwen2.5-coder-1.5b", "q4"), ("qwen2.5-coder-0.5b", "q4-all"))

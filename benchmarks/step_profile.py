@@ -32,7 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import forerun
-from forerun.calibration import cpu_name
+from forerun.machine.calibration import cpu_name
 
 MATRIX_OPS = ("aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
               "aten::linear", "aten::addmm", "aten::mm", "aten::matmul")

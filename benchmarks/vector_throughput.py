@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from forerun.calibration import cpu_name
+from forerun.machine.calibration import cpu_name
 
 REGISTERS = 12
 

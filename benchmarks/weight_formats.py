@@ -21,7 +21,7 @@ import time
 import torch
 
 import forerun
-from forerun.calibration import cpu_name
+from forerun.machine.calibration import cpu_name
 
 
 def measure(model, tokens: list[int], new_tokens: int) -> dict:

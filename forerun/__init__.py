@@ -1,6 +1,6 @@
 """forerun: faster local LLM generation with lossless speculative decoding."""
 
-from .errors import ForerunError
+from forerun.errors import ForerunError
 
 __all__ = ["load", "Model", "GenerationStream", "GenerationResult", "GenerationStats",
            "ForerunError"]
@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 # first use, so that `forerun` on the command line can answer Ctrl-C (and
 # --help) cleanly while it starts.
 _LAZY = {"load": "api", "Model": "api", "GenerationStream": "api",
-         "GenerationResult": "generation.result", "GenerationStats": "stats"}
+         "GenerationResult": "generation.result", "GenerationStats": "decoding.stats"}
 
 
 def __getattr__(name: str):

@@ -36,7 +36,7 @@ def _session_cache() -> Path:
     import shutil
     import tempfile
 
-    from forerun.paths import cache_dir
+    from forerun.machine.paths import cache_dir
 
     shared = cache_dir()
     root = Path(tempfile.mkdtemp(prefix="forerun-test-cache-"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from forerun.stats import GenerationStats
-from forerun.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 
 
 def run_method(method, prompt: Sequence[int], n: int, sampler: TokenSampler,

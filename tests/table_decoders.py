@@ -17,9 +17,9 @@ from typing import Sequence
 import pytest
 import torch
 
-from forerun.decoder import Capabilities, ForwardOutput
+from forerun.protocol.decoder import Capabilities, ForwardOutput
 from forerun.errors import CacheStateError, ContextLengthError, InvalidTokenError
-from forerun.sampling import SamplingParams, probabilities
+from forerun.decoding.sampling import SamplingParams, probabilities
 
 PERIOD = 3
 

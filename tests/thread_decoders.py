@@ -11,7 +11,7 @@ import zlib
 
 import torch
 
-from forerun.decoder import ForwardOutput
+from forerun.protocol.decoder import ForwardOutput
 from table_decoders import PERIOD, TableDecoder
 
 

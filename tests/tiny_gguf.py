@@ -48,7 +48,7 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, hidden_size: int = 64,
     path = Path(path)
     model = hf_model("qwen2", seed=seed, hidden_size=hidden_size,
                      intermediate_size=intermediate_size, num_hidden_layers=num_layers)
-    from forerun.config import ModelConfig
+    from forerun.protocol.model_config import ModelConfig
 
     cfg = ModelConfig.from_hf(model.config.to_dict())
     tok_dir = path.parent / f".{path.stem}-tokenizer"

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from forerun.config import ModelConfig
+from forerun.protocol.model_config import ModelConfig
 from forerun.engines.torch_engine import TorchDecoder
 from forerun.engines.transformer import Transformer
 

@@ -16,15 +16,15 @@ New methods plug in with one :func:`register_method` entry (see
 :mod:`forerun.bench.registry`).
 """
 
-from . import methods, peers  # noqa: F401  (they register their methods)
-from .errors import BenchError, MethodUnavailable
-from .method import BenchMethod, MethodOutput
-from .methods import ForerunMethod
-from .prompts import DEFAULT_PROMPTS, Prompt, load_prompts, select_prompts
-from .registry import available_methods, make_method, register_method, register_pattern
-from .report import print_report, write_reports
-from .runner import BenchSettings, run_bench
-from .summary import BenchReport
+from forerun.bench import methods, peers  # noqa: F401  (they register their methods)
+from forerun.bench.errors import BenchError, MethodUnavailable
+from forerun.bench.method import BenchMethod, MethodOutput
+from forerun.bench.methods import ForerunMethod
+from forerun.bench.prompts import DEFAULT_PROMPTS, Prompt, load_prompts, select_prompts
+from forerun.bench.registry import available_methods, make_method, register_method, register_pattern
+from forerun.bench.report import print_report, write_reports
+from forerun.bench.runner import BenchSettings, run_bench
+from forerun.bench.summary import BenchReport
 
 __all__ = [
     "BenchError", "BenchMethod", "BenchReport", "BenchSettings", "DEFAULT_PROMPTS",

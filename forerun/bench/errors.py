@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import ForerunError
+from forerun.errors import ForerunError
 
 
 class BenchError(ForerunError):

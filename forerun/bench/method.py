@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import BenchError, MethodUnavailable
+from forerun.bench.errors import BenchError, MethodUnavailable
 
 
 @dataclass
@@ -88,7 +88,7 @@ class BenchContext:
                 raise BenchError(
                     f"no draft model: {self.model.name} has no default draft; "
                     f"pass --draft PRESET|PATH (a model sharing its tokenizer)")
-            from ..drafters.registry import load_draft_model
+            from forerun.drafters.registry import load_draft_model
 
             self._draft_model = load_draft_model(self.model, self.draft_source,
                                                  progress=self.progress)
@@ -103,6 +103,6 @@ class BenchContext:
             raise MethodUnavailable(
                 f"the {which}'s file is not known: set BenchSettings.{setting} to the preset "
                 f"name or path of the loaded {which}")
-        from ..loading.load import resolve_spec
+        from forerun.loading.load import resolve_spec
 
         return resolve_spec(source, progress=self.progress)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-from ..errors import ForerunError, ModelNotFoundError
-from .errors import BenchError
-from .method import BenchContext, BenchMethod, MethodOutput
-from .registry import register_method, register_pattern
+from forerun.errors import ForerunError, ModelNotFoundError
+from forerun.bench.errors import BenchError
+from forerun.bench.method import BenchContext, BenchMethod, MethodOutput
+from forerun.bench.registry import register_method, register_pattern
 
 
 class ForerunMethod(BenchMethod):

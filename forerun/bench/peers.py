@@ -17,9 +17,9 @@ from __future__ import annotations
 import importlib
 from typing import Sequence
 
-from .errors import MethodUnavailable
-from .method import BenchContext, BenchMethod, MethodOutput
-from .registry import PEER_GROUPS, register_method
+from forerun.bench.errors import MethodUnavailable
+from forerun.bench.method import BenchContext, BenchMethod, MethodOutput
+from forerun.bench.registry import PEER_GROUPS, register_method
 
 
 def _require(module: str, package: str, flag: str):
@@ -137,8 +137,8 @@ class LlamaCppMethod(BenchMethod):
 
     def setup(self, ctx: BenchContext) -> None:
         _require("llama_cpp", "llama-cpp-python", "--peer-llama-cpp")
-        from ..engines.llama_cpp_engine import CACHE_TYPES
-        from .llama_cpp_reference import reference_llama
+        from forerun.engines.llama_cpp_engine import CACHE_TYPES
+        from forerun.bench.llama_cpp_reference import reference_llama
 
         path = ctx.source_file("model")
         if path.is_dir() or path.suffix.lower() != ".gguf":

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .errors import BenchError
+from forerun.bench.errors import BenchError
 
 DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "forerun-bench.jsonl"
 

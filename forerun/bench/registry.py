@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import BenchError
-from .method import BenchMethod
+from forerun.bench.errors import BenchError
+from forerun.bench.method import BenchMethod
 
 Factory = Callable[[], BenchMethod]
 

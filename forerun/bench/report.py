@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, TextIO
 
-from .summary import OVERALL, PLAIN, BenchReport
+from forerun.bench.summary import OVERALL, PLAIN, BenchReport
 
 # -- formatting ----------------------------------------------------------------
 

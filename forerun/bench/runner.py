@@ -19,15 +19,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..calibration import cpu_name
-from ..errors import ForerunError
-from ..stats import acceptance_rate, mean_accepted_tokens
-from ..token_sequences import common_prefix
-from .errors import BenchError, MethodUnavailable
-from .method import BenchContext, BenchMethod
-from .prompts import Prompt, categories_of, load_prompts, select_prompts
-from .registry import PEER_GROUPS, make_method
-from .summary import PLAIN, BenchReport, summarize
+from forerun.machine.calibration import cpu_name
+from forerun.errors import ForerunError
+from forerun.decoding.stats import acceptance_rate, mean_accepted_tokens
+from forerun.protocol.token_sequences import common_prefix
+from forerun.bench.errors import BenchError, MethodUnavailable
+from forerun.bench.method import BenchContext, BenchMethod
+from forerun.bench.prompts import Prompt, categories_of, load_prompts, select_prompts
+from forerun.bench.registry import PEER_GROUPS, make_method
+from forerun.bench.summary import PLAIN, BenchReport, summarize
 
 @dataclass
 class BenchSettings:
@@ -196,7 +196,7 @@ def run_bench(settings: BenchSettings, *, model=None, draft=None,
         raise BenchError("no prompts to run")
     methods: list[BenchMethod] = [make_method(n) for n in settings.method_names()]
     if model is None:
-        from ..api import load
+        from forerun.api.model import load
 
         model = load(settings.model, engine=settings.engine, weights=settings.weights,
                      context_length=settings.context_length, device=settings.device,
@@ -302,7 +302,7 @@ def _source_of(model, spec) -> str | None:
     would give the peers the wrong weights."""
     if spec is None:
         return None
-    from ..loading.presets import PRESETS
+    from forerun.loading.presets import PRESETS
 
     text = str(spec)
     name = text if text in PRESETS else Path(text).expanduser().name

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..stats import acceptance_rate, mean_accepted_tokens
+from forerun.decoding.stats import acceptance_rate, mean_accepted_tokens
 
 PLAIN = "plain"     # the baseline method, always run
 OVERALL = "overall"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..errors import ForerunError
+from forerun.errors import ForerunError
 
 
 def add_parser(sub) -> None:
@@ -57,8 +57,8 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading.cache_inventory import prune_digests, remove, removable, scan
-    from ..paths import cache_dir
+    from forerun.loading.cache_inventory import prune_digests, remove, removable, scan
+    from forerun.machine.paths import cache_dir
 
     root = cache_dir()
     action = args.cache_command

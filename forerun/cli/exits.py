@@ -19,7 +19,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from ..errors import ForerunError
+from forerun.errors import ForerunError
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130

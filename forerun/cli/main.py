@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Sequence
 
-from ..errors import ForerunError
+from forerun.errors import ForerunError
 
 #: ``--weights`` values: "auto" and forerun.engines.linear.WEIGHT_FORMATS,
 #: written out so that parsing the command line does not import torch
@@ -111,33 +111,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
 
     sub.add_parser("models", help="list the built-in presets and whether they are installed")
-    from .cache import add_parser as _add_cache_parser
+    from forerun.cli.cache import add_parser as _add_cache_parser
     _add_cache_parser(sub)
     _add_bench_parser(sub)
-    from .medusa import add_parser as _add_medusa_parser
+    from forerun.cli.medusa import add_parser as _add_medusa_parser
     _add_medusa_parser(sub)
-    from .serve import add_parser as _add_serve_parser
+    from forerun.cli.serve import add_parser as _add_serve_parser
     _add_serve_parser(sub)
     return parser
 
 
 def _add_bench_parser(sub) -> None:
-    from ..bench.cli import add_arguments
+    from forerun.cli.bench import add_arguments
 
     add_arguments(sub.add_parser(
         "bench", help="benchmark decoding methods (plain, draft, ngram, ...) on a prompt set"))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..bench.cli import run_from_args
+    from forerun.cli.bench import run_from_args
 
     return run_from_args(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ..api import async_split, lookup_option, tree_options
-    from ..generation.params import GenerationParams
-    from ..sampling import SamplingParams
+    from forerun.api.model import async_split, lookup_option, tree_options
+    from forerun.generation.params import GenerationParams
+    from forerun.decoding.sampling import SamplingParams
 
     # Check the settings before spending seconds on loading a model.
     GenerationParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
@@ -157,8 +157,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace, prompt: str, draft: str | None) -> int:
-    from ..api import load
-    from ..loading.presets import DEFAULT_MODEL
+    from forerun.api.model import load
+    from forerun.loading.presets import DEFAULT_MODEL
 
     model = load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
                  context_length=args.context_length, device=args.device,
@@ -198,7 +198,7 @@ def _generate(args: argparse.Namespace, prompt: str, draft: str | None) -> int:
 @contextlib.contextmanager
 def calibration_notices(shown: bool):
     """While in it, print what forerun measures on a first run (the
-    ``forerun.calibration`` logger's INFO records) to standard error, as
+    ``forerun.machine.calibration`` logger's INFO records) to standard error, as
     ``forerun: ...`` lines."""
     import logging
 
@@ -209,7 +209,7 @@ def calibration_notices(shown: bool):
     if not shown:
         yield
         return
-    log = logging.getLogger("forerun.calibration")
+    log = logging.getLogger("forerun.machine.calibration")
     handler, level = Notices(logging.INFO), log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
@@ -252,7 +252,7 @@ def resolve_draft_option(args: argparse.Namespace) -> str | None:
     """The draft to use (:func:`~forerun.drafters.registry.default_draft`):
     --draft, else the preset's default drafter (its draft model where the
     options need one); 'none' turns speculation off."""
-    from ..drafters.registry import default_draft
+    from forerun.drafters.registry import default_draft
 
     draft = default_draft(args.model, args.draft, needs_model=needs_draft_model(args))
     if draft is None and args.draft_k is not None:
@@ -297,7 +297,7 @@ def print_stats(result, out, settings: dict | None = None,
 def engine_line(settings: dict, label: str = "engine") -> str:
     """What ran the model (or, under another ``label``, its draft model):
     engine, device, weight format and kernels."""
-    from ..engines.linear import QUANTIZED_FORMATS
+    from forerun.engines.linear import QUANTIZED_FORMATS
 
     line = f"{label}: {settings.get('engine')} on {settings.get('device')}"
     if "weights" in settings:
@@ -333,7 +333,7 @@ def _async_lines(s) -> list[str]:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from ..loading.presets import DEFAULT_MODEL, PRESETS, is_assembled, is_installed
+    from forerun.loading.presets import DEFAULT_MODEL, PRESETS, is_assembled, is_installed
 
     rows = [("preset", "installed", "description")]
     for name, preset in PRESETS.items():
@@ -352,7 +352,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a command; every way it can end is an exit status
     (:mod:`forerun.cli.exits`), never a traceback for a user's input."""
-    from .exits import run_command
+    from forerun.cli.exits import run_command
 
     return run_command(lambda: dispatch(argv))
 
@@ -361,7 +361,7 @@ def dispatch(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("generate", "bench", "medusa", "serve"):
-        from .exits import signals_deferred
+        from forerun.cli.exits import signals_deferred
 
         with signals_deferred():
             import torch  # noqa: F401  (the long import; a signal in it is held)
@@ -370,13 +370,13 @@ def dispatch(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return cmd_bench(args)
     if args.command == "medusa":
-        from .medusa import run as cmd_medusa
+        from forerun.cli.medusa import run as cmd_medusa
         return cmd_medusa(args)
     if args.command == "cache":
-        from .cache import run as cmd_cache
+        from forerun.cli.cache import run as cmd_cache
         return cmd_cache(args)
     if args.command == "serve":
-        from .serve import run as cmd_serve
+        from forerun.cli.serve import run as cmd_serve
         return cmd_serve(args)
     return cmd_models(args)
 

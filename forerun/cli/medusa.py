@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import ForerunError
+from forerun.errors import ForerunError
 
 
 def add_parser(sub) -> None:
@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ..api import load
-    from ..training.medusa import TrainSettings, train_medusa
+    from forerun.api.model import load
+    from forerun.training.medusa import TrainSettings, train_medusa
 
     settings = TrainSettings(heads=args.heads, epochs=args.epochs, lr=args.lr,
                              batch_size=args.batch_size, own_lm_head=args.own_lm_head,
@@ -102,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from ..drafters.medusa import MedusaHeads
+    from forerun.drafters.medusa import MedusaHeads
 
     heads = MedusaHeads.load(args.path)
     out = sys.stdout

@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from ..errors import ConfigError, ForerunError
+from forerun.errors import ConfigError, ForerunError
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 64
@@ -15,7 +15,7 @@ DEFAULT_PREFIX_CACHE_MB = 1024
 
 
 def add_parser(sub) -> None:
-    from .main import _add_lookup_option, _add_model_options, _add_tree_options
+    from forerun.cli.main import _add_lookup_option, _add_model_options, _add_tree_options
 
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (needs: pip install 'forerun[server]')",
@@ -44,14 +44,14 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..server import INSTALL_HINT, missing_modules
+    from forerun.server import INSTALL_HINT, missing_modules
 
     missing = missing_modules()
     if missing:
         raise ForerunError(f"forerun serve needs the server extra, which is not installed "
                            f"(missing: {', '.join(missing)}); install it with: {INSTALL_HINT}")
     _check_options(args)
-    from ..server.run import bind
+    from forerun.server.run import bind
 
     try:   # before the slow part: a port in use fails early
         sock = bind(args.host, args.port)
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         def on_listening() -> None:
             print(f"forerun: serving {description} at {url}", flush=True)
 
-        from ..server.run import serve
+        from forerun.server.run import serve
 
         logging.basicConfig(level=args.log_level.upper(),
                             format="forerun: %(levelname)s: %(message)s")
@@ -92,15 +92,15 @@ def _check_options(args: argparse.Namespace) -> None:
 def _build_service(args: argparse.Namespace):
     """Load the model (and its draft model), and assemble the server's parts."""
     import forerun
-    from ..loading.presets import DEFAULT_MODEL
-    from ..server.app import Service
-    from ..server.metrics import Metrics
-    from ..server.prefix_cache import PrefixCache
-    from ..api import lookup_option, tree_options
-    from ..drafters.registry import draft_kind, load_draft_model
-    from .main import resolve_draft_option
-    from ..server.translate import Translator
-    from ..server.worker import EngineWorker
+    from forerun.loading.presets import DEFAULT_MODEL
+    from forerun.server.app import Service
+    from forerun.server.metrics import Metrics
+    from forerun.server.prefix_cache import PrefixCache
+    from forerun.api.model import lookup_option, tree_options
+    from forerun.drafters.registry import draft_kind, load_draft_model
+    from forerun.cli.main import resolve_draft_option
+    from forerun.server.translate import Translator
+    from forerun.server.worker import EngineWorker
 
     name = args.model or DEFAULT_MODEL
     model = forerun.load(name, engine=args.engine, weights=args.weights,

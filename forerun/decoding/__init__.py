@@ -1,2 +1,2 @@
-"""Decoding methods.  Each one drives :class:`~forerun.decoder.Decoder`
+"""Decoding methods.  Each one drives :class:`~forerun.protocol.decoder.Decoder`
 objects and knows nothing of the engines behind them."""

@@ -17,8 +17,8 @@ from typing import Sequence
 
 import torch
 
-from .draft_tree import DraftTree
-from .tree_acceptance import accept_tree_greedy, accept_tree_sampled
+from forerun.decoding.draft_tree import DraftTree
+from forerun.decoding.tree_acceptance import accept_tree_greedy, accept_tree_sampled
 
 
 def accept_greedy(draft: Sequence[int], target_logits: torch.Tensor) -> tuple[int, int]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Protocol
 
-from ..decoder import Decoder
-from ..errors import ConfigError
-from ..stats import GenerationStats
-from ..sampling import TokenSampler
+from forerun.protocol.decoder import Decoder
+from forerun.errors import ConfigError
+from forerun.decoding.stats import GenerationStats
+from forerun.decoding.sampling import TokenSampler
 
 
 class DecodingMethod(Protocol):
@@ -46,13 +46,13 @@ class DraftAndVerify:
     """What speculative methods share: a ``target``, a ``planner`` (a
     drafter and its policy) with a ``settle(length)``, and the ``policy``
     whose measured verification ``costs`` persist in ``cost_store`` (a
-    :class:`~forerun.calibration.CalibrationStore`) once calibrated
+    :class:`~forerun.machine.calibration.CalibrationStore`) once calibrated
     (``_calibrated``)."""
 
     def _use_stored_or_measure(self, measure: Callable[[], None]) -> None:
         """Fill ``policy.costs`` from ``cost_store`` when it holds costs of
         the same sizes, else ``measure()`` them (and store them)."""
-        from ..calibration import valid_costs
+        from forerun.machine.calibration import valid_costs
 
         costs = self.policy.costs
         stored = (self.cost_store.load(valid_costs(len(costs.seconds)))

@@ -15,10 +15,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..decoder import Decoder
-from ..sampling import TokenSampler
-from .base import check_count
-from .draft_tree import DraftTree
+from forerun.protocol.decoder import Decoder
+from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.base import check_count
+from forerun.decoding.draft_tree import DraftTree
 
 MAX_DRAFT_LENGTH = 16
 
@@ -218,7 +218,7 @@ class AdaptiveDraftLength:
 
 
 class ChainPlanner:
-    """A chain :class:`~forerun.drafters.base.Drafter` (a draft model,
+    """A chain :class:`~forerun.decoding.drafter.Drafter` (a draft model,
     prompt lookup) with the adaptive draft length: the
     :class:`~forerun.decoding.speculative.Planner` of chain speculation.
 

@@ -4,7 +4,7 @@ Node 0 is the *root*: the last committed token, fed at the head of every
 verification.  Every other node ``i`` holds a drafted token and its parent
 ``parents[i] < i``, so nodes are in topological order and every
 root-to-node path is strictly ascending (what
-:meth:`~forerun.kv_cache.KVCache.move` needs to compact an accepted path).
+:meth:`~forerun.protocol.kv_cache.KVCache.move` needs to compact an accepted path).
 A chain is a tree with one child per node: ``parents = (-1, 0, 1, .., k-1)``.
 
 Each node's children are tried in order by the acceptance rule
@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from ..errors import ConfigError
+from forerun.errors import ConfigError
 
 
 class TreeTopology:

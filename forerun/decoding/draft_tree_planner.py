@@ -46,12 +46,11 @@ from typing import Sequence
 
 import torch
 
-from ..sampling import TokenSampler
-from .base import check_count
-from .draft_length import (OPTIMISTIC_ACCEPTANCE, AcceptanceEstimate, Exploration,
-                           VerifyCosts, best_chain_length, expected_tokens)
-from .draft_tree import DraftTree
-from .tree import MAX_TREE_NODES
+from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.base import check_count
+from forerun.decoding.draft_length import OPTIMISTIC_ACCEPTANCE, AcceptanceEstimate, Exploration, VerifyCosts, best_chain_length, expected_tokens
+from forerun.decoding.draft_tree import DraftTree
+from forerun.decoding.rank_tree_planner import MAX_TREE_NODES
 
 
 class NodeBudgetPolicy:

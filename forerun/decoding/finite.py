@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import NonFiniteLogitsError
+from forerun.errors import NonFiniteLogitsError
 
 
 def finite(logits: torch.Tensor) -> torch.Tensor:

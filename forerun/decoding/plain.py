@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
-from ..decoder import Decoder
-from ..stats import GenerationStats
-from ..sampling import TokenSampler
-from .finite import finite
-from .prefill import prefill
+from forerun.protocol.decoder import Decoder
+from forerun.decoding.stats import GenerationStats
+from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.finite import finite
+from forerun.decoding.prefill import prefill
 
 
 class PlainDecoding:

@@ -3,18 +3,18 @@ target's cache, and the logits of its last position.
 
 Every method prefills through :func:`prefill`, so all of them compute a
 prompt's cache with the same forwards (an engine may compute a prefill with
-other kernels than a verification; see :meth:`forerun.decoder.Decoder.feed`),
+other kernels than a verification; see :meth:`forerun.protocol.decoder.Decoder.feed`),
 and all of them reuse a cached prefix the same exact way
-(:mod:`forerun.prefix_reuse`).
+(:mod:`forerun.protocol.prefix_reuse`).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..decoder import Decoder, ForwardOutput
-from ..errors import CacheStateError
-from ..prefix_reuse import PrefixReuse, reusable_length
+from forerun.protocol.decoder import Decoder, ForwardOutput
+from forerun.errors import CacheStateError
+from forerun.protocol.prefix_reuse import PrefixReuse, reusable_length
 
 
 def prefill(target: Decoder, prompt_ids: Sequence[int], *,
@@ -23,9 +23,9 @@ def prefill(target: Decoder, prompt_ids: Sequence[int], *,
     return the output of the last prompt position (``[1, V]`` logits, and the
     ``[1, H]`` hidden state when ``return_hidden``).
 
-    On an engine with :class:`~forerun.prefix_reuse.PrefixReuse`, the cache
+    On an engine with :class:`~forerun.protocol.prefix_reuse.PrefixReuse`, the cache
     keeps the leading whole prefill blocks it already holds for this prompt
-    (:func:`~forerun.prefix_reuse.reusable_length`; only when the engine's
+    (:func:`~forerun.protocol.prefix_reuse.reusable_length`; only when the engine's
     ``reuse_prefixes`` is on) and the rest is fed in
     ``last_only`` feeds of the blocks ``[kB, (k+1)B)``, the last one possibly
     partial; each whole block joins the ledger.  A warm prefill thus runs the

@@ -10,7 +10,7 @@ its draft each round from measured costs and acceptance.
 
 * :class:`~forerun.decoding.draft_length.ChainPlanner`: a chain drafter (a
   draft model, prompt lookup) and the adaptive draft length;
-* :class:`~forerun.decoding.tree.RankTreePlanner`: a drafter of ranked
+* :class:`~forerun.decoding.rank_tree_planner.RankTreePlanner`: a drafter of ranked
   candidates per depth (Medusa heads) and the best tree of rank paths;
 * :class:`~forerun.decoding.draft_tree_planner.DraftTreePlanner`: a draft
   model that drafts a tree by its own probabilities (EAGLE-2 style).
@@ -46,17 +46,17 @@ from typing import Iterator, Protocol, Sequence
 
 import torch
 
-from ..decoder import Decoder
-from ..drafters.base import Drafter
-from ..errors import ConfigError
-from ..sampling import TokenSampler
-from ..stats import GenerationStats
-from .base import DraftAndVerify
-from .draft_length import MAX_DRAFT_LENGTH, ChainPlanner
-from .draft_tree import DraftTree
-from .finite import finite
-from .prefill import prefill
-from .tree_acceptance import accept_tree_greedy, accept_tree_sampled, accept_tree_typical
+from forerun.protocol.decoder import Decoder
+from forerun.decoding.drafter import Drafter
+from forerun.errors import ConfigError
+from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.decoding.base import DraftAndVerify
+from forerun.decoding.draft_length import MAX_DRAFT_LENGTH, ChainPlanner
+from forerun.decoding.draft_tree import DraftTree
+from forerun.decoding.finite import finite
+from forerun.decoding.prefill import prefill
+from forerun.decoding.tree_acceptance import accept_tree_greedy, accept_tree_sampled, accept_tree_typical
 
 __all__ = ["MAX_DRAFT_LENGTH", "Planner", "SpeculativeDecoding"]
 
@@ -105,7 +105,7 @@ class Planner(Protocol):
 class SpeculativeDecoding(DraftAndVerify):
     """Draft-then-verify decoding (see the module docstring).
 
-    With a chain ``drafter`` (:class:`~forerun.drafters.base.Drafter`):
+    With a chain ``drafter`` (:class:`~forerun.decoding.drafter.Drafter`):
     ``k`` fixes the draft length, else it is chosen every round from measured
     costs, up to ``max_k``.  Any other drafting comes as a ``planner``.
     ``lossy_typical``: Medusa's typical acceptance when sampling, which is

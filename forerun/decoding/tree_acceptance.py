@@ -44,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from .draft_tree import DraftTree
+from forerun.decoding.draft_tree import DraftTree
 
 ProbsOf = Callable[[int], torch.Tensor]
 

@@ -1,20 +1,20 @@
 """Tree speculative decoding with a drafter of ranked candidates per depth
 (Medusa heads): :class:`~forerun.decoding.speculative.SpeculativeDecoding`,
 the one verification loop, with a
-:class:`~forerun.decoding.tree.RankTreePlanner`.
+:class:`~forerun.decoding.rank_tree_planner.RankTreePlanner`.
 
 The tree is chosen every round from measured verification costs and the
 drafter's measured accuracy per depth and rank
-(:class:`~forerun.decoding.tree.TreePolicy`), or fixed.
+(:class:`~forerun.decoding.rank_tree_planner.TreePolicy`), or fixed.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..decoder import Decoder
-from .speculative import SpeculativeDecoding
-from .tree import MAX_TREE_NODES, RankDrafter, RankTreePlanner, TreeShape
+from forerun.protocol.decoder import Decoder
+from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.decoding.rank_tree_planner import MAX_TREE_NODES, RankDrafter, RankTreePlanner, TreeShape
 
 __all__ = ["MAX_TREE_NODES", "RankDrafter", "TreeSpeculativeDecoding"]
 
@@ -22,7 +22,7 @@ __all__ = ["MAX_TREE_NODES", "RankDrafter", "TreeSpeculativeDecoding"]
 class TreeSpeculativeDecoding(SpeculativeDecoding):
     """Draft-tree-then-verify decoding over a :class:`RankDrafter`.
 
-    ``tree``: a fixed shape (a :class:`~forerun.decoding.tree.TreeShape` or
+    ``tree``: a fixed shape (a :class:`~forerun.decoding.rank_tree_planner.TreeShape` or
     rank paths) instead of choosing one per round; ``nodes``: a fixed node
     count (the best tree of that size by the measured accuracies).
     ``lossy_typical``: Medusa's typical acceptance when sampling, which is

@@ -1,6 +1,6 @@
 """An asynchronous draft model: a thread drafts ahead while the target verifies.
 
-:class:`AsyncDraftModelDrafter` is a :class:`~forerun.drafters.base.Drafter`
+:class:`AsyncDraftModelDrafter` is a :class:`~forerun.decoding.drafter.Drafter`
 whose draft model runs in a thread of its own, from :meth:`~AsyncDraftModelDrafter.begin`
 until :meth:`~AsyncDraftModelDrafter.stop` (the end of the generation).  The
 thread owns the draft model's decoder; it and the verifier share nothing but
@@ -49,12 +49,11 @@ from typing import Sequence
 
 import torch
 
-from ..decoder import Decoder
-from ..decoding.draft_length import refine_seconds
-from ..errors import CacheStateError, ConfigError, DrafterError
-from ..sampling import SamplingParams, TokenSampler, make_generator, probabilities, \
-    sample_token
-from .base import Draft
+from forerun.protocol.decoder import Decoder
+from forerun.decoding.draft_length import refine_seconds
+from forerun.errors import CacheStateError, ConfigError, DrafterError
+from forerun.decoding.sampling import SamplingParams, TokenSampler, make_generator, probabilities, sample_token
+from forerun.decoding.drafter import Draft
 
 # Context hashes: a polynomial hash modulo the Mersenne prime 2**61 - 1.  Two
 # different contexts of the same length collide with probability ~1e-18.
@@ -172,7 +171,7 @@ class AsyncDraftModelDrafter:
 
     Lifetime: :meth:`begin` starts a thread for a generation; :meth:`stop`
     (called by :meth:`settle`, and by
-    :class:`~forerun.decoding.async_speculative.AsyncSpeculativeDecoding`
+    :class:`~forerun.drafters.async_speculative.AsyncSpeculativeDecoding`
     when its rounds end, however they end) stops it within one draft step and
     joins it.  An exception in the thread ends it; the verifier's next
     :meth:`propose` raises :class:`~forerun.errors.DrafterError` with the

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..decoder import Decoder
-from ..errors import ConfigError
-from ..token_sequences import common_prefix
+from forerun.protocol.decoder import Decoder
+from forerun.errors import ConfigError
+from forerun.protocol.token_sequences import common_prefix
 
 #: tokens of a long prompt's start a window keeps
 SINK_TOKENS = 4

@@ -7,11 +7,11 @@ from typing import Sequence
 
 import torch
 
-from ..decoder import Decoder
-from ..decoding.draft_length import refine_seconds
-from ..sampling import TokenSampler
-from .base import Draft
-from .draft_context import DraftContext
+from forerun.protocol.decoder import Decoder
+from forerun.decoding.draft_length import refine_seconds
+from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.drafter import Draft
+from forerun.drafters.draft_context import DraftContext
 
 #: committed tokens fed without a timed draft step after which a one-token
 #: proposal that starts with a catch-up splits it, to time its step (see

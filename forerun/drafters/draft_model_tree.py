@@ -39,13 +39,13 @@ from typing import Sequence
 
 import torch
 
-from ..decoder import Decoder
-from ..decoding.draft_length import refine_seconds
-from ..decoding.draft_tree import DraftTree, topology
-from ..errors import ConfigError
-from ..sampling import TokenSampler
-from .draft_context import DraftContext
-from .draft_model import STALE_STEP
+from forerun.protocol.decoder import Decoder
+from forerun.decoding.draft_length import refine_seconds
+from forerun.decoding.draft_tree import DraftTree, topology
+from forerun.errors import ConfigError
+from forerun.decoding.sampling import TokenSampler
+from forerun.drafters.draft_context import DraftContext
+from forerun.drafters.draft_model import STALE_STEP
 
 
 @dataclass

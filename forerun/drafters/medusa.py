@@ -47,10 +47,10 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..decoding.draft_length import refine_seconds
-from ..errors import ConfigError, ModelFormatError, ModelNotFoundError
-from ..json_files import read_json_object
-from ..sampling import TokenSampler
+from forerun.decoding.draft_length import refine_seconds
+from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
+from forerun.machine.json_files import read_json_object
+from forerun.decoding.sampling import TokenSampler
 
 FORMAT = "forerun-medusa/1"
 ORIGINAL_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -466,7 +466,7 @@ def is_medusa_spec(draft) -> bool:
 
 
 def medusa_drafter(model, draft) -> "MedusaDrafter":
-    """The tree drafter for ``draft`` on a :class:`forerun.api.Model`:
+    """The tree drafter for ``draft`` on a :class:`forerun.api.model.Model`:
     ``"medusa"`` takes the heads forerun ships for the model (a preset),
     ``"medusa:PATH"`` reads heads from a file or folder (either format)."""
     if hasattr(draft, "candidates"):

@@ -16,9 +16,9 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from ..errors import ConfigError
-from ..sampling import TokenSampler
-from .base import Draft
+from forerun.errors import ConfigError
+from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.drafter import Draft
 
 
 class NgramIndex:

@@ -8,8 +8,8 @@ through these functions, so they follow the same rules:
 * ``"ngram"``: prompt lookup (:mod:`forerun.drafters.ngram`);
 * ``"medusa"``, ``"medusa:PATH"``, :class:`~forerun.drafters.medusa.MedusaHeads`
   or a tree drafter object: Medusa heads, verified as a tree;
-* a :class:`~forerun.drafters.base.Drafter` object: used as it is;
-* anything else, a :class:`~forerun.api.Model`, a preset name, a ``.gguf``
+* a :class:`~forerun.decoding.drafter.Drafter` object: used as it is;
+* anything else, a :class:`~forerun.api.model.Model`, a preset name, a ``.gguf``
   path or a Hugging Face folder: a draft model.  A draft model runs on the
   target's engine, device and context length, in the weight format
   :func:`draft_weights` gives for the target's (q4-all beside a quantized
@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, TokenizerError
+from forerun.errors import ConfigError, TokenizerError
 
 if TYPE_CHECKING:
-    from ..api import Model
-    from .base import Drafter
+    from forerun.api.model import Model
+    from forerun.decoding.drafter import Drafter
 
 NO_DRAFT = "none"
 # Drafters named by a word, with no model to load.
@@ -38,7 +38,7 @@ KINDS = ("none", "ngram", "medusa", "drafter", "model")
 
 def draft_kind(draft: Any) -> str:
     """One of :data:`KINDS`: what ``draft`` names (see the module's text)."""
-    from .medusa import is_medusa_spec
+    from forerun.drafters.medusa import is_medusa_spec
 
     if draft is None or (isinstance(draft, str) and draft.lower() == NO_DRAFT):
         return "none"
@@ -61,7 +61,7 @@ def default_draft(model: str | None, draft: str | None, *,
     methods), else its default drafter (prompt lookup for
     ``qwen2.5-coder-1.5b``); ``None`` for a path, or a preset without
     one."""
-    from ..loading.presets import DEFAULT_MODEL, PRESETS
+    from forerun.loading.presets import DEFAULT_MODEL, PRESETS
 
     if draft is not None:
         return None if draft_kind(draft) == "none" else draft
@@ -81,18 +81,18 @@ def draft_weights(target_weights: str) -> str:
     in q4 (its GGUF keeps most matrices in 5 to 8 bits) and 0.40 GB in
     q4-all, and draft-model speculative decoding of the 1.5B went from
     13.4 to 14.3 tok/s at an acceptance of 0.76 and 0.74."""
-    from ..engines.linear import QUANTIZED_FORMATS
+    from forerun.engines.linear import QUANTIZED_FORMATS
 
     return "q4-all" if target_weights in QUANTIZED_FORMATS else target_weights
 
 
 def load_draft_model(target: "Model", spec: Any, *, progress: bool = False) -> "Model":
     """The draft model ``spec`` names (a preset, path, or a loaded
-    :class:`~forerun.api.Model`, returned as it is), loaded on ``target``'s
+    :class:`~forerun.api.model.Model`, returned as it is), loaded on ``target``'s
     engine, in the weight format :func:`draft_weights` gives for the
     target's, on its device and with its context length, and checked
     against it (:func:`check_draft_model`)."""
-    from ..api import Model, load
+    from forerun.api.model import Model, load
 
     draft = spec
     if not isinstance(spec, Model):
@@ -126,13 +126,13 @@ def chain_drafter(draft: Any, draft_decoder) -> "Drafter":
     ``model``); ``draft_decoder(draft)`` gives a draft model's decoder."""
     kind = draft_kind(draft)
     if kind == "ngram":
-        from .ngram import NgramDrafter
+        from forerun.drafters.ngram import NgramDrafter
 
         return NgramDrafter()
     if kind == "drafter":
         return draft
     if kind == "model":
-        from .draft_model import DraftModelDrafter
+        from forerun.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(draft_decoder(draft))
     raise ConfigError(f"draft={draft!r} does not draft a chain")

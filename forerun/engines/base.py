@@ -1,10 +1,10 @@
 """What forerun's engines share: the part of the
-:class:`~forerun.decoder.Decoder` protocol that a ledger of cache positions
+:class:`~forerun.protocol.decoder.Decoder` protocol that a ledger of cache positions
 answers, the same for every engine.
 
 An engine sets ``self._positions`` (a
-:class:`~forerun.cache_positions.CachePositions`; the PyTorch engine's
-:class:`~forerun.kv_cache.KVCache` is one), ``self._eos`` and
+:class:`~forerun.protocol.cache_positions.CachePositions`; the PyTorch engine's
+:class:`~forerun.protocol.kv_cache.KVCache` is one), ``self._eos`` and
 ``self.verify_group``, declares its ``engine`` name and ``capabilities``,
 and implements the forwards and what rolling its own memory back takes.
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..cache_positions import CachePositions
-from ..decoder import Capabilities
+from forerun.protocol.cache_positions import CachePositions
+from forerun.protocol.decoder import Capabilities
 
 
 class EngineDecoder:
-    """The shared facts of an engine's decoder; see :mod:`forerun.decoder`
+    """The shared facts of an engine's decoder; see :mod:`forerun.protocol.decoder`
     for each contract."""
 
     engine: str = "?"
@@ -27,7 +27,7 @@ class EngineDecoder:
     _eos: tuple[int, ...]
     #: The most positions one forward computes when every position's logits
     #: are returned (``None``: no limit); set from a measurement of this
-    #: machine's kernels (:mod:`forerun.engines.grouping_probe`).
+    #: machine's kernels (:mod:`forerun.protocol.grouping_probe`).
     verify_group: int | None = None
 
     # -- facts -------------------------------------------------------------
@@ -50,7 +50,7 @@ class EngineDecoder:
     def commit(self, length: int | None = None) -> None:
         self._positions.commit(length)
 
-    # -- exact prefix reuse: forerun.prefix_reuse.PrefixReuse ----------------
+    # -- exact prefix reuse: forerun.protocol.prefix_reuse.PrefixReuse ----------------
     #: Whether a prefill keeps the cached blocks it can (off: every prompt is
     #: prefilled whole, in the same blocks).
     reuse_prefixes = False

@@ -21,8 +21,8 @@ from typing import Iterator
 
 import torch
 
-from ..config import ModelConfig
-from .linear import INT4_GROUP, Int4Groups, Int8Rows, Linear, make_linear
+from forerun.protocol.model_config import ModelConfig
+from forerun.engines.linear import INT4_GROUP, Int4Groups, Int8Rows, Linear, make_linear
 
 # Forwards of 1 position (plain decoding) and of 4 (a verification).
 TIMED_POSITIONS = (1, 4)

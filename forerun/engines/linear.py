@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
+from forerun.errors import ConfigError
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "q8", "q4", "q4-all")
 #: the formats of quantized layers, which read a GGUF's blocks directly
@@ -459,7 +459,7 @@ def restore_linear(meta: dict, tensors: dict[str, torch.Tensor], device: torch.d
         layer.out_features, layer.in_features = layer.weight.shape
         layer.format = kind
     elif kind in ("q8", "q6", "q4") and meta.get("kernel") == "native":
-        from .native_linear import NATIVE_LAYERS
+        from forerun.engines.native_linear import NATIVE_LAYERS
         layer = NATIVE_LAYERS[kind].restore(meta, tensors)
     elif kind in ("q8", "q4"):
         cls = Int8Linear if kind == "q8" else Int4Linear
@@ -508,7 +508,7 @@ def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, f
             weight = quantize_int4(weight)
         if isinstance(weight, Int8Rows):
             return int8_layer(weight, bias, device)
-        from .native_linear import native_layer
+        from forerun.engines.native_linear import native_layer
         if isinstance(weight, Int6Blocks):
             return (native_layer(weight, bias, device)
                     or int8_layer(quantize_int8(weight), bias, device))
@@ -525,7 +525,7 @@ def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, f
 
 def int8_layer(values: Int8Rows, bias: torch.Tensor | None, device: torch.device) -> Linear:
     """forerun's native int8 layer where it runs, else torch's."""
-    from .native_linear import native_layer
+    from forerun.engines.native_linear import native_layer
     return native_layer(values, bias, device) or Int8Linear(values, bias, device)
 
 
@@ -533,7 +533,7 @@ def check_kernels(device: torch.device) -> None:
     """Run every quantized kernel once on a small matrix and compare it with
     the dequantized product: a torch whose private ops changed fails here,
     clearly, rather than computing garbage."""
-    from ..errors import EngineError
+    from forerun.errors import EngineError
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 64, generator=gen)

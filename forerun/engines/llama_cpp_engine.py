@@ -1,4 +1,4 @@
-"""A :class:`~forerun.decoder.Decoder` over llama.cpp (llama-cpp-python's
+"""A :class:`~forerun.protocol.decoder.Decoder` over llama.cpp (llama-cpp-python's
 low-level API): the GGUF runs with its quantized weights, as llama.cpp runs
 it, and every decoding method of forerun works on it unchanged.
 
@@ -51,13 +51,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..calibration import cpu_flags
-from ..cache_positions import CachePositions
-from ..decoder import Capabilities, ForwardOutput
-from ..errors import (CacheStateError, ConfigError, EngineError,
-                      EngineUnavailableError, InvalidTokenError, ModelFormatError,
-                      ModelNotFoundError, UnsupportedOperationError)
-from .base import EngineDecoder
+from forerun.machine.calibration import cpu_flags
+from forerun.protocol.cache_positions import CachePositions
+from forerun.protocol.decoder import Capabilities, ForwardOutput
+from forerun.errors import CacheStateError, ConfigError, EngineError, EngineUnavailableError, InvalidTokenError, ModelFormatError, ModelNotFoundError, UnsupportedOperationError
+from forerun.engines.base import EngineDecoder
 
 INSTALL_HINT = "pip install 'forerun[llama]'"
 DEFAULT_BATCH = 512
@@ -171,7 +169,7 @@ class _LlamaModel:
 
 class LlamaCppDecoder(EngineDecoder):
     """Implements the Decoder protocol over a llama.cpp context; see
-    :mod:`forerun.decoder` for the contract of each method.
+    :mod:`forerun.protocol.decoder` for the contract of each method.
 
     ``path``: a GGUF file.  ``context_length``: positions the cache holds
     (default: the model's own limit, at most 4096).  ``n_threads``: threads
@@ -243,7 +241,7 @@ class LlamaCppDecoder(EngineDecoder):
         self.path = path
         # The most positions one llama_decode computes when every position's
         # logits are returned; measured per machine by
-        # forerun.engines.grouping_probe (7 held on the CPUs seen so far
+        # forerun.protocol.grouping_probe (7 held on the CPUs seen so far
         # without the extra buffers).
         self.verify_group: int | None = INVARIANT_UBATCH
         self._positions = CachePositions(context_length)
@@ -465,7 +463,7 @@ class LlamaCppDecoder(EngineDecoder):
         self._lc.llama_memory_clear(self._mem, False)
         self._positions.reset()
 
-    # -- exact prefix reuse: forerun.prefix_reuse.PrefixReuse ----------------
+    # -- exact prefix reuse: forerun.protocol.prefix_reuse.PrefixReuse ----------------
     @property
     def prefill_block(self) -> int:
         """A prompt is prefilled in blocks of ``n_batch`` positions, aligned
@@ -491,7 +489,7 @@ class LlamaCppDecoder(EngineDecoder):
         and values as stored, F16 or Q8_0 bytes)."""
         import ctypes
 
-        from ..prefix_reuse import PrefixPayload
+        from forerun.protocol.prefix_reuse import PrefixPayload
 
         tokens = self._positions.prefilled
         self.keep_prefix(len(tokens))

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
-from ..kernels import native
-from .linear import Int4Groups, Int6Blocks, Int8Rows, Linear
+from forerun.errors import ConfigError
+from forerun.kernels import native
+from forerun.engines.linear import Int4Groups, Int6Blocks, Int8Rows, Linear
 
 KERNEL = "native"
 

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig
-from .format_choice import _random_weights, block_copies, time_mlp_blocks
-from .grouping_probe import MAX_GROUP
-from .linear import Int8Linear
+from forerun.protocol.model_config import ModelConfig
+from forerun.engines.format_choice import _random_weights, block_copies, time_mlp_blocks
+from forerun.protocol.grouping_probe import MAX_GROUP
+from forerun.engines.linear import Int8Linear
 
 PREFILL_KERNELS = ("int8", "float32-gemm")
 # Rows per timed product: a whole prefill block (TorchDecoder.prefill_block).
@@ -99,7 +99,7 @@ def choose_prefill_kernel(name: str, config: ModelConfig, device: torch.device
     """The prefill kernel for int8 matrices of ``config``'s shapes on
     ``device``: stored per machine, else measured.  Off the CPU the int8
     layers run dequantized to bfloat16 anyway, so the choice is "int8"."""
-    from ..calibration import CalibrationStore
+    from forerun.machine.calibration import CalibrationStore
 
     if device.type != "cpu":
         return PrefillChoice("int8", {k: 1.0 for k in PREFILL_KERNELS})

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..config import ModelConfig, rope_scaling_type
+from forerun.protocol.model_config import ModelConfig, rope_scaling_type
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""forerun's PyTorch engine: a :class:`~forerun.decoder.Decoder` over
+"""forerun's PyTorch engine: a :class:`~forerun.protocol.decoder.Decoder` over
 :class:`~forerun.engines.transformer.Transformer` and a preallocated
-:class:`~forerun.kv_cache.KVCache`."""
+:class:`~forerun.protocol.kv_cache.KVCache`."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from typing import Sequence
 
 import torch
 
-from ..decoder import Capabilities, ForwardOutput
-from ..errors import CacheStateError, ConfigError, ContextLengthError, InvalidTokenError
-from ..kernels import native
-from ..kv_cache import KVCache
-from .base import EngineDecoder
-from .prefill_kernel import GEMM_ROWS
-from .transformer import Transformer
+from forerun.protocol.decoder import Capabilities, ForwardOutput
+from forerun.errors import CacheStateError, ConfigError, ContextLengthError, InvalidTokenError
+from forerun.kernels import native
+from forerun.protocol.kv_cache import KVCache
+from forerun.engines.base import EngineDecoder
+from forerun.engines.prefill_kernel import GEMM_ROWS
+from forerun.engines.transformer import Transformer
 
-# Positions per prefill block (see forerun.prefix_reuse): large enough that a
+# Positions per prefill block (see forerun.protocol.prefix_reuse): large enough that a
 # block runs the matrix kernels at full speed, small enough that a chat turn
 # reuses most of the previous prompt.
 PREFILL_BLOCK = 128
@@ -39,7 +39,7 @@ def _check_threads(n) -> None:
 
 
 class TorchDecoder(EngineDecoder):
-    """Implements the Decoder protocol; see :mod:`forerun.decoder` for the
+    """Implements the Decoder protocol; see :mod:`forerun.protocol.decoder` for the
     contract of each method."""
 
     engine = "torch"
@@ -204,7 +204,7 @@ class TorchDecoder(EngineDecoder):
         rest (tree verification keeps its accepted path with this)."""
         self.cache.move(torch.as_tensor(slots, dtype=torch.long), start)
 
-    # -- exact prefix reuse: forerun.prefix_reuse.PrefixReuse ----------------
+    # -- exact prefix reuse: forerun.protocol.prefix_reuse.PrefixReuse ----------------
     prefill_block = PREFILL_BLOCK
 
     def keep_prefix(self, length: int) -> None:
@@ -215,7 +215,7 @@ class TorchDecoder(EngineDecoder):
         return (self.model, self.context_length, self.prefill_block, torch.get_num_threads())
 
     def export_prefix(self):
-        from ..prefix_reuse import PrefixPayload
+        from forerun.protocol.prefix_reuse import PrefixPayload
 
         tokens = self.cache.prefilled
         self.cache.keep_prefix(len(tokens))

@@ -5,7 +5,7 @@ scaling (Llama 3).  Weights are taken in the Hugging Face naming and fused at
 load time (q/k/v into one matrix, gate/up into another), so a decoding step
 at batch size 1 runs one matrix-vector product per fused group.  The module
 is device- and dtype-agnostic; it keeps no state between calls other than
-the :class:`~forerun.kv_cache.KVCache` it is handed.
+the :class:`~forerun.protocol.kv_cache.KVCache` it is handed.
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig
-from ..errors import ConfigError, ModelFormatError
-from ..kv_cache import KVCache
-from ..kernels import native
-from .linear import (QUANTIZED_FORMATS, WEIGHT_FORMATS, DenseLinear, Int8Linear, Int8Rows,
-                     Linear, check_kernels, fuse_linear, int8_layer, quantize_int8,
-                     restore_linear)
-from .rope import RotaryEmbedding, apply_rotary
+from forerun.protocol.model_config import ModelConfig
+from forerun.errors import ConfigError, ModelFormatError
+from forerun.protocol.kv_cache import KVCache
+from forerun.kernels import native
+from forerun.engines.linear import QUANTIZED_FORMATS, WEIGHT_FORMATS, DenseLinear, Int8Linear, Int8Rows, Linear, check_kernels, fuse_linear, int8_layer, quantize_int8, restore_linear
+from forerun.engines.rope import RotaryEmbedding, apply_rotary
 
 
 #: Off the CPU, every forward of up to this many positions runs its row-wise
@@ -324,7 +322,7 @@ class Transformer:
         ``"int8"`` (the int8 kernel, as every forward does) or
         ``"float32-gemm"`` (dequantized slices and the BLAS's float32
         product)."""
-        from .prefill_kernel import GEMM_ROWS, PREFILL_KERNELS
+        from forerun.engines.prefill_kernel import GEMM_ROWS, PREFILL_KERNELS
 
         if kernel not in PREFILL_KERNELS:
             raise ConfigError(f"prefill kernel must be one of {', '.join(PREFILL_KERNELS)}, "

@@ -26,7 +26,7 @@ import itertools
 import threading
 from typing import Iterable
 
-from ..errors import ModelBusyError
+from forerun.errors import ModelBusyError
 
 _order = itertools.count()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .stop import StopStrings
+from forerun.generation.stop import StopStrings
 
 
 class Output:
@@ -17,7 +17,7 @@ class Output:
 
     def __init__(self, tokenizer, *, max_new_tokens: int, stop_token_ids: Iterable[int],
                  stop: Iterable[str]) -> None:
-        from ..tokenizer import StreamDecoder
+        from forerun.tokenizer import StreamDecoder
 
         self.tokens: list[int] = []
         self.max_new_tokens = max_new_tokens

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import GenerationConfigError
-from ..sampling import SamplingParams
+from forerun.errors import GenerationConfigError
+from forerun.decoding.sampling import SamplingParams
 
 #: the largest seed: a signed 64-bit integer (larger ones overflow some of
 #: torch's generators)

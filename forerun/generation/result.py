@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..stats import GenerationStats
+from forerun.decoding.stats import GenerationStats
 
 FINISH_REASONS = ("stop", "length", "cancelled")
 

@@ -8,13 +8,13 @@ import numbers
 import time
 from typing import Callable, Generator, Sequence
 
-from ..decoding.base import DecodingMethod
-from ..errors import ContextLengthError, GenerationConfigError
-from ..sampling import TokenSampler
-from .output import Output
-from .params import GenerationParams
-from ..stats import GenerationStats
-from .result import GenerationResult
+from forerun.decoding.base import DecodingMethod
+from forerun.errors import ContextLengthError, GenerationConfigError
+from forerun.decoding.sampling import TokenSampler
+from forerun.generation.output import Output
+from forerun.generation.params import GenerationParams
+from forerun.decoding.stats import GenerationStats
+from forerun.generation.result import GenerationResult
 
 CancelCheck = Callable[[], bool]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import GenerationConfigError
+from forerun.errors import GenerationConfigError
 
 __all__ = ["StopStrings"]
 

@@ -624,7 +624,7 @@ def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
                                     "".join(version).encode()])).hexdigest()[:16]
     name = f"{SOURCE.stem}-{key}.so"
     try:
-        from ..paths import cache_dir
+        from forerun.machine.paths import cache_dir
         folder = cache_dir() / "kernels"
         if (folder / name).is_file():
             return folder / name
@@ -790,7 +790,7 @@ def _check_faster(kernels: NativeKernels) -> None:
     MLP block timed both ways at 1 and 4 positions, once per machine and
     thread count (kept in the calibration store).  Raises _Unavailable,
     naming both times, where torch's are faster."""
-    from ..engines.format_choice import TIMED_POSITIONS
+    from forerun.engines.format_choice import TIMED_POSITIONS
 
     ms = _timed_once("native-kernels", lambda: time_against_torch(kernels),
                      ("native", "torch"), "whether forerun's native kernels beat torch's")
@@ -805,8 +805,8 @@ def _timed_once(kind: str, measure, names: tuple[str, ...], what: str) -> dict[s
     position count), measured once per machine and thread count and kept in
     the calibration store under ``kind`` (a damaged record is measured
     again)."""
-    from ..calibration import CalibrationStore
-    from ..engines.format_choice import TIMED_POSITIONS
+    from forerun.machine.calibration import CalibrationStore
+    from forerun.engines.format_choice import TIMED_POSITIONS
 
     key = {"shape": list(TIMED_SHAPE), "positions": list(TIMED_POSITIONS),
            "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -882,10 +882,9 @@ def time_q4_mlp(candidates: dict[str, NativeKernels | None],
     candidate's turn once kept a faster build from being used)."""
     import itertools
 
-    from ..engines.format_choice import (TIMED_POSITIONS, _random_weights, block_copies,
-                                         time_mlp_blocks)
-    from ..engines.linear import Int4Linear
-    from ..engines.native_linear import NativeInt4Linear
+    from forerun.engines.format_choice import TIMED_POSITIONS, _random_weights, block_copies, time_mlp_blocks
+    from forerun.engines.linear import Int4Linear
+    from forerun.engines.native_linear import NativeInt4Linear
 
     h, i = TIMED_SHAPE
     gen = torch.Generator().manual_seed(0)

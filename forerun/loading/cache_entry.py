@@ -1,7 +1,7 @@
 """One entry of forerun's cache: built once, under a lock, into a temporary
 that is published atomically, and checked at every load.
 
-An entry is a file or a folder under :func:`~forerun.paths.cache_dir` (a
+An entry is a file or a folder under :func:`~forerun.machine.paths.cache_dir` (a
 converted model, an assembled preset GGUF, a parsed GGUF header, ...).  Every
 kind of entry goes through :func:`ensure`:
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from ..errors import CacheError, ForerunError
+from forerun.errors import CacheError, ForerunError
 
 MANIFEST_FORMAT = 1
 MANIFEST_NAME = "manifest.json"

@@ -1,6 +1,6 @@
 """What forerun's cache holds, and what can be deleted from it.
 
-The cache (:func:`~forerun.paths.cache_dir`) holds:
+The cache (:func:`~forerun.machine.paths.cache_dir`) holds:
 
 * ``models/<preset>.gguf``: assembled presets (file entries, with a
   ``.manifest.json`` beside each);
@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .cache_entry import (MANIFEST_NAME, TMP_MARK, CacheEntry, check, read_manifest,
-                          remove_path, stale_temporaries)
+from forerun.loading.cache_entry import MANIFEST_NAME, TMP_MARK, CacheEntry, check, read_manifest, remove_path, stale_temporaries
 
 #: kinds of entries, by the cache subfolder that holds them
 ENTRY_FOLDERS = ("models", "converted", "gguf-header", "packed")
@@ -74,21 +73,21 @@ def _mtime(path: Path) -> float:
 def entry_at(kind: str, path: Path) -> CacheEntry:
     """The :class:`CacheEntry` of a path in one of the :data:`ENTRY_FOLDERS`."""
     if kind == "models":
-        from .presets import PRESETS, assembled_entry
+        from forerun.loading.presets import PRESETS, assembled_entry
 
         preset = PRESETS.get(path.name.removesuffix(".gguf"))
         if preset is not None and path.suffix == ".gguf":
             return assembled_entry(preset)
         return CacheEntry(path, f"the GGUF file {path.name}", is_dir=False)
     if kind == "converted":
-        from .conversion_cache import CONVERTER_VERSION
+        from forerun.loading.conversion_cache import CONVERTER_VERSION
 
         return CacheEntry(path, f"the converted model {path.name}", version=CONVERTER_VERSION)
     if kind == "packed":
-        from .packed_cache import PACKED_VERSION
+        from forerun.loading.packed_cache import PACKED_VERSION
 
         return CacheEntry(path, f"the packed weights {path.name}", version=PACKED_VERSION)
-    from .load import GGUF_HEADER_VERSION
+    from forerun.loading.load import GGUF_HEADER_VERSION
 
     return CacheEntry(path, f"the parsed GGUF header {path.name}", version=GGUF_HEADER_VERSION)
 

@@ -16,13 +16,13 @@ import os
 import re
 from pathlib import Path
 
-from .cache_entry import sha256_of, sweep_temporaries, write_json_atomically
+from forerun.loading.cache_entry import sha256_of, sweep_temporaries, write_json_atomically
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _memo_path(path: Path, st: os.stat_result) -> Path:
-    from ..paths import cache_dir
+    from forerun.machine.paths import cache_dir
 
     key = hashlib.sha256(
         f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}".encode()).hexdigest()[:24]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .cache_entry import CacheEntry, ensure
-from .gguf_file import GGUFFile
+from forerun.loading.cache_entry import CacheEntry, ensure
+from forerun.loading.gguf_file import GGUFFile
 
 CONVERTER_VERSION = "2"
 
@@ -23,8 +23,8 @@ CONVERTER_VERSION = "2"
 def converted_entry(gguf_path: Path, digest: str | None = None) -> CacheEntry:
     """The cache entry of ``gguf_path``'s conversion; ``digest``: the file's
     SHA-256 when it is already known (a preset's)."""
-    from ..paths import cache_dir
-    from .content_key import file_digest
+    from forerun.machine.paths import cache_dir
+    from forerun.loading.content_key import file_digest
 
     digest = digest or file_digest(gguf_path)
     return CacheEntry(cache_dir() / "converted" / digest[:32],
@@ -43,7 +43,7 @@ def _convert(gguf_path: Path, out: Path, progress: bool) -> dict:
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
-    from ..tokenizer import tokenizer_from_gguf_metadata
+    from forerun.tokenizer import tokenizer_from_gguf_metadata
 
     gguf = GGUFFile(gguf_path)
     config = gguf.config()

@@ -1,7 +1,7 @@
 """Reading GGUF files: metadata, model config and weights.
 
 :mod:`~forerun.loading.gguf_reader` parses the file; this module turns
-its metadata into a :class:`~forerun.config.ModelConfig`, and yields its
+its metadata into a :class:`~forerun.protocol.model_config.ModelConfig`, and yields its
 tensors dequantized to float32 under Hugging Face names, undoing the
 query/key row permutation that llama.cpp's converter applies to Llama models.
 """
@@ -13,10 +13,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..config import SUPPORTED_ARCHITECTURES, ModelConfig, naming, positive_int, real
-from ..errors import ConfigError, ModelFormatError, ModelNotFoundError, UnsupportedArchitectureError
-from .dequantize import dequantize
-from .gguf_reader import GGUFHeader
+from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, naming, positive_int, real
+from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError, UnsupportedArchitectureError
+from forerun.loading.dequantize import dequantize
+from forerun.loading.gguf_reader import GGUFHeader
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as GGMLType
 
-from ..config import ModelConfig
-from ..engines.linear import Int4Groups, Int6Blocks, Int8Rows, quantize_int8
-from ..errors import ModelFormatError
-from .dequantize import _f16_field, _k4_scales_and_mins, _nibbles, dequantize, q6_k_fields
-from .gguf_file import GGUFFile, hf_tensor_name, unpermute_rows
+from forerun.protocol.model_config import ModelConfig
+from forerun.engines.linear import Int4Groups, Int6Blocks, Int8Rows, quantize_int8
+from forerun.errors import ModelFormatError
+from forerun.loading.dequantize import _f16_field, _k4_scales_and_mins, _nibbles, dequantize, q6_k_fields
+from forerun.loading.gguf_file import GGUFFile, hf_tensor_name, unpermute_rows
 
 _INT4_NATIVE = {GGMLType.Q4_K: (256, 144), GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20)}
 

@@ -26,7 +26,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as GGMLType
 
-from ..errors import ModelFormatError
+from forerun.errors import ModelFormatError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

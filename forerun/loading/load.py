@@ -14,11 +14,11 @@ from typing import Any, Mapping
 
 import torch
 
-from ..config import ModelConfig
-from ..errors import ConfigError, ModelFormatError, ModelNotFoundError
-from ..json_files import read_json_object
-from .presets import PRESETS, resolve_preset
-from .weights import SafetensorsWeights, safetensors_files
+from forerun.protocol.model_config import ModelConfig
+from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
+from forerun.machine.json_files import read_json_object
+from forerun.loading.presets import PRESETS, resolve_preset
+from forerun.loading.weights import SafetensorsWeights, safetensors_files
 
 
 @dataclass
@@ -58,7 +58,7 @@ def resolve_spec(spec: str | Path, *, progress: bool = True) -> Path:
 
 def load_hf_folder(folder: Path) -> ModelFiles:
     """Config, lazy weights and tokenizer of a Hugging Face model folder."""
-    from ..tokenizer import tokenizer_from_hf_folder
+    from forerun.tokenizer import tokenizer_from_hf_folder
 
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -77,7 +77,7 @@ def load_hf_folder(folder: Path) -> ModelFiles:
 
 def load_converted(folder: Path, name: str, gguf_path: Path) -> ModelFiles:
     """A folder written by :func:`~forerun.loading.conversion_cache.convert_gguf`."""
-    from ..tokenizer import Tokenizer
+    from forerun.tokenizer import Tokenizer
 
     config = ModelConfig.from_dict(_read_json(folder / "config.json"))
     weights = SafetensorsWeights([folder / "model.safetensors"])
@@ -87,7 +87,7 @@ def load_converted(folder: Path, name: str, gguf_path: Path) -> ModelFiles:
 
 def load_model_files(spec: str | Path, *, progress: bool = True) -> ModelFiles:
     """Resolve ``spec`` and read what the engine needs."""
-    from .conversion_cache import convert_gguf
+    from forerun.loading.conversion_cache import convert_gguf
 
     path = resolve_spec(spec, progress=progress)
     name = str(spec) if str(spec) in PRESETS else path.name
@@ -138,12 +138,12 @@ def _gguf_header(path: Path, digest: str | None = None) -> tuple[ModelConfig, An
     parsed, with a warning."""
     import warnings
 
-    from ..errors import CacheError
-    from ..paths import cache_dir
-    from ..tokenizer import Tokenizer, tokenizer_from_gguf_metadata
-    from .cache_entry import CacheEntry, ensure
-    from .content_key import file_digest
-    from .gguf_file import GGUFFile
+    from forerun.errors import CacheError
+    from forerun.machine.paths import cache_dir
+    from forerun.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
+    from forerun.loading.cache_entry import CacheEntry, ensure
+    from forerun.loading.content_key import file_digest
+    from forerun.loading.gguf_file import GGUFFile
 
     parsed: list = []
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
-from ..engines.transformer import Transformer
-from ..errors import CacheError, ModelFormatError
-from .cache_entry import CacheEntry, ensure, remove_path
+from forerun.protocol.model_config import ModelConfig
+from forerun.engines.transformer import Transformer
+from forerun.errors import CacheError, ModelFormatError
+from forerun.loading.cache_entry import CacheEntry, ensure, remove_path
 
 PACKED_VERSION = "4"
 FILE_NAME = "network.safetensors"
@@ -39,9 +39,9 @@ FILE_NAME = "network.safetensors"
 def packed_entry(digest: str, fmt: str, device: torch.device) -> CacheEntry:
     """The cache entry of the ``fmt`` network of the GGUF whose SHA-256 is
     ``digest``, built for ``device``."""
-    from ..paths import cache_dir
+    from forerun.machine.paths import cache_dir
 
-    from ..kernels.native import ABI_VERSION, native_kernels
+    from forerun.kernels.native import ABI_VERSION, native_kernels
 
     # The layers' layout depends on whether forerun's native kernels run
     # here, and on the row groups of the build that does.
@@ -57,8 +57,8 @@ def packed_network(gguf_path: Path, config: ModelConfig, fmt: str, device: torch
                    digest: str | None = None, progress: bool = True) -> Transformer:
     """The ``fmt`` (``"q4"``, ``"q8"`` or ``"q4-all"``) network of
     ``gguf_path`` on ``device``: read from the cache, or built from the GGUF and stored."""
-    from .content_key import file_digest
-    from .gguf_quantized import GGUFQuantizedWeights
+    from forerun.loading.content_key import file_digest
+    from forerun.loading.gguf_quantized import GGUFQuantizedWeights
 
     built: list[Transformer] = []
 

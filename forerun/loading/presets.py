@@ -17,10 +17,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import (CacheError, ModelFormatError, ModelNotFoundError,
-                      PresetNotInstalledError)
-from ..paths import cache_dir
-from .cache_entry import CacheEntry, check, ensure
+from forerun.errors import CacheError, ModelFormatError, ModelNotFoundError, PresetNotInstalledError
+from forerun.machine.paths import cache_dir
+from forerun.loading.cache_entry import CacheEntry, check, ensure
 
 
 @dataclass(frozen=True)

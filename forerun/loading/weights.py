@@ -12,7 +12,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from ..errors import ModelFormatError, ModelNotFoundError
+from forerun.errors import ModelFormatError, ModelNotFoundError
 
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):

@@ -26,14 +26,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import ForerunError
-from . import responses
-from .errors import (APIError, from_forerun_error, internal, not_found, unauthorized,
-                     unavailable)
-from .metrics import Metrics
-from .schemas import ChatCompletionRequest, CompletionRequest, parse
-from .translate import GenerationSpec, Translator
-from .worker import EngineWorker, Finished, Job, QueueFullError, ShuttingDownError
+from forerun.errors import ForerunError
+from forerun.server import responses
+from forerun.server.errors import APIError, from_forerun_error, internal, not_found, unauthorized, unavailable
+from forerun.server.metrics import Metrics
+from forerun.server.schemas import ChatCompletionRequest, CompletionRequest, parse
+from forerun.server.translate import GenerationSpec, Translator
+from forerun.server.worker import EngineWorker, Finished, Job, QueueFullError, ShuttingDownError
 
 log = logging.getLogger("forerun.server")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ContextLengthError, ForerunError
+from forerun.errors import ContextLengthError, ForerunError
 
 
 class APIError(Exception):

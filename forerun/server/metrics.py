@@ -17,8 +17,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ..generation.result import GenerationResult
-from ..stats import acceptance_rate
+from forerun.generation.result import GenerationResult
+from forerun.decoding.stats import acceptance_rate
 
 
 class Metrics:

@@ -1,6 +1,6 @@
 """The server's prefix cache: exact reuse of earlier prompts' prefixes.
 
-Two levels, both exact by construction (:mod:`forerun.prefix_reuse`):
+Two levels, both exact by construction (:mod:`forerun.protocol.prefix_reuse`):
 
 * the **live** cache: the engine keeps the last request's cache, and the
   next prefill keeps the whole prefill blocks of it that the new prompt
@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..prefix_reuse import PrefixPayload, PrefixReuse, reusable_length
+from forerun.protocol.prefix_reuse import PrefixPayload, PrefixReuse, reusable_length
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class PrefixCache:
 
     ``enabled=False`` turns all reuse off (every request prefills from an
     empty cache); ``limit_bytes=0`` keeps only the live cache.  An engine
-    without :class:`~forerun.prefix_reuse.PrefixReuse` reuses nothing.
+    without :class:`~forerun.protocol.prefix_reuse.PrefixReuse` reuses nothing.
     """
 
     def __init__(self, decoder, *, limit_bytes: int, enabled: bool = True) -> None:

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any
 
-from ..generation.result import GenerationResult
+from forerun.generation.result import GenerationResult
 
 DONE = b"data: [DONE]\n\n"
 

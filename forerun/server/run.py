@@ -15,7 +15,7 @@ from typing import Callable
 
 import uvicorn
 
-from .app import Service, create_app
+from forerun.server.app import Service, create_app
 
 
 class _Server(uvicorn.Server):

@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import APIError, bad_request
+from forerun.server.errors import APIError, bad_request
 
 MAX_SEED = 2 ** 63 - 1
 

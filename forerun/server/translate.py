@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..drafters.registry import BUILTIN_DRAFTS, NO_DRAFT
-from ..errors import ForerunError
-from .errors import APIError, bad_request, from_forerun_error, not_found
-from .schemas import ChatCompletionRequest, CompletionRequest, _Generation
+from forerun.drafters.registry import BUILTIN_DRAFTS, NO_DRAFT
+from forerun.errors import ForerunError
+from forerun.server.errors import APIError, bad_request, from_forerun_error, not_found
+from forerun.server.schemas import ChatCompletionRequest, CompletionRequest, _Generation
 
 MAX_STOP_STRINGS = 16
 
@@ -221,8 +221,8 @@ def _shape(draft_k: int | None = None, draft_tree: bool | None = None,
 def _check_shape(draft, shape: dict[str, Any]) -> None:
     """400 for a drafter shape the drafter cannot take (a tree of n-grams,
     a chain length and a tree at once, too many nodes)."""
-    from ..api import lookup_option, tree_options
-    from ..decoding.tree import MAX_TREE_NODES
+    from forerun.api.model import lookup_option, tree_options
+    from forerun.decoding.rank_tree_planner import MAX_TREE_NODES
 
     nodes = shape["tree_nodes"]
     param = "speculative.tree_nodes" if nodes is not None else "speculative.draft_tree"

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import ForerunError
-from ..generation.result import GenerationResult
-from .prefix_cache import PrefixCache, Reuse
-from .translate import GenerationSpec
+from forerun.errors import ForerunError
+from forerun.generation.result import GenerationResult
+from forerun.server.prefix_cache import PrefixCache, Reuse
+from forerun.server.translate import GenerationSpec
 
 log = logging.getLogger("forerun.server")
 

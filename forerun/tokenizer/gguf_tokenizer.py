@@ -16,8 +16,8 @@ from typing import Any, Callable, Mapping
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
-from ..errors import TokenizerError
-from .tokenizer import Tokenizer
+from forerun.errors import TokenizerError
+from forerun.tokenizer.tokenizer import Tokenizer
 
 # llama.cpp token types (gguf.TokenType)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6

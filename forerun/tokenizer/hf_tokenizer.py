@@ -14,9 +14,9 @@ from typing import Any
 
 import tokenizers
 
-from ..errors import ModelNotFoundError, TokenizerError
-from ..json_files import read_json_object
-from .tokenizer import Tokenizer
+from forerun.errors import ModelNotFoundError, TokenizerError
+from forerun.machine.json_files import read_json_object
+from forerun.tokenizer.tokenizer import Tokenizer
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@ character).
 
 from __future__ import annotations
 
-from .tokenizer import Tokenizer
+from forerun.tokenizer.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import tokenizers
 
-from ..errors import InvalidTokenError, ModelNotFoundError, TokenizerError
+from forerun.errors import InvalidTokenError, ModelNotFoundError, TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
 FORERUN_FILE = "forerun_tokenizer.json"

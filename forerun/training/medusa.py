@@ -41,8 +41,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..drafters.medusa import MedusaHeads
-from ..errors import ConfigError, ModelNotFoundError
+from forerun.drafters.medusa import MedusaHeads
+from forerun.errors import ConfigError, ModelNotFoundError
 
 TEXT_SUFFIXES = {".py", ".pyi", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js",
                  ".ts", ".java", ".go", ".rs", ".json", ".toml", ".yaml", ".yml", ".html",
@@ -523,7 +523,7 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
                  log: Callable[[str], None] | None = print) -> TrainResult:
     """The whole pipeline: corpus, cached teacher data, training, held-out
     accuracy, and the heads written to ``out`` (forerun's format)."""
-    from ..paths import cache_dir
+    from forerun.machine.paths import cache_dir
 
     settings = settings or TrainSettings()
     if settings.heads < 1:

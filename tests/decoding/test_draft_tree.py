@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from forerun.decoding.draft_tree import DraftTree, chain_topology, topology
-from forerun.decoding.tree import TreeShape
+from forerun.decoding.rank_tree_planner import TreeShape
 from forerun.errors import ConfigError
 
 

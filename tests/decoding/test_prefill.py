@@ -9,16 +9,16 @@ import forerun
 from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.prefill import prefill
 from forerun.decoding.speculative import SpeculativeDecoding
-from forerun.decoding.tree import TreeShape
+from forerun.decoding.rank_tree_planner import TreeShape
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.ngram import NgramDrafter
 from forerun.errors import CacheStateError
-from forerun.stats import GenerationStats
-from forerun.prefix_reuse import PrefixReuse, reusable_length
-from forerun.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.protocol.prefix_reuse import PrefixReuse, reusable_length
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 from method_runs import FeedLog, run_method
 from tiny_models import forerun_decoder, hf_model
-from decoding.test_tree import OracleTreeDrafter
+from decoding.test_rank_tree_planner import OracleTreeDrafter
 
 BLOCK = 8
 

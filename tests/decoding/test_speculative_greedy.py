@@ -12,8 +12,8 @@ from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.errors import ContextLengthError
-from forerun.stats import GenerationStats
-from forerun.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 
 from method_runs import FeedLog
 from table_decoders import single_thread  # noqa: F401 (autouse fixture)

@@ -19,10 +19,10 @@ import torch
 from forerun.decoding import speculative as speculative_module
 from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.speculative import SpeculativeDecoding
-from forerun.drafters.base import Draft
+from forerun.decoding.drafter import Draft
 from forerun.drafters.draft_model import DraftModelDrafter
-from forerun.stats import GenerationStats
-from forerun.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 
 from method_runs import run_method
 from table_decoders import (TableDecoder, chi_square_pvalue, joint_distribution,
@@ -330,7 +330,7 @@ def lookup_or_draft(draft_table: torch.Tensor, alternate: bool = False):
     """Prompt lookup beside a draft model, both over the tables; with
     ``alternate``, the lookup drafts every other round it finds tokens (2 of
     them) and the model the others (3), whatever the estimates say."""
-    from forerun.decoding.lookup_or_draft import LookupOrDraftPlanner
+    from forerun.drafters.lookup_or_draft_planner import LookupOrDraftPlanner
     from forerun.drafters.ngram import NgramDrafter
 
     class Alternating(LookupOrDraftPlanner):
@@ -378,7 +378,7 @@ def test_lookup_or_draft_broken_twin_is_detected(monkeypatch, rule):
 # -- the test doubles themselves ---------------------------------------------------
 
 def test_table_decoder_follows_the_decoder_contract():
-    from forerun.decoder import Decoder
+    from forerun.protocol.decoder import Decoder
     from forerun.errors import CacheStateError, ContextLengthError, InvalidTokenError
 
     d = TableDecoder(TARGET, context_length=6)

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from forerun.decoder import Capabilities
+from forerun.protocol.decoder import Capabilities
 from forerun.decoding import speculative as loop_module
-from forerun.decoding.tree import TreeShape
+from forerun.decoding.rank_tree_planner import TreeShape
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
-from forerun.stats import GenerationStats
-from forerun.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 
 from method_runs import run_method
 from table_decoders import TableDecoder, chi_square_pvalue, joint_distribution

@@ -10,12 +10,12 @@ import threading
 import pytest
 import torch
 
-from forerun.decoding.async_speculative import AsyncSpeculativeDecoding
+from forerun.drafters.async_speculative import AsyncSpeculativeDecoding
 from forerun.decoding.plain import PlainDecoding
 from forerun.drafters.async_draft import AsyncDraftModelDrafter
 from forerun.errors import DrafterError
-from forerun.stats import GenerationStats
-from forerun.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 
 from method_runs import greedy_tokens, run_method
 from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)

@@ -12,8 +12,8 @@ from forerun.drafters.draft_context import SINK_TOKENS, DraftContext
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.draft_model_tree import DraftModelTreeDrafter
 from forerun.errors import ConfigError
-from forerun.sampling import SamplingParams, TokenSampler
-from forerun.stats import GenerationStats
+from forerun.decoding.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
 
 from method_runs import greedy_tokens
 from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)

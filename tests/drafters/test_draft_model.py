@@ -8,8 +8,8 @@ import torch
 
 from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.drafters.draft_model import DraftModelDrafter
-from forerun.stats import GenerationStats
-from forerun.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 
 from table_decoders import ClockedWrapper, CountingDecoder, TableDecoder, single_thread  # noqa: F401 (autouse)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from forerun.decoder import Capabilities
+from forerun.protocol.decoder import Capabilities
 from forerun.decoding import tree_acceptance
 from forerun.decoding.draft_tree_planner import DraftTreePlanner, NodeBudgetPolicy
 from forerun.decoding.plain import PlainDecoding
@@ -19,8 +19,8 @@ from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.drafters.draft_model import STALE_STEP, DraftModelDrafter
 from forerun.drafters.draft_model_tree import DraftedNodes, DraftModelTreeDrafter
 from forerun.errors import ConfigError
-from forerun.sampling import SamplingParams, TokenSampler
-from forerun.stats import GenerationStats
+from forerun.decoding.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
 
 from decoding.test_speculative_greedy import decoder
 from decoding.test_tree_sampling import (COMBINED, DRAFT, PASS_P, REJECT_P, TARGET,

@@ -12,12 +12,12 @@ import torch
 import forerun
 from forerun.cli.main import main as cli_main
 from forerun.decoding.plain import PlainDecoding
-from forerun.decoding.tree import TreeShape
+from forerun.decoding.rank_tree_planner import TreeShape
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.medusa import MedusaDrafter, MedusaHeads, shipped_heads_path
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
-from forerun.stats import GenerationStats
-from forerun.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.training.medusa import TrainSettings, train_medusa
 
 from method_runs import greedy_tokens

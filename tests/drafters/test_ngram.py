@@ -7,7 +7,7 @@ import pytest
 
 from forerun.drafters.ngram import NgramDrafter, NgramIndex
 from forerun.errors import ConfigError
-from forerun.sampling import SamplingParams, TokenSampler
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 
 
 def brute_force(seq, k, min_n, max_n):

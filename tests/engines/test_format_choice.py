@@ -8,8 +8,8 @@ import torch
 
 import forerun
 import forerun.engines.format_choice as format_choice
-from forerun.api import choose_weights
-from forerun.config import ModelConfig
+from forerun.api.model import choose_weights
+from forerun.protocol.model_config import ModelConfig
 from forerun.engines.format_choice import (TIMED_POSITIONS, FormatChoice, _random_weights,
                                            choose_format, time_formats)
 from forerun.engines.linear import Int4Groups, Int8Rows
@@ -79,7 +79,7 @@ def test_auto_loads_the_chosen_format(tmp_path, monkeypatch):
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     for fmt in ("q8", "bfloat16"):
-        monkeypatch.setattr(forerun.api, "choose_weights",
+        monkeypatch.setattr(forerun.api.model, "choose_weights",
                             lambda name, cfg, device, fmt=fmt: FormatChoice(fmt, {}))
         model = forerun.load(path, context_length=64, progress=False)
         assert model.decoder.settings["weights"] == fmt

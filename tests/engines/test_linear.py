@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as GGMLType
 
 import forerun
-from forerun.engines.grouping_probe import MAX_GROUP, exact_group_size
+from forerun.protocol.grouping_probe import MAX_GROUP, exact_group_size
 from forerun.engines.linear import (QUANTIZE_ROWS, WEIGHT_FORMATS, ConcatLinear, Int4Groups,
                                     check_kernels, concat_rows, fuse_linear, make_linear,
                                     quantize_int4, quantize_int8, restore_linear)
@@ -261,7 +261,7 @@ def test_a_changed_kernel_is_refused(monkeypatch, torch_kernels):
 # -- whole models -----------------------------------------------------------------
 
 def _network(fmt: str, arch: str = "qwen2") -> Transformer:
-    from forerun.config import ModelConfig
+    from forerun.protocol.model_config import ModelConfig
 
     model = hf_model(arch, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                      num_key_value_heads=2)
@@ -412,7 +412,7 @@ def test_off_the_cpu_the_ceiling_is_the_padded_rows():
     forward is padded to, as a network built for such a device runs them."""
     from types import SimpleNamespace
 
-    from forerun.config import ModelConfig
+    from forerun.protocol.model_config import ModelConfig
 
     ceiling = TorchDecoder.group_ceiling.fget
     on_cpu = _network("float32")

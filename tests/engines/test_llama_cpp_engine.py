@@ -186,7 +186,7 @@ def test_facts(smollm):
     assert d.capabilities.hidden_states is False and d.capabilities.tree_masks is False
     assert d.device == "cpu"
     assert d.eos_token_ids == smollm.config.eos_token_ids
-    assert isinstance(d, forerun.decoder.Decoder)
+    assert isinstance(d, forerun.protocol.decoder.Decoder)
 
 
 @pytest.mark.real_model
@@ -254,7 +254,7 @@ def test_grouping_probe_is_stored_per_machine_and_settings(llama_model, tmp_path
     """The probe runs once per machine and engine settings: a second model
     with the same settings reads it back, other thread counts measure anew,
     and a damaged record is measured again."""
-    from forerun.engines import grouping_probe
+    from forerun.protocol import grouping_probe
     from forerun.engines.llama_cpp_engine import LlamaCppDecoder
 
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))

@@ -11,11 +11,11 @@ import torch
 
 import forerun
 import forerun.engines.prefill_kernel as prefill_kernel
-from forerun.engines.grouping_probe import MAX_GROUP
+from forerun.protocol.grouping_probe import MAX_GROUP
 from forerun.engines.linear import DEQUANT_SLICE, Int8Linear, Int8Rows, quantize_int8
 from forerun.engines.prefill_kernel import (GEMM_ROWS, PREFILL_KERNELS, PrefillChoice,
                                             choose_prefill_kernel, time_prefill_kernels)
-from forerun.config import ModelConfig
+from forerun.protocol.model_config import ModelConfig
 from forerun.engines.torch_engine import TorchDecoder
 from forerun.engines.transformer import Transformer
 from forerun.errors import ConfigError

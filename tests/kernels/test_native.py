@@ -442,7 +442,7 @@ def test_a_tied_head_shares_its_rows_with_the_embedding(kernels, fmt):
     embedding reads its rows from the head's layout (one copy), and the
     network stored and restored computes the same logits, still sharing
     them."""
-    from forerun.config import ModelConfig
+    from forerun.protocol.model_config import ModelConfig
     from forerun.engines.transformer import Transformer
     from tiny_models import hf_model
 

@@ -175,7 +175,7 @@ def test_an_entry_that_cannot_be_written_names_what_to_fix(tmp_path):
 
 
 def test_an_unusable_cache_directory_is_a_clear_error(tmp_path, monkeypatch):
-    from forerun.paths import cache_dir
+    from forerun.machine.paths import cache_dir
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -194,7 +194,7 @@ def test_a_cache_directory_made_by_another_process_meanwhile_is_used(tmp_path, m
     file)."""
     from pathlib import Path
 
-    from forerun.paths import cache_dir
+    from forerun.machine.paths import cache_dir
 
     root = tmp_path / "cache"
     monkeypatch.setenv("FORERUN_CACHE", str(root))

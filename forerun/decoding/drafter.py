@@ -1,0 +1,56 @@
+"""The interface between speculative decoding and its drafters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from forerun.decoding.sampling import TokenSampler
+
+
+@dataclass
+class Draft:
+    """Proposed tokens and the distributions they were drawn from.
+
+    ``probs``: ``[len(tokens), V]`` when the drafter sampled from a
+    distribution (needed for lossless sampling), ``None`` when its proposals
+    are deterministic (each one a point mass).
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    """Proposes continuations of the committed sequence."""
+
+    name: str
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        """A new generation starts from ``prompt_ids``: forget earlier state."""
+        ...
+
+    def propose(self, sequence: Sequence[int], k: int, sampler: TokenSampler) -> Draft:
+        """Up to ``k`` tokens that may follow ``sequence`` (the prompt plus
+        every committed token).  Fewer, or none, is allowed.  When sampling,
+        a drafter that draws from a distribution uses ``sampler`` (so its
+        distribution is processed like the target's) and returns it."""
+        ...
+
+    def observe(self, sequence: Sequence[int], accepted: int) -> None:
+        """The verifier's answer to the last :meth:`propose`: its first
+        ``accepted`` tokens were kept, and ``sequence`` is the committed
+        sequence now (ending with the target's own token).  Called after
+        every round, also after a round that drafted nothing (``accepted``
+        is then 0)."""
+        ...
+
+    def settle(self, length: int) -> None:
+        """Keep at most ``length`` committed positions of internal state."""
+        ...
+
+    def step_seconds(self) -> float:
+        """Estimated cost of drafting one token, for choosing the draft length."""
+        ...

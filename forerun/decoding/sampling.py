@@ -1,0 +1,203 @@
+"""The one sampling implementation, shared by plain and speculative decoding.
+
+Speculative decoding is lossless only if the draft-and-verify loop samples
+from exactly the distribution that plain decoding samples from.  Both therefore
+take their distribution from :func:`probabilities`, and draw from it with
+:func:`sample_token` (or :func:`greedy_token` for greedy decoding).
+
+The processing follows Hugging Face transformers' ``TemperatureLogitsWarper``,
+``TopKLogitsWarper``, ``TopPLogitsWarper`` and ``MinPLogitsWarper`` applied in
+that order (each with ``min_tokens_to_keep=1``), so a forerun distribution
+equals the one ``transformers`` samples from with the same settings.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from forerun.errors import GenerationConfigError
+
+__all__ = ["SamplingParams", "probabilities", "greedy_token", "sample_token",
+           "make_generator"]
+
+
+#: the smallest positive temperature: dividing logits by less overflows
+#: float32 (and a distribution that sharp is greedy decoding anyway)
+MIN_TEMPERATURE = 1e-4
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from the model's logits.
+
+    * ``temperature``: logits are divided by it; ``0`` means greedy decoding
+      (always the most likely token).  Must be ``0`` or finite and at least
+      :data:`MIN_TEMPERATURE`.
+    * ``top_k``: keep only the ``top_k`` most likely tokens (and every token
+      tied with the ``top_k``-th); ``0`` turns it off.  An integer ``>= 0``.
+    * ``top_p``: nucleus sampling, keep the smallest set of most likely tokens
+      whose probabilities add up to at least ``top_p``; ``1`` turns it off.
+      ``0 < top_p <= 1``.
+    * ``min_p``: drop tokens whose probability is below ``min_p`` times the
+      most likely token's; ``0`` turns it off.  ``0 <= min_p <= 1``.
+
+    The filters apply in the order temperature, top-k, top-p, min-p, each to
+    the distribution the previous one left; the top token always survives.
+    With ``temperature == 0`` the filters do not matter.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def validate(self) -> None:
+        """Raise :class:`GenerationConfigError` naming the first invalid value."""
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise GenerationConfigError(
+                f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise GenerationConfigError(
+                f"temperature {t!r} is too small: logits divided by it overflow. Use 0 for "
+                f"greedy decoding, or a temperature of at least {MIN_TEMPERATURE}")
+        k = self.top_k
+        if not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 0:
+            raise GenerationConfigError(
+                f"top_k must be an integer >= 0 (0 turns it off), got {k!r}")
+        p = self.top_p
+        if not _is_real(p) or not 0 < p <= 1:  # also rejects NaN
+            raise GenerationConfigError(
+                f"top_p must lie in 0 < top_p <= 1 (1 turns it off), got {p!r}")
+        m = self.min_p
+        if not _is_real(m) or not 0 <= m <= 1:  # also rejects NaN
+            raise GenerationConfigError(
+                f"min_p must lie in 0 <= min_p <= 1 (0 turns it off), got {m!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is greedy (``temperature == 0``)."""
+        return self.temperature == 0
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The index of the largest entry of the ``[V]`` tensor ``logits``; on ties
+    the lowest index."""
+    if logits.dim() != 1:
+        raise ValueError(f"greedy_token takes a [V] tensor, got shape {tuple(logits.shape)}")
+    # torch.argmax returns the first maximal index on every device.
+    return int(torch.argmax(logits))
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The float32 distribution to sample the next token from.
+
+    ``logits`` has shape ``[..., V]`` (any leading dimensions, any device,
+    any floating dtype); the result has the same shape and device, and each
+    row over the last dimension sums to 1.  Rows are processed independently.
+
+    With greedy ``params`` (``temperature == 0``) each row is the one-hot
+    distribution at its argmax (the lowest index on ties).  Otherwise the
+    logits are divided by the temperature, then filtered by top-k, top-p and
+    min-p in that order with exactly the semantics of the transformers warpers
+    of the same names (filtered tokens get probability 0):
+
+    * top-k keeps every token whose logit is ``>=`` the ``k``-th largest, so
+      tokens tied with the ``k``-th all stay;
+    * top-p sorts the tokens by ascending logit, and drops a token when the
+      cumulative probability up to and including it is ``<= 1 - top_p``; the
+      most likely token always stays;
+    * min-p drops tokens whose probability is ``< min_p * max probability``.
+    """
+    params.validate()
+    x = logits.float()
+    if params.greedy:
+        out = torch.zeros_like(x)
+        out.scatter_(-1, torch.argmax(x, dim=-1, keepdim=True), 1.0)
+        return out
+
+    neg_inf = float("-inf")
+    x = x / float(params.temperature)
+    vocab = x.shape[-1]
+
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, int(params.top_k), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, neg_inf)
+
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=False)
+        cumulative = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= (1.0 - float(params.top_p))
+        drop_sorted[..., -1] = False  # the most likely token always stays
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, neg_inf)
+
+    if params.min_p > 0.0:
+        p = torch.softmax(x, dim=-1)
+        threshold = float(params.min_p) * p.amax(dim=-1, keepdim=True)
+        drop = p < threshold
+        # the top token always stays (it can only be dropped by rounding)
+        drop.scatter_(-1, torch.argmax(p, dim=-1, keepdim=True), False)
+        x = x.masked_fill(drop, neg_inf)
+
+    return torch.softmax(x, dim=-1)
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token drawn from the ``[V]`` probability vector ``probs`` with
+    ``torch.multinomial`` and ``generator`` (which must live on
+    ``probs.device``).  The same ``probs`` and generator state give the same
+    token."""
+    if probs.dim() != 1:
+        raise ValueError(f"sample_token takes a [V] tensor, got shape {tuple(probs.shape)}")
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A random generator on ``device``: seeded with ``seed``, or with a fresh
+    non-deterministic seed when ``seed`` is ``None``."""
+    generator = torch.Generator(device=torch.device(device))
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(int(seed))
+    return generator
+
+
+class TokenSampler:
+    """Chooses tokens from logits under fixed :class:`SamplingParams`, with
+    its own seeded random generator (so runs with a seed repeat exactly)."""
+
+    def __init__(self, params: SamplingParams, seed: int | None,
+                 device: torch.device | str = "cpu") -> None:
+        params.validate()
+        self.params = params
+        self.generator = make_generator(seed, device)
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The processed distribution(s) of ``logits`` (``[..., V]``)."""
+        return probabilities(logits, self.params)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """One token from a ``[V]`` logits row: the argmax when greedy, else a
+        draw from the processed distribution."""
+        if self.params.greedy:
+            return greedy_token(logits)
+        return sample_token(probabilities(logits, self.params), self.generator)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One draw from a ``[V]`` probability vector with this sampler's
+        generator."""
+        return sample_token(probs, self.generator)

@@ -1,0 +1,152 @@
+"""Prompt lookup and a draft model together: each round drafts with
+whichever is expected to commit more tokens per second.
+
+Prompt lookup (:mod:`forerun.drafters.ngram`) costs microseconds and is
+right where the text repeats itself: a document quoted or summarised, code
+being edited, a list that follows a pattern.  A draft model costs a forward
+per token and is right on fluent text the prompt does not contain.  Each
+round this planner:
+
+1. looks the sequence's last tokens up in the prompt and the text so far;
+2. if that found tokens, sizes a lookup draft from the lookup's own
+   acceptance estimate at no drafting cost, and sizes a draft-model draft
+   from the model's (the adaptive length of
+   :class:`~forerun.decoding.draft_length.AdaptiveDraftLength`, with its
+   exploration);
+3. drafts with the one of higher expected tokens per second (expected
+   tokens over drafting plus verification seconds, from the measured
+   verification costs).
+
+Each drafter's acceptance is learnt from the rounds it drafted.  The
+lookup's is also learnt from the rounds the model drafted, as if it had
+drafted them: its proposal is checked against the tokens the round
+committed (free, as a lookup is).  Without that, a lookup that was wrong a
+few times would never be tried again.  A committed token is the target's
+choice (greedy) or a draw from the target's distribution (sampling), so it
+equals the lookup's token as often as the target would accept it.
+
+The draft model catches up on the tokens committed in lookup rounds the
+next time it drafts, in one forward.  Both drafters see the same committed
+sequence, so the output is the target's either way: a round verifies a
+chain, whatever proposed it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from forerun.protocol.decoder import Decoder
+from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.drafters.ngram import NgramDrafter
+from forerun.decoding.sampling import TokenSampler
+from forerun.protocol.token_sequences import common_prefix
+from forerun.decoding.base import check_count
+from forerun.decoding.draft_length import MAX_DRAFT_LENGTH, AcceptanceEstimate, AdaptiveDraftLength, best_draft_length, expected_tokens
+from forerun.decoding.draft_tree import DraftTree
+
+#: the most prompt tokens the draft model reads beside prompt lookup
+#: (:class:`~forerun.drafters.draft_context.DraftContext`): the lookup
+#: copies from a long prompt, so the draft model need not read all of it.
+#: Over one prompt per category of the bench set (AMD EPYC, AVX2, the 1.5B
+#: Qwen target in q4, the 0.5B draft), 256 took 62.7 s in all, a whole
+#: view 71.6 s and 128 tokens 66.9 s; prompt lookup alone 68.5 s, the
+#: draft model alone 72.6 s and plain decoding 80.3 s.
+LOOKUP_DRAFT_WINDOW = 256
+
+#: the lookup's acceptance before it has been measured: about what prompt
+#: lookup reached over the bench's prompts (47%)
+LOOKUP_PRIOR = 0.5
+
+
+class LookupOrDraftPlanner:
+    """A :class:`~forerun.decoding.speculative.Planner` of chains from
+    prompt lookup or a draft model (see the module's text), up to ``max_k``
+    tokens a round."""
+
+    needs_hidden = False
+    drafts_trees = False
+
+    def __init__(self, model: DraftModelDrafter, lookup: NgramDrafter | None = None, *,
+                 max_k: int = 8) -> None:
+        check_count("max_k", max_k, MAX_DRAFT_LENGTH)
+        self.model = model
+        self.lookup = lookup if lookup is not None else NgramDrafter()
+        self.name = "draft+lookup"
+        self.max_k = max_k
+        # The verification costs, the model's acceptance and its exploration.
+        self.policy = AdaptiveDraftLength(max_k)
+        self.lookup_acceptance = AcceptanceEstimate(prior=LOOKUP_PRIOR)
+        self.source: str | None = None   # what drafted the last round
+        self._found: list[int] = []      # the lookup's proposal in the last round
+        self._drafted_at = 0             # the sequence's length when it was drafted
+        self.rounds = {"lookup": 0, "model": 0}
+
+    def needs_calibration(self) -> bool:
+        return True
+
+    def calibrate(self, target: Decoder, token: int) -> None:
+        self.policy.costs.calibrate(target, token)
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.model.begin(prompt_ids)
+        self.lookup.begin(prompt_ids)
+        self.source = None
+        self._found = []
+
+    def _rate(self, k: int, alpha: float, draft_seconds: float) -> float:
+        """Expected committed tokens per second of a ``k``-token draft."""
+        return expected_tokens(k, alpha) / (draft_seconds + self.policy.costs(k + 1))
+
+    def model_length(self, room: int) -> int:
+        """How many tokens the draft model would draft this round (0: a
+        plain step): the adaptive draft length, with its exploration."""
+        return max(0, min(self.policy.choose(self.model.step_seconds()), room))
+
+    def lookup_length(self, found: list[int], k_model: int) -> int:
+        """How many of the lookup's ``found`` tokens to draft this round,
+        or 0 to leave the round to the model (which would draft
+        ``k_model``): the best length at the lookup's acceptance, if its
+        expected tokens per second are at least the model's."""
+        alpha = self.lookup_acceptance.rate
+        k = best_draft_length(len(found), alpha, 0.0, self.policy.costs)
+        model_rate = self._rate(k_model, self.policy.acceptance.rate,
+                                k_model * self.model.step_seconds())
+        return k if k and self._rate(k, alpha, 0.0) >= model_rate else 0
+
+    def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
+              sampler: TokenSampler) -> DraftTree:
+        k_model = self.model_length(room)
+        found = self.lookup.propose(sequence, min(self.max_k, room), sampler).tokens
+        self._found, self._drafted_at = found, len(sequence)
+        k = self.lookup_length(found, k_model) if found else 0
+        if k:
+            self.source = "lookup"
+            self.rounds["lookup"] += 1
+            return DraftTree.chain(sequence[-1], found[:k])
+        self.source = "model"
+        self.rounds["model"] += 1
+        if not k_model:
+            return DraftTree.chain(sequence[-1], [])
+        draft = self.model.propose(sequence, k_model, sampler)
+        return DraftTree.chain(sequence[-1], draft.tokens, draft.probs)
+
+    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
+        accepted = len(path) - 1
+        self.model.observe(sequence, accepted)
+        self.lookup.observe(sequence, accepted)
+        if tree.num_nodes:
+            estimate = (self.lookup_acceptance if self.source == "lookup"
+                        else self.policy.acceptance)
+            estimate.update(tree.num_nodes, accepted)
+        if self.source == "model" and self._found:
+            # What the lookup's proposal would have kept of this round.
+            committed = sequence[self._drafted_at:]
+            same = common_prefix(self._found, committed)
+            wrong = same < min(len(self._found), len(committed))
+            self.lookup_acceptance.update(same + wrong, same)
+
+    def settle(self, length: int) -> None:
+        self.model.settle(length)
+        self.lookup.settle(length)

@@ -1,0 +1,204 @@
+"""Measurements forerun keeps per machine: the cost of verifying T positions,
+the largest exactly-verifiable group of positions.  Both depend on the CPU,
+the engine and every setting that changes which kernels run, so each record
+is keyed by all of them, the CPU's identity included (a machine's cache can
+outlive its CPU model here).
+
+A record is a JSON file ``<cache>/calibration/<kind>/<label>-<hash>.json``
+holding its full key and its value.  Reading validates both: a record that
+is unreadable, was written for another key, or fails the caller's check is
+deleted and reported as absent, so the caller measures again.  Writing is
+atomic (a temporary file, then a rename) and optional: a cache that can't be
+written costs only the measurement next time, with one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+STORE_VERSION = 1
+# Bumped whenever forerun's own computation of a forward changes (a record
+# measured on older code says nothing about the new one).
+ENGINE_NUMERICS_VERSION = 4
+
+
+# The instruction-set extensions that decide which CPU kernels are fast
+# (bf16 and int8 matmuls, llama.cpp's quantized dot products), as Linux names
+# them in /proc/cpuinfo: x86 "flags", ARM "Features".
+KERNEL_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni",
+                   "amx_bf16", "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve")
+
+
+CPUINFO = "/proc/cpuinfo"
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags, from ``/proc/cpuinfo`` (empty
+    where there is none)."""
+    model, flags = "", set()
+    try:
+        with open(CPUINFO, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model", "cpu model", "Hardware") and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def _native_kernels_key() -> str:
+    from forerun.kernels.native import calibration_key
+    return calibration_key()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux names them (x86 ``flags``, ARM
+    ``Features``); empty where ``/proc/cpuinfo`` is missing."""
+    return _cpuinfo()[1]
+
+
+@lru_cache(maxsize=1)
+def machine_fingerprint() -> str:
+    """The CPU model and its feature flags (Linux ``/proc/cpuinfo``, else
+    :func:`platform.processor`), hashed: kernels are chosen by these."""
+    model, flags = _cpuinfo()
+    text = (f"{model or platform.processor()}|{' '.join(sorted(flags))}|{platform.machine()}"
+            f"|{os.cpu_count()}")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cpu_name() -> str:
+    """A readable CPU model name with the kernel-relevant extensions it has,
+    for reports: ``AMD EPYC [avx2 fma]``.  The model name alone does not
+    tell machines apart here (one "AMD EPYC" has AVX512-BF16, another only
+    AVX2), and every figure depends on which."""
+    model, flags = _cpuinfo()
+    model = model or platform.processor() or platform.machine() or "unknown"
+    have = [f for f in KERNEL_FEATURES if f in flags]
+    if not flags:
+        return model
+    return f"{model} [{' '.join(have) or 'no SIMD extensions forerun knows'}]"
+
+
+class CalibrationStore:
+    """One stored measurement of kind ``kind`` for the settings ``key`` (a
+    JSON-serialisable dict) on this machine."""
+
+    def __init__(self, kind: str, key: dict[str, Any], label: str = "") -> None:
+        from forerun.machine.paths import cache_dir
+
+        self.key = {"kind": kind, "version": STORE_VERSION, "machine": machine_fingerprint(),
+                    "numerics": ENGINE_NUMERICS_VERSION,
+                    "native_kernels": _native_kernels_key(), **key}
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode())
+        safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in label)[:80]
+        name = f"{safe}-{digest.hexdigest()[:16]}.json" if safe else f"{digest.hexdigest()[:16]}.json"
+        self._kind = kind
+        self._name = name
+        self._cache_dir = cache_dir
+        self._warned = False
+
+    @property
+    def path(self) -> Path:
+        return self._cache_dir() / "calibration" / self._kind / self._name
+
+    def load_or_measure(self, validate: Callable[[Any], Any | None],
+                        measure: Callable[[], Any], what: str,
+                        record: Callable[[Any], Any] = lambda value: value) -> Any:
+        """The stored value (see :meth:`load`), or else ``measure()``'s,
+        announced as measuring ``what`` (:meth:`measuring`) and stored as
+        ``record(value)``."""
+        value = self.load(validate)
+        if value is None:
+            self.measuring(what)
+            value = measure()
+            self.save(record(value))
+        return value
+
+    def measuring(self, what: str) -> None:
+        """Say that ``what`` is being measured, since no record holds it: an
+        INFO record on the ``forerun.machine.calibration`` logger (``forerun
+        generate`` shows them), so that a first run's pause of seconds is
+        explained."""
+        logging.getLogger("forerun.machine.calibration").info(
+            "measuring %s on this machine (once; kept in %s)", what, self.path.parent.parent)
+
+    def load(self, validate: Callable[[Any], Any | None]) -> Any | None:
+        """The stored value, passed through ``validate`` (which returns the
+        value to use, or ``None`` if it is invalid), or ``None`` when there
+        is no valid record.  An invalid record is deleted."""
+        try:
+            path = self.path
+            text = path.read_text(encoding="utf-8")
+        except (OSError, ValueError):
+            return None
+        try:
+            record = json.loads(text)
+            ok = (isinstance(record, dict)
+                  and json.dumps(record.get("key"), sort_keys=True, default=str)
+                  == json.dumps(self.key, sort_keys=True, default=str))
+            value = validate(record["value"]) if ok else None
+        except (ValueError, TypeError, KeyError):
+            value = None
+        if value is None:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+        return value
+
+    def save(self, value: Any) -> bool:
+        """Store ``value`` atomically; on failure warn once and return False."""
+        try:
+            path = self.path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"key": self.key, "value": value}, default=str),
+                           encoding="utf-8")
+            os.replace(tmp, path)
+            return True
+        except (OSError, ValueError) as exc:
+            try:
+                tmp.unlink()   # type: ignore[possibly-undefined]
+            except (OSError, NameError):
+                pass
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"forerun could not store its {self._kind} calibration "
+                              f"({exc}); it will be measured again next time",
+                              RuntimeWarning, stacklevel=2)
+            return False
+
+
+def valid_costs(length: int) -> Callable[[Any], list | None]:
+    """A validator for stored verification costs: a list of ``length``
+    entries, each ``None`` or a finite positive number of seconds."""
+    import math
+
+    def check(value: Any) -> list | None:
+        if not isinstance(value, list) or len(value) != length:
+            return None
+        for v in value:
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                return None
+            if not math.isfinite(v) or v <= 0:
+                return None
+        if all(v is None for v in value):
+            return None
+        return [None if v is None else float(v) for v in value]
+
+    return check

@@ -1,0 +1,235 @@
+"""forerun.decoding.sampling: parity with the transformers warpers, validation, and
+statistical checks of the sampler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from forerun.errors import GenerationConfigError
+from forerun.decoding.sampling import (SamplingParams, greedy_token, make_generator,
+                              probabilities, sample_token)
+
+import scipy.stats as scipy_stats  # noqa: E402
+import transformers.generation.logits_process as logits_process  # noqa: E402
+
+
+def reference_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """transformers' warpers chained in forerun's order, then softmax."""
+    lp = logits_process
+    warpers = [lp.TemperatureLogitsWarper(float(params.temperature))]
+    if params.top_k:
+        warpers.append(lp.TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(lp.TopPLogitsWarper(params.top_p))
+    if params.min_p > 0.0:
+        warpers.append(lp.MinPLogitsWarper(params.min_p))
+    scores = logits.float()
+    input_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long)
+    for warper in warpers:
+        scores = warper(input_ids, scores)
+    return torch.softmax(scores, dim=-1)
+
+
+PARITY_PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.6),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=0.8, top_k=40),
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=0.5, top_p=0.5),
+    SamplingParams(temperature=1.3, top_p=0.95),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=2.0, min_p=0.2),
+    SamplingParams(temperature=0.9, top_k=50, top_p=0.9),
+    SamplingParams(temperature=1.2, top_k=20, top_p=0.8, min_p=0.05),
+    SamplingParams(temperature=0.6, top_p=0.7, min_p=0.1),
+    SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=1.0, top_p=1e-6),
+    SamplingParams(temperature=1.0, min_p=1.0),
+    SamplingParams(temperature=1.0, top_k=1000),  # larger than the vocabulary
+]
+
+
+@pytest.mark.parametrize("params", PARITY_PARAMS, ids=repr)
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_probabilities_match_transformers_warpers(params, scale):
+    gen = torch.Generator().manual_seed(1234)
+    logits = torch.randn(16, 257, generator=gen) * scale
+    ours = probabilities(logits, params)
+    ref = reference_probabilities(logits, params)
+    assert ours.dtype == torch.float32
+    assert ours.shape == logits.shape
+    assert (ours - ref).abs().max().item() < 1e-6
+    # the same tokens are filtered out
+    assert torch.equal(ours == 0, ref == 0)
+    assert torch.allclose(ours.sum(-1), torch.ones(16), atol=1e-5)
+
+
+def test_probabilities_tie_handling_matches_transformers():
+    # top-k keeps every token tied with the k-th; min-p keeps ties at the max
+    logits = torch.tensor([[3.0, 1.0, 3.0, 2.0, 2.0, 2.0, 0.0, -1.0]])
+    for params in (SamplingParams(temperature=1.0, top_k=3),
+                   SamplingParams(temperature=1.0, top_k=4),
+                   SamplingParams(temperature=1.0, min_p=1.0),
+                   SamplingParams(temperature=0.5, min_p=0.3)):
+        ours = probabilities(logits, params)
+        ref = reference_probabilities(logits, params)
+        assert (ours - ref).abs().max().item() < 1e-6, params
+    kept = probabilities(logits, SamplingParams(temperature=1.0, top_k=3))[0] > 0
+    assert kept.tolist() == [True, False, True, True, True, True, False, False]
+    # top-p drops a token when the cumulative mass up to it is <= 1 - top_p
+    # exactly: four equal tokens and top_p = 0.5 keep two of them
+    equal = torch.zeros(1, 4)
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    ours = probabilities(equal, params)
+    assert int((ours > 0).sum()) == 2
+    assert (ours - reference_probabilities(equal, params)).abs().max().item() < 1e-6
+
+
+def test_probabilities_leading_dims_and_dtype():
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, 3, 50, generator=gen)
+    params = SamplingParams(temperature=0.8, top_k=10, top_p=0.9, min_p=0.02)
+    full = probabilities(logits, params)
+    assert full.shape == (2, 3, 50)
+    for i in range(2):
+        for j in range(3):
+            row = probabilities(logits[i, j], params)
+            assert torch.allclose(full[i, j], row, atol=1e-7)
+    half = probabilities(logits.to(torch.bfloat16), params)
+    assert half.dtype == torch.float32
+    assert torch.allclose(half.sum(-1), torch.ones(2, 3), atol=1e-5)
+
+
+def test_greedy_probabilities_are_one_hot_at_lowest_argmax():
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [9.0, 9.0, 9.0, 9.0]])
+    probs = probabilities(logits, SamplingParams())
+    assert probs.dtype == torch.float32
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+    # the filters do not change greedy decoding
+    probs = probabilities(logits, SamplingParams(temperature=0.0, top_k=1, top_p=0.1, min_p=0.5))
+    assert probs.argmax(-1).tolist() == [1, 0]
+
+
+def test_greedy_token_breaks_ties_by_lowest_index():
+    assert greedy_token(torch.tensor([1.0, 3.0, 3.0, 2.0])) == 1
+    assert greedy_token(torch.tensor([5.0, 5.0, 5.0])) == 0
+    assert greedy_token(torch.tensor([-2.0, -1.0, -1.0, -1.0])) == 1
+    big = torch.zeros(100_000)
+    big[[70_000, 512, 99_999]] = 1.0
+    assert greedy_token(big) == 512
+    assert greedy_token(torch.tensor([0.0, 1.0], dtype=torch.bfloat16)) == 1
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("temperature", math.inf), ("temperature", math.nan),
+    ("temperature", "1.0"), ("temperature", True),
+    ("top_k", -1), ("top_k", 2.5), ("top_k", True), ("top_k", None),
+    ("top_p", 0.0), ("top_p", -0.5), ("top_p", 1.01), ("top_p", math.nan),
+    ("min_p", -0.01), ("min_p", 1.5), ("min_p", math.nan), ("min_p", None),
+])
+def test_validate_rejects_bad_values(field, value):
+    params = SamplingParams(**{field: value})
+    with pytest.raises(GenerationConfigError) as info:
+        params.validate()
+    message = str(info.value)
+    assert field in message
+    assert repr(value) in message
+    with pytest.raises(GenerationConfigError):
+        probabilities(torch.zeros(4), params)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(), SamplingParams(temperature=1), SamplingParams(temperature=2.5, top_k=0),
+    SamplingParams(top_k=10, top_p=1.0, min_p=0.0), SamplingParams(top_p=1e-9, min_p=1.0),
+])
+def test_validate_accepts_good_values(params):
+    params.validate()
+
+
+def test_greedy_property():
+    assert SamplingParams().greedy
+    assert SamplingParams(temperature=0.0, top_k=5).greedy
+    assert not SamplingParams(temperature=0.01).greedy
+
+
+def test_make_generator_seeding():
+    a = make_generator(42, "cpu")
+    b = make_generator(42, torch.device("cpu"))
+    assert a.device.type == "cpu"
+    assert torch.equal(torch.rand(8, generator=a), torch.rand(8, generator=b))
+    c, d = make_generator(None, "cpu"), make_generator(None, "cpu")
+    assert not torch.equal(torch.rand(8, generator=c), torch.rand(8, generator=d))
+
+
+def test_sample_token_is_reproducible_and_respects_zeros():
+    probs = probabilities(torch.tensor([0.0, 3.0, 1.0, -2.0, 2.5]),
+                          SamplingParams(temperature=1.0, top_k=2))
+    g1, g2 = make_generator(3, "cpu"), make_generator(3, "cpu")
+    draws1 = [sample_token(probs, g1) for _ in range(200)]
+    draws2 = [sample_token(probs, g2) for _ in range(200)]
+    assert draws1 == draws2
+    assert set(draws1) == {1, 4}
+
+
+# -- statistical checks -------------------------------------------------------
+N_DRAWS = 20_000
+STAT_LOGITS = torch.tensor([1.2, 0.3, -0.5, 2.0, 0.0, -1.5, 0.9, 0.4])
+STAT_PARAMS = SamplingParams(temperature=0.6)
+
+
+def chi_square_p(draws: list[int], probs: torch.Tensor) -> float:
+    counts = torch.bincount(torch.tensor(draws), minlength=probs.numel()).double()
+    p = probs.double()
+    expected = p / p.sum() * len(draws)
+    return float(scipy_stats.chisquare(counts.numpy(), expected.numpy()).pvalue)
+
+
+def test_sample_token_matches_distribution_chi_square():
+    probs = probabilities(STAT_LOGITS, STAT_PARAMS)
+    gen = make_generator(20240611, "cpu")
+    draws = [sample_token(probs, gen) for _ in range(N_DRAWS)]
+    assert chi_square_p(draws, probs) > 1e-3
+
+
+def test_chi_square_rejects_a_wrong_sampler():
+    """The check above has power: sampling from the un-tempered distribution
+    (a plausible bug) is rejected overwhelmingly."""
+    target = probabilities(STAT_LOGITS, STAT_PARAMS)
+    wrong = torch.softmax(STAT_LOGITS, dim=-1)
+    gen = make_generator(20240611, "cpu")
+    draws = [sample_token(wrong, gen) for _ in range(N_DRAWS)]
+    assert chi_square_p(draws, target) < 1e-6
+
+
+def test_filtered_sampling_matches_distribution_chi_square():
+    """Sampling with filters never draws a filtered token and follows the
+    renormalised distribution on the kept ones."""
+    params = SamplingParams(temperature=1.4, top_k=6, top_p=0.9, min_p=0.05)
+    probs = probabilities(STAT_LOGITS, params)
+    kept = probs > 0
+    assert 1 < int(kept.sum()) < 8
+    gen = make_generator(99, "cpu")
+    draws = [sample_token(probs, gen) for _ in range(N_DRAWS)]
+    assert all(bool(kept[d]) for d in draws)
+    idx = kept.nonzero().flatten()
+    remap = {int(t): i for i, t in enumerate(idx)}
+    assert chi_square_p([remap[d] for d in draws], probs[idx]) > 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_parity_and_sampling():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 300, generator=gen)
+    params = SamplingParams(temperature=0.9, top_k=30, top_p=0.9, min_p=0.02)
+    on_gpu = probabilities(logits.cuda(), params)
+    assert on_gpu.device.type == "cuda"
+    assert (on_gpu.cpu() - probabilities(logits, params)).abs().max().item() < 1e-6
+    cuda_gen = make_generator(1, "cuda")
+    tok = sample_token(on_gpu[0], cuda_gen)
+    assert on_gpu[0, tok] > 0
+    assert greedy_token(logits[0].cuda()) == greedy_token(logits[0])

@@ -1,0 +1,201 @@
+"""Prompt lookup beside a draft model: which drafts each round, what each
+learns, and that the output is plain decoding's (greedy, on tiny random
+Qwen2 and Llama models; the sampling exactness test is in
+test_speculative_sampling)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from forerun.decoding.draft_tree import DraftTree
+from forerun.drafters.lookup_or_draft_planner import LookupOrDraftPlanner
+from forerun.decoding.plain import PlainDecoding
+from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.decoding.drafter import Draft
+from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.decoding.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
+
+from method_runs import greedy_tokens
+from table_decoders import ClockedWrapper, single_thread  # noqa: F401 (autouse fixture)
+from tiny_models import VOCAB, forerun_decoder, hf_model
+
+GREEDY = TokenSampler(SamplingParams(), 0, "cpu")
+
+
+class ScriptedModel:
+    """A draft model stand-in: proposes ``tokens``, costs ``seconds`` a
+    token, and records its calls."""
+
+    name = "scripted"
+
+    def __init__(self, tokens: list[int], seconds: float = 0.02) -> None:
+        self.tokens, self.seconds = tokens, seconds
+        self.proposed: list[int] = []       # the k of each proposal
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, sequence, k, sampler):
+        self.proposed.append(k)
+        return Draft(self.tokens[:k])
+
+    def observe(self, sequence, accepted):
+        pass
+
+    def settle(self, length):
+        pass
+
+    def step_seconds(self):
+        return self.seconds
+
+
+def planner_with_costs(model, per_position: float = 0.01) -> LookupOrDraftPlanner:
+    """A planner whose verification of ``t`` positions costs ``0.1 + t *
+    per_position`` seconds: one position 0.11 s, as a target might."""
+    planner = LookupOrDraftPlanner(model)
+    costs = planner.policy.costs
+    costs.seconds = [None] + [0.1 + t * per_position for t in range(1, len(costs.seconds))]
+    return planner
+
+
+REPEATING = [9, 1, 2, 3, 4, 5, 6, 9, 1, 2]     # ends with "9 1 2", seen before: "3 4 5 6 ..."
+
+
+def test_a_lookup_match_drafts_for_free_and_no_match_asks_the_model():
+    model = ScriptedModel([7, 7, 7])
+    planner = planner_with_costs(model)
+    planner.begin(REPEATING)
+    tree = planner.draft(REPEATING, None, 100, GREEDY)
+    assert planner.source == "lookup" and model.proposed == []
+    assert tree.tokens[0] == REPEATING[-1] and tree.tokens[1:] == [3, 4, 5, 6, 9, 1, 2][:tree.depth]
+    assert tree.depth >= 1
+
+    fresh = [11, 12, 13, 14]
+    planner.begin(fresh)
+    tree = planner.draft(fresh, None, 100, GREEDY)
+    assert planner.source == "model" and model.proposed and tree.tokens[1:] == [7] * tree.depth
+
+
+def test_a_lookup_that_keeps_failing_gives_way_to_a_good_model():
+    model = ScriptedModel([3, 4, 5])
+    planner = planner_with_costs(model)
+    planner.begin(REPEATING)
+    for _ in range(30):
+        planner.lookup_acceptance.update(4, 0)       # the lookup's drafts all rejected
+        planner.policy.acceptance.update(3, 3)       # the model's all accepted
+    planner.draft(REPEATING, None, 100, GREEDY)
+    assert planner.source == "model"
+
+
+def model_round_after_failed_lookups() -> tuple[LookupOrDraftPlanner, DraftTree]:
+    """A planner whose lookup failed so often that the model drafts a round
+    after :data:`REPEATING`, though the lookup found ``3 4 5 6 9 1 2``."""
+    planner = planner_with_costs(ScriptedModel([3, 4, 5]))
+    planner.begin(REPEATING)
+    for _ in range(30):
+        planner.lookup_acceptance.update(4, 0)
+        planner.policy.acceptance.update(3, 3)
+    tree = planner.draft(REPEATING, None, 100, GREEDY)
+    assert planner.source == "model" and planner._found == [3, 4, 5, 6, 9, 1, 2]
+    return planner, tree
+
+
+def test_a_model_round_that_commits_the_lookups_tokens_raises_its_estimate():
+    planner, tree = model_round_after_failed_lookups()
+    low = planner.lookup_acceptance.rate
+    planner.learn(REPEATING + [3, 4, 5, 6], tree, list(range(tree.depth + 1)))
+    assert planner.lookup_acceptance.rate > low
+
+
+def test_a_model_round_that_commits_other_tokens_lowers_its_estimate():
+    planner, tree = model_round_after_failed_lookups()
+    planner.lookup_acceptance.successes += 10      # a fair estimate, to lower
+    before = planner.lookup_acceptance.rate
+    expected = copy.deepcopy(planner.lookup_acceptance)
+    expected.update(2, 1)       # the lookup had 3 then 4: one right, then wrong
+    planner.learn(REPEATING + [3, 8], tree, [0, 1])
+    assert planner.lookup_acceptance.rate == expected.rate < before
+
+
+def test_a_lookup_round_does_not_change_the_models_estimate():
+    model = ScriptedModel([7, 7, 7])
+    planner = planner_with_costs(model)
+    planner.begin(REPEATING)
+    before = planner.policy.acceptance.rate
+    tree = planner.draft(REPEATING, None, 100, GREEDY)
+    assert planner.source == "lookup"
+    planner.learn(REPEATING + [8], tree, [0])        # rejected at once
+    assert planner.policy.acceptance.rate == before
+    assert planner.lookup_acceptance.rate < 0.5
+
+
+def test_no_room_drafts_nothing():
+    planner = planner_with_costs(ScriptedModel([7, 7, 7]))
+    planner.begin(REPEATING)
+    tree = planner.draft(REPEATING, None, 0, GREEDY)
+    assert tree.num_nodes == 0 and isinstance(tree, DraftTree)
+
+
+# -- the output is plain decoding's -------------------------------------------------
+
+_MODELS: dict = {}
+
+
+def tiny(arch: str, seed: int):
+    if (arch, seed) not in _MODELS:
+        _MODELS[(arch, seed)] = hf_model(arch, seed, initializer_range=0.2)
+    return forerun_decoder(_MODELS[(arch, seed)], 256)
+
+
+def perturbed(arch: str):
+    """The target's model with noise on its weights: a draft accepted about
+    half the time."""
+    if (arch, "perturbed") not in _MODELS:
+        model = hf_model(arch, 0, initializer_range=0.2)
+        gen = torch.Generator().manual_seed(123)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.02 * float(p.std()))
+        _MODELS[(arch, "perturbed")] = model
+    return forerun_decoder(_MODELS[(arch, "perturbed")], 256)
+
+
+PROMPTS = [
+    [5, 17, 99, 3, 250, 8, 41],
+    [int(t) for t in torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(5))] * 5,
+]
+
+
+@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_lookup_or_draft_equals_plain(arch, window, monkeypatch):
+    """Plain decoding's tokens, with rounds of both drafters.  The choice
+    between them depends on measured times, so the models run on a fake
+    clock (30 ms a forward plus 2 a position, for both: the draft is the
+    target's size): on a busy machine (CI) real times made the model take
+    every round."""
+    from types import SimpleNamespace
+
+    from forerun.decoding import draft_length, speculative
+    from forerun.drafters import draft_model
+
+    clock = SimpleNamespace(now=0.0)
+    for module in (draft_length, speculative, draft_model):
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    cost = lambda tokens: 0.030 + 0.002 * len(tokens)   # noqa: E731
+    draft = ClockedWrapper(perturbed(arch), clock, cost)
+    target = ClockedWrapper(tiny(arch, 0), clock, cost)
+    planner = LookupOrDraftPlanner(DraftModelDrafter(draft, window=window))
+    method = SpeculativeDecoding(target, planner=planner)
+    accepted = 0
+    for prompt in PROMPTS:
+        stats = GenerationStats()
+        out = greedy_tokens(method, prompt, 48, stats)
+        assert out == greedy_tokens(PlainDecoding(tiny(arch, 0)), prompt, 48)
+        accepted += stats.accepted
+    assert accepted > 0
+    assert planner.rounds["lookup"] > 0 and planner.rounds["model"] > 0, planner.rounds
