@@ -59,7 +59,7 @@ class FormatChoice:
                 f"{'/'.join(str(t) for t in TIMED_POSITIONS)} positions: {rows})")
 
 
-def _random_weights(fmt: str, n: int, k: int, gen: torch.Generator):
+def random_weights(fmt: str, n: int, k: int, gen: torch.Generator):
     """A random ``[n, k]`` matrix already in ``fmt``'s values (quantized
     directly: the kernels' speed does not depend on the values, and
     quantizing float matrices would cost more than the timing itself)."""
@@ -102,8 +102,8 @@ def time_formats(config: ModelConfig, candidates: tuple[str, ...], device: torch
     result: dict[str, list[float]] = {}
     for fmt in candidates:
         copies = block_copies(h, i, fmt, repeats)
-        blocks = [(make_linear(_random_weights(fmt, 2 * i, h, gen), None, fmt, device),
-                   make_linear(_random_weights(fmt, h, i, gen), None, fmt, device))
+        blocks = [(make_linear(random_weights(fmt, 2 * i, h, gen), None, fmt, device),
+                   make_linear(random_weights(fmt, h, i, gen), None, fmt, device))
                   for _ in range(copies)]
         turn = itertools.count()
         result[fmt] = [time_mlp_blocks(blocks, torch.randn(t, h, generator=gen).to(device),

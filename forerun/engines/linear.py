@@ -20,7 +20,7 @@ business:
 * ``q4-all``: ``q4`` with every matrix in 4-bit groups, a GGUF's 5-to-8-bit
   tensors requantized too (the embedding and a tied LM head stay int8).
   The fewest bytes per step and the least faithful: what a draft model
-  runs in (:func:`forerun.drafters.registry.draft_weights`), since a
+  runs in (:func:`forerun.api.method_builder.draft_weights`), since a
   draft's precision changes how often its proposals are accepted, never
   the output.
 
@@ -39,6 +39,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# Imported for what the import does: it keys every calibration record by the
+# native kernels' switch and source (forerun.machine.calibration's
+# register_key_part), before any measurement of these layers, whichever
+# engine a load picks, is stored.
+import forerun.kernels.native  # noqa: F401
 from forerun.errors import ConfigError
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "q8", "q4", "q4-all")

@@ -5,7 +5,7 @@ bfloat16.
 
 They hold the weights in the kernels' layout, padded along the input to a
 multiple of 256 and along the output to a multiple of the kernels' row group
-(:func:`~forerun.kernels.native.to_row_groups`: 4 rows interleaved block by
+(:func:`~forerun.kernels.layouts.to_row_groups`: 4 rows interleaved block by
 block in the AVX512-VNNI build, one in the AVX2 one): 4-bit values with a
 float16 scale and minimum per group (``w = scale * q + minimum``, which is
 the engine's ``(q - 8) * scale + zero`` with ``minimum = zero - 8 *
@@ -19,9 +19,30 @@ from __future__ import annotations
 
 import torch
 
-from forerun.errors import ConfigError
-from forerun.kernels import native
+from forerun.engines.kernel_choice import product_kernels
 from forerun.engines.linear import Int4Groups, Int6Blocks, Int8Rows, Linear
+from forerun.errors import ConfigError
+from forerun.kernels.binding import NativeKernels
+from forerun.kernels.layouts import (
+    BLOCK,
+    GROUP,
+    LAYOUTS,
+    check_matrix,
+    from_chunks,
+    from_row_groups,
+    half_group_order,
+    natural_half_order,
+    pack_high_bits,
+    pack_nibbles,
+    padded,
+    padded_rows,
+    row_grouped,
+    rows_of_groups,
+    to_chunks,
+    unpack_high_bits,
+    unpack_nibbles,
+)
+from forerun.kernels.native import unavailable_reason
 
 KERNEL = "native"
 
@@ -31,11 +52,11 @@ def native_layer(values: "Int4Groups | Int6Blocks | Int8Rows", bias: torch.Tenso
     """The native layer for ``values`` on ``device``, or None where the
     kernels don't run (another device, no kernels here) or the values
     don't fit them (a scale beyond float16's range)."""
-    kernels = native.native_kernels() if device.type == "cpu" else None
+    kernels = product_kernels() if device.type == "cpu" else None
     if kernels is None:
         return None
     if isinstance(values, Int4Groups):
-        if values.group != native.GROUP:
+        if values.group != GROUP:
             return None
         return NativeInt4Linear.build(values, bias, kernels.row_group)
     if isinstance(values, Int6Blocks):
@@ -49,11 +70,11 @@ class _NativeLinear(Linear):
     # the kernels it was built for (NativeKernels.row_group).
     rows: int
 
-    def _kernels(self) -> native.NativeKernels:
-        kernels = native.native_kernels()
+    def _kernels(self) -> NativeKernels:
+        kernels = product_kernels()
         if kernels is None:
             raise ConfigError(f"this {self.format} layer needs forerun's native kernels, "
-                              f"which are not available: {native.unavailable_reason()}")
+                              f"which are not available: {unavailable_reason()}")
         if kernels.row_group != self.rows:
             raise ConfigError(f"this {self.format} layer is stored in row groups of "
                               f"{self.rows}, the native kernels loaded here read groups of "
@@ -72,23 +93,23 @@ class _NativeLinear(Linear):
         layer = cls.__new__(cls)
         layer.out_features, layer.in_features = shape
         layer.rows = rows
-        return layer, native.padded(layer.in_features) - layer.in_features
+        return layer, padded(layer.in_features) - layer.in_features
 
     @property
     def _blocks(self) -> int:
         """Blocks of 256 input values per row."""
-        return native.padded(self.in_features) // native.BLOCK
+        return padded(self.in_features) // BLOCK
 
     def _grouped(self, v: torch.Tensor) -> torch.Tensor:
         """A per-row layout ``[N, W]`` (padded columns) as the layer holds it."""
-        return native.row_grouped(v, self._blocks, self.rows)
+        return row_grouped(v, self._blocks, self.rows)
 
     def _rows(self, v: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
         """Rows ``index`` (all, by default) of a tensor held in row groups,
         in the per-row layout."""
         if index is None:
-            return native.from_row_groups(v, self._blocks, self.rows)[:self.out_features]
-        return native.rows_of_groups(v, index, self._blocks, self.rows)
+            return from_row_groups(v, self._blocks, self.rows)[:self.out_features]
+        return rows_of_groups(v, index, self._blocks, self.rows)
 
     @classmethod
     def _restored(cls, meta: dict, tensors: dict[str, torch.Tensor], names: tuple[str, ...]):
@@ -104,14 +125,14 @@ class _NativeLinear(Linear):
 
     def _checked(self) -> "_NativeLinear":
         """The layer, once its arrays are checked to be what the kernels read
-        (:func:`~forerun.kernels.native.check_matrix`): once here, not per
+        (:func:`~forerun.kernels.layouts.check_matrix`): once here, not per
         product.  Raises ConfigError."""
-        names = (*native.LAYOUTS[self.format], "scale")
+        names = (*LAYOUTS[self.format], "scale")
         try:
             if self.rows not in (1, 4):
                 raise ValueError(f"row groups of {self.rows} rows")
-            native.check_matrix(self.format, self.out_features, native.padded(self.in_features),
-                                {name: getattr(self, name, None) for name in names}, self.rows)
+            check_matrix(self.format, self.out_features, padded(self.in_features),
+                         {name: getattr(self, name, None) for name in names}, self.rows)
         except ValueError as exc:
             raise ConfigError(f"this {self.format} layer's arrays don't fit its shape "
                               f"{self.out_features} x {self.in_features}: {exc}") from None
@@ -122,7 +143,7 @@ class NativeInt4Linear(_NativeLinear):
     """4-bit weights in groups of 32, int8 activations, native kernel."""
 
     format = "q4"
-    group = native.GROUP
+    group = GROUP
 
     @classmethod
     def build(cls, values: Int4Groups, bias: torch.Tensor | None, rows: int
@@ -133,9 +154,9 @@ class NativeInt4Linear(_NativeLinear):
         if not (torch.isfinite(scale16).all() and torch.isfinite(minimum16).all()):
             return None
         layer, pad = cls._empty(values.shape, rows)
-        layer.q = layer._grouped(native.pack_nibbles(
+        layer.q = layer._grouped(pack_nibbles(
             torch.nn.functional.pad(values.q.cpu(), (0, pad))))
-        groups = pad // native.GROUP
+        groups = pad // GROUP
         layer.scale = layer._grouped(torch.nn.functional.pad(scale16.cpu(), (0, groups)))
         layer.minimum = layer._grouped(torch.nn.functional.pad(minimum16.cpu(), (0, groups)))
         layer.bias = None if bias is None else bias.float().cpu()
@@ -147,7 +168,7 @@ class NativeInt4Linear(_NativeLinear):
 
     def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
         q, s, m = (self._rows(v, index) for v in (self.q, self.scale, self.minimum))
-        values = native.unpack_nibbles(q).float()
+        values = unpack_nibbles(q).float()
         w = values * s.float().repeat_interleave(self.group, 1) + \
             m.float().repeat_interleave(self.group, 1)
         return w[:, :self.in_features]
@@ -178,12 +199,12 @@ class NativeInt6Linear(_NativeLinear):
               ) -> "NativeInt6Linear":
         layer, pad = cls._empty(values.shape, rows)
         q = torch.nn.functional.pad(values.q.cpu(), (0, pad))
-        layer.low = layer._grouped(native.pack_nibbles(q & 15))
-        layer.high = layer._grouped(native.pack_high_bits(q))
+        layer.low = layer._grouped(pack_nibbles(q & 15))
+        layer.high = layer._grouped(pack_high_bits(q))
         scale = torch.nn.functional.pad(values.scale.cpu(), (0, pad // 16))
-        layer.scale = layer._grouped(native.half_group_order(scale))
+        layer.scale = layer._grouped(half_group_order(scale))
         layer.d = layer._grouped(torch.nn.functional.pad(values.d.float().cpu(),
-                                                         (0, pad // native.BLOCK)))
+                                                         (0, pad // BLOCK)))
         layer.bias = None if bias is None else bias.float().cpu()
         return layer._checked()
 
@@ -196,8 +217,8 @@ class NativeInt6Linear(_NativeLinear):
         :class:`Int6Blocks` over the padded input length."""
         low, high, scale, d = (self._rows(v, index)
                                for v in (self.low, self.high, self.scale, self.d))
-        q = native.unpack_nibbles(low) | native.unpack_high_bits(high)
-        return Int6Blocks(q, native.natural_half_order(scale), d)
+        q = unpack_nibbles(low) | unpack_high_bits(high)
+        return Int6Blocks(q, natural_half_order(scale), d)
 
     def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
         return self.values(index).dequantize()[:, :self.in_features]
@@ -227,9 +248,9 @@ class NativeInt8Linear(_NativeLinear):
     def build(cls, values: Int8Rows, bias: torch.Tensor | None, rows: int
               ) -> "NativeInt8Linear":
         layer, pad = cls._empty(values.shape, rows)
-        layer.q = layer._grouped(native.to_chunks(
+        layer.q = layer._grouped(to_chunks(
             torch.nn.functional.pad(values.q.cpu(), (0, pad))))
-        extra = native.padded_rows(layer.out_features, rows) - layer.out_features
+        extra = padded_rows(layer.out_features, rows) - layer.out_features
         layer.scale = torch.nn.functional.pad(values.scale.float().cpu(), (0, extra)).contiguous()
         layer.bias = None if bias is None else bias.float().cpu()
         return layer._checked()
@@ -241,7 +262,7 @@ class NativeInt8Linear(_NativeLinear):
     def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
         q = self._rows(self.q, index)
         s = self.scale[:self.out_features] if index is None else self.scale[index]
-        return (native.from_chunks(q).float() * s[:, None])[:, :self.in_features]
+        return (from_chunks(q).float() * s[:, None])[:, :self.in_features]
 
     def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
         return self._shape_meta(), self._bias_state({"q": self.q, "scale": self.scale})

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from forerun.protocol.model_config import ModelConfig
-from forerun.engines.format_choice import _random_weights, block_copies, time_mlp_blocks
+from forerun.engines.format_choice import random_weights, block_copies, time_mlp_blocks
 from forerun.protocol.grouping_probe import MAX_GROUP
 from forerun.engines.linear import Int8Linear
 
@@ -81,8 +81,8 @@ def time_prefill_kernels(config: ModelConfig, device: torch.device, *,
     h, i = config.hidden_size, config.intermediate_size
     gen = torch.Generator().manual_seed(0)
     copies = block_copies(h, i, "q8", repeats)
-    blocks = [(Int8Linear(_random_weights("q8", 2 * i, h, gen), None, device),
-               Int8Linear(_random_weights("q8", h, i, gen), None, device))
+    blocks = [(Int8Linear(random_weights("q8", 2 * i, h, gen), None, device),
+               Int8Linear(random_weights("q8", h, i, gen), None, device))
               for _ in range(copies)]
     x = torch.randn(TIMED_ROWS, h, generator=gen).to(device)
     result, turn = {}, itertools.count()

@@ -41,11 +41,12 @@ def packed_entry(digest: str, fmt: str, device: torch.device) -> CacheEntry:
     ``digest``, built for ``device``."""
     from forerun.machine.paths import cache_dir
 
-    from forerun.kernels.native import ABI_VERSION, native_kernels
+    from forerun.engines.kernel_choice import product_kernels
+    from forerun.kernels.binding import ABI_VERSION
 
     # The layers' layout depends on whether forerun's native kernels run
     # here, and on the row groups of the build that does.
-    native = native_kernels() if device.type == "cpu" else None
+    native = product_kernels() if device.type == "cpu" else None
     kernels = f"native{ABI_VERSION}-rows{native.row_group}" if native is not None else "torch"
     key = hashlib.sha256(f"{digest}|{fmt}|{device.type}|{torch.__version__}|{kernels}"
                          .encode()).hexdigest()[:32]

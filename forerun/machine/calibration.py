@@ -24,6 +24,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
+from forerun.machine.cpu import cpu_info
+
 STORE_VERSION = 1
 # Bumped whenever forerun's own computation of a forward changes (a record
 # measured on older code says nothing about the new one).
@@ -37,43 +39,26 @@ KERNEL_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_
                    "amx_bf16", "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve")
 
 
-CPUINFO = "/proc/cpuinfo"
+# Parts of every record's key that settings of the layers above name, by
+# name: what each provider returns when a store is made (the native kernels
+# register whether they are switched off or forced, and their source).
+_KEY_PARTS: dict[str, Callable[[], Any]] = {}
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    """The CPU's model name and feature flags, from ``/proc/cpuinfo`` (empty
-    where there is none)."""
-    model, flags = "", set()
-    try:
-        with open(CPUINFO, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "Model", "cpu model", "Hardware") and not model:
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    return model, flags
-
-
-def _native_kernels_key() -> str:
-    from forerun.kernels.native import calibration_key
-    return calibration_key()
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux names them (x86 ``flags``, ARM
-    ``Features``); empty where ``/proc/cpuinfo`` is missing."""
-    return _cpuinfo()[1]
+def register_key_part(name: str, provider: Callable[[], Any]) -> None:
+    """Key every store made from now on by ``provider()`` under ``name``
+    (JSON-serialisable): a setting of a layer above this one that changes
+    what the measurements measure.  Registering a name again replaces its
+    provider."""
+    _KEY_PARTS[name] = provider
 
 
 @lru_cache(maxsize=1)
 def machine_fingerprint() -> str:
     """The CPU model and its feature flags (Linux ``/proc/cpuinfo``, else
     :func:`platform.processor`), hashed: kernels are chosen by these."""
-    model, flags = _cpuinfo()
+    info = cpu_info()
+    model, flags = info.model, info.flags
     text = (f"{model or platform.processor()}|{' '.join(sorted(flags))}|{platform.machine()}"
             f"|{os.cpu_count()}")
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -84,7 +69,8 @@ def cpu_name() -> str:
     for reports: ``AMD EPYC [avx2 fma]``.  The model name alone does not
     tell machines apart here (one "AMD EPYC" has AVX512-BF16, another only
     AVX2), and every figure depends on which."""
-    model, flags = _cpuinfo()
+    info = cpu_info()
+    model, flags = info.model, info.flags
     model = model or platform.processor() or platform.machine() or "unknown"
     have = [f for f in KERNEL_FEATURES if f in flags]
     if not flags:
@@ -101,7 +87,7 @@ class CalibrationStore:
 
         self.key = {"kind": kind, "version": STORE_VERSION, "machine": machine_fingerprint(),
                     "numerics": ENGINE_NUMERICS_VERSION,
-                    "native_kernels": _native_kernels_key(), **key}
+                    **{name: provider() for name, provider in _KEY_PARTS.items()}, **key}
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode())
         safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in label)[:80]
         name = f"{safe}-{digest.hexdigest()[:16]}.json" if safe else f"{digest.hexdigest()[:16]}.json"
@@ -171,7 +157,7 @@ class CalibrationStore:
             return True
         except (OSError, ValueError) as exc:
             try:
-                tmp.unlink()   # type: ignore[possibly-undefined]
+                tmp.unlink()
             except (OSError, NameError):
                 pass
             if not self._warned:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from forerun.kernels import native
+from forerun.kernels import build, native
 
 
 @pytest.fixture()
@@ -32,13 +32,13 @@ def fresh_cache(tmp_path, monkeypatch):
 @pytest.fixture()
 def altered_source(fresh_cache, monkeypatch, tmp_path):
     """``alter(attribute, old, new)``: the library is built from a copy of
-    the C source ``native.<attribute>`` with ``old`` replaced by ``new``."""
+    the C source ``build.<attribute>`` with ``old`` replaced by ``new``."""
     def alter(attribute: str, old: str, new: str) -> None:
-        source = getattr(native, attribute)
+        source = getattr(build, attribute)
         text = source.read_text()
         assert old in text
         copy = tmp_path / source.name
         copy.write_text(text.replace(old, new))
-        monkeypatch.setattr(native, attribute, copy)
+        monkeypatch.setattr(build, attribute, copy)
 
     return alter

@@ -13,21 +13,22 @@ import threading
 import pytest
 import torch
 
+from engines.test_linear import _network
+from forerun.engines import kernel_choice
 from forerun.engines.linear import make_linear, quantize_int4, quantize_int8
 from forerun.engines.native_linear import NativeInt4Linear, NativeInt6Linear, NativeInt8Linear
 from forerun.engines.torch_engine import TorchDecoder
-from forerun.kernels import native
-
-from engines.test_linear import _network
+from forerun.kernels import binding, build, layouts, native, self_check
+from forerun.machine.cpu import cpu_flags
 from tiny_models import VOCAB
 
 CPU = torch.device("cpu")
 
 
-def _dequantized_rows(rows: native.QuantizedRows, k: int) -> torch.Tensor:
+def _dequantized_rows(rows: binding.QuantizedRows, k: int) -> torch.Tensor:
     """The activations the kernels multiply, in float64, natural order."""
-    values = native.from_chunks(rows.values).double()
-    return (values * rows.scale.double().repeat_interleave(native.GROUP, 1))[:, :k]
+    values = layouts.from_chunks(rows.values).double()
+    return (values * rows.scale.double().repeat_interleave(layouts.GROUP, 1))[:, :k]
 
 
 def _random_q4(n: int, k: int, gen: torch.Generator):
@@ -60,27 +61,27 @@ def _layer(fmt: str, w: torch.Tensor):
 def test_layouts_round_trip():
     gen = torch.Generator().manual_seed(0)
     v = torch.randint(-128, 128, (5, 512), dtype=torch.int8, generator=gen)
-    chunks = native.to_chunks(v)
-    assert not torch.equal(chunks, v) and torch.equal(native.from_chunks(chunks), v)
+    chunks = layouts.to_chunks(v)
+    assert not torch.equal(chunks, v) and torch.equal(layouts.from_chunks(chunks), v)
     # Chunk i of a block holds values 4i..4i+3 of each of its 8 groups.
     assert torch.equal(chunks[0, 32:36], v[0, 4:8]) and torch.equal(chunks[0, 36:40], v[0, 36:40])
     q = torch.randint(0, 16, (5, 512), dtype=torch.uint8, generator=gen)
-    packed = native.pack_nibbles(q)
-    assert packed.shape == (5, 256) and torch.equal(native.unpack_nibbles(packed), q)
+    packed = layouts.pack_nibbles(q)
+    assert packed.shape == (5, 256) and torch.equal(layouts.unpack_nibbles(packed), q)
     # Byte 0 holds value 0 of group 0 (chunk 0, low) and its value 4 (chunk 1, high).
     assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 4]) << 4
     q6 = torch.randint(0, 64, (5, 512), dtype=torch.uint8, generator=gen)
-    high = native.pack_high_bits(q6)
+    high = layouts.pack_high_bits(q6)
     assert high.shape == (5, 128)
-    assert torch.equal(native.unpack_nibbles(native.pack_nibbles(q6 & 15))
-                       | native.unpack_high_bits(high), q6)
+    assert torch.equal(layouts.unpack_nibbles(layouts.pack_nibbles(q6 & 15))
+                       | layouts.unpack_high_bits(high), q6)
     # Byte 0 of a block's first 32 bytes: value 0, 4, 8 and 12 of group 0
     # (chunks 0..3), their bits 4-5 at bits 0-1, 2-3, 4-5, 6-7.
     assert int(high[0, 0]) == sum((int(q6[0, 4 * i]) >> 4) << 2 * i for i in range(4))
     scale = torch.arange(64, dtype=torch.int8).reshape(2, 32)
-    ordered = native.half_group_order(scale)
+    ordered = layouts.half_group_order(scale)
     assert ordered[0, :9].tolist() == [0, 2, 4, 6, 8, 10, 12, 14, 1]
-    assert torch.equal(native.natural_half_order(ordered), scale)
+    assert torch.equal(layouts.natural_half_order(ordered), scale)
 
 
 def test_row_groups_round_trip_and_read_rows():
@@ -88,18 +89,18 @@ def test_row_groups_round_trip_and_read_rows():
     are padded with zeros to a multiple of 4, and single rows read back.
     Groups of one row are the per-row layout."""
     v = torch.arange(6 * 3 * 2).reshape(6, 6)            # 6 rows, 3 blocks of 2 entries
-    grouped = native.row_grouped(v, 3, 4)
+    grouped = layouts.row_grouped(v, 3, 4)
     assert grouped.shape == (8, 6)
     # The first group's first block: rows 0..3's entries 0-1, then block 1.
     assert grouped[0].tolist() == [0, 1, 6, 7, 12, 13]
     assert grouped[1].tolist() == [18, 19, 2, 3, 8, 9]
-    assert (native.from_row_groups(grouped, 3, 4)[6:] == 0).all()
-    assert torch.equal(native.from_row_groups(grouped, 3, 4)[:6], v)
+    assert (layouts.from_row_groups(grouped, 3, 4)[6:] == 0).all()
+    assert torch.equal(layouts.from_row_groups(grouped, 3, 4)[:6], v)
     index = torch.tensor([5, 0, 3, 3])
-    assert torch.equal(native.rows_of_groups(grouped, index, 3, 4), v[index])
-    assert native.padded_rows(6, 4) == 8 and native.padded_rows(8, 4) == 8
-    assert torch.equal(native.row_grouped(v, 3, 1), v) and native.padded_rows(6, 1) == 6
-    assert torch.equal(native.rows_of_groups(v, index, 3, 1), v[index])
+    assert torch.equal(layouts.rows_of_groups(grouped, index, 3, 4), v[index])
+    assert layouts.padded_rows(6, 4) == 8 and layouts.padded_rows(8, 4) == 8
+    assert torch.equal(layouts.row_grouped(v, 3, 1), v) and layouts.padded_rows(6, 1) == 6
+    assert torch.equal(layouts.rows_of_groups(v, index, 3, 1), v[index])
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q6", "q8"])
@@ -156,10 +157,10 @@ def test_activations_are_quantized_per_group_of_32(kernels):
     assert ((got[:, :300] - x.double()).abs() <= step[:, :300] / 2 + 1e-7).all()
     assert (got[:, 300:] == 0).all() and (rows.scale[:, 10:] == 0).all()   # the padding
     assert (got[1] == 0).all() and torch.isfinite(rows.scale).all()
-    sums = native.from_chunks(rows.values).double().reshape(3, 16, 32).sum(-1)
+    sums = layouts.from_chunks(rows.values).double().reshape(3, 16, 32).sum(-1)
     torch.testing.assert_close(rows.scaled_sums.double(), rows.scale.double() * sums)
     # Each group's largest value maps onto +-127.
-    group_max = native.from_chunks(rows.values).reshape(3, 16, 32)[0, :9].abs().amax(-1)
+    group_max = layouts.from_chunks(rows.values).reshape(3, 16, 32)[0, :9].abs().amax(-1)
     assert (group_max == 127).all()
 
 
@@ -343,6 +344,34 @@ def test_turned_off_by_the_switch(monkeypatch):
         native.reset()
 
 
+def test_without_the_switch_choosing_needs_a_timing(kernels, monkeypatch):
+    """Unforced, whether the products run natively is decided by timing,
+    which the kernels leave to their caller: asked without one they raise
+    and keep nothing; the first decision is kept for later calls."""
+    monkeypatch.delenv(native.SWITCH)
+    native.reset()
+    with pytest.raises(RuntimeError, match="no timing was given"):
+        native.native_kernels()
+    slower = native.Timing(lambda k: "slower here", lambda name, dot, avx2: "slower here")
+    assert native.native_kernels(slower) is None
+    assert native.unavailable_reason() == "slower here" and native.native_kernels() is None
+    native.reset()
+    faster = native.Timing(lambda k: None, lambda name, dot, avx2: None)
+    assert native.native_kernels(faster) is not None
+    assert native.native_kernels() is native.native_kernels(slower)
+
+
+def test_the_kernels_import_nothing_above_them():
+    """forerun.kernels is a bottom layer: importing all of it loads only
+    itself, forerun.machine and forerun.errors."""
+    script = ("import sys; import forerun.kernels.native, forerun.kernels.self_check; "
+              "print(sorted(m for m in sys.modules if m.startswith('forerun.') and not "
+              "m.startswith(('forerun.kernels', 'forerun.machine', 'forerun.errors'))))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.strip() == "[]", done.stderr
+
+
 def test_no_compiler_means_torch_kernels(fresh_cache, monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     kernels = native.native_kernels()
@@ -353,7 +382,7 @@ def test_no_compiler_means_torch_kernels(fresh_cache, monkeypatch):
 def test_a_build_error_is_reported(fresh_cache, monkeypatch, tmp_path):
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(build, "SOURCE", broken)
     assert native.native_kernels() is None
     assert "failed to build broken.c" in native.unavailable_reason()
     assert not list(fresh_cache.glob("*.so*"))          # no half-written library left
@@ -372,7 +401,7 @@ def _load_in_a_process(cache) -> str:
 
 def _libraries_a_load_builds() -> int:
     """The AVX2 library, and its vpdpbusd build where this CPU has the instruction."""
-    return 1 + (native.dot_build(native._cpu_flags()) is not None)
+    return 1 + (build.dot_build(cpu_flags()) is not None)
 
 
 def test_a_damaged_library_is_built_again(fresh_cache):
@@ -424,8 +453,8 @@ def test_a_read_only_cache_builds_in_a_temporary_folder(fresh_cache, monkeypatch
         # root writes into read-only folders; fail the cache's writes instead.
         def refuse(*args, **kwargs):
             raise PermissionError("read-only")
-        real = native.tempfile.mkstemp
-        monkeypatch.setattr(native.tempfile, "mkstemp",
+        real = build.tempfile.mkstemp
+        monkeypatch.setattr(build.tempfile, "mkstemp",
                             lambda *a, **k: refuse() if str(fresh_cache) in str(k.get("dir"))
                             else real(*a, **k))
     else:
@@ -442,8 +471,8 @@ def test_a_tied_head_shares_its_rows_with_the_embedding(kernels, fmt):
     embedding reads its rows from the head's layout (one copy), and the
     network stored and restored computes the same logits, still sharing
     them."""
-    from forerun.protocol.model_config import ModelConfig
     from forerun.engines.transformer import Transformer
+    from forerun.protocol.model_config import ModelConfig
     from tiny_models import hf_model
 
     model = hf_model("qwen2", hidden_size=96, intermediate_size=256, num_attention_heads=4,
@@ -481,24 +510,24 @@ def test_they_run_only_where_they_beat_torchs(fresh_cache, monkeypatch, winner):
         return {"native": fast, "torch": slow} if winner == "native" else \
             {"native": slow, "torch": fast}
 
-    monkeypatch.setattr(native, "time_against_torch", timing)
-    got = native.native_kernels()
+    monkeypatch.setattr(kernel_choice, "time_against_torch", timing)
+    got = kernel_choice.product_kernels()
     assert (got is not None) == (winner == "native") and calls == [1]
     if winner == "torch":
         assert "torch's kernels were faster" in native.unavailable_reason()
         assert "30.0/40.0" in native.unavailable_reason()
         assert getattr(make_linear(torch.randn(32, 64), None, "q4", CPU), "kernel") == "torch"
     native.reset()
-    assert (native.native_kernels() is not None) == (winner == "native") and calls == [1]
+    assert (kernel_choice.product_kernels() is not None) == (winner == "native") and calls == [1]
     for record in (fresh_cache.parent / "calibration" / "native-kernels").glob("*.json"):
         record.write_text('{"native": [1.0]}')          # damaged: measured again
     native.reset()
-    native.native_kernels()
+    kernel_choice.product_kernels()
     assert calls == [1, 1]
 
 
 def test_the_timing_against_torch_runs(kernels):
-    ms = native.time_against_torch(kernels, repeats=1)
+    ms = kernel_choice.time_against_torch(kernels, repeats=1)
     assert set(ms) == {"native", "torch"}
     assert all(len(v) == 2 and all(0 < t < 1e4 for t in v) for v in ms.values())
 
@@ -507,14 +536,14 @@ def test_the_timing_against_torch_runs(kernels):
 
 def test_the_dot_product_build_follows_the_cpu_flags():
     zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni", "avx512_bf16"}
-    assert native.dot_build(zen4) == ("avx512-vnni", native.DOT_BUILDS[0][2])
-    assert native.dot_build({"avx2", "avx_vnni"}) == ("avx-vnni", native.DOT_BUILDS[1][2])
-    assert native.dot_build({"avx2", "avx512_vnni"}) is None       # VNNI needs 512-bit VL here
-    assert native.dot_build({"avx2", "fma", "f16c"}) is None
+    assert build.dot_build(zen4) == ("avx512-vnni", build.DOT_BUILDS[0][2])
+    assert build.dot_build({"avx2", "avx_vnni"}) == ("avx-vnni", build.DOT_BUILDS[1][2])
+    assert build.dot_build({"avx2", "avx512_vnni"}) is None       # VNNI needs 512-bit VL here
+    assert build.dot_build({"avx2", "fma", "f16c"}) is None
 
 
-@pytest.mark.parametrize("build", ["stand-in", "this CPU's"])
-def test_the_vpdpbusd_code_gives_the_avx2_products_bit_for_bit(kernels, build):
+@pytest.mark.parametrize("which", ["stand-in", "this CPU's"])
+def test_the_vpdpbusd_code_gives_the_avx2_products_bit_for_bit(kernels, which):
     """The products' vpdpbusd code equals the AVX2 build bit for bit, in
     every format, through layers and at any number of rows, each build given
     the weights in its own row groups (4 rows interleaved, with a group part
@@ -522,18 +551,18 @@ def test_the_vpdpbusd_code_gives_the_avx2_products_bit_for_bit(kernels, build):
     the instruction (what a CPU without VNNI can run), and as this CPU's
     VNNI build where it has one."""
     avx2 = native.layer_ops()
-    if build == "stand-in":
-        stand_in = native.build_library(native.STAND_IN_FLAGS)
+    if which == "stand-in":
+        stand_in = native.build_library(build.STAND_IN_FLAGS)
         assert stand_in.instruction == "avx2 stand-in for vpdpbusd"
     else:
-        chosen = native.dot_build(native._cpu_flags())
+        chosen = build.dot_build(cpu_flags())
         if chosen is None:
             pytest.skip("this CPU has no vpdpbusd")
         stand_in = native.build_library(chosen[1])
         assert stand_in.instruction in ("avx512-vnni", "avx-vnni")
     assert avx2.instruction == "avx2"
     assert stand_in.path != avx2.path
-    native._check_same_products(stand_in, avx2)
+    self_check.check_same_products(stand_in, avx2)
     assert (stand_in.row_group, avx2.row_group) in ((4, 1), (1, 1))
     gen = torch.Generator().manual_seed(3)
     k = 768
@@ -562,14 +591,14 @@ def test_the_vnni_builds_compile(fresh_cache):
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler here")
-    for name, _, extra in native.DOT_BUILDS:
-        path = native._build(compiler, extra)
+    for name, _, extra in build.DOT_BUILDS:
+        path = build.compile_library(compiler, extra)
         assert path.is_file() and path.stat().st_size > 1000, name
 
 
 def _as_if_the_cpu_had_vpdpbusd(monkeypatch) -> None:
     """The stand-in build offered as this CPU's dot-product build."""
-    monkeypatch.setattr(native, "dot_build", lambda flags: ("stand-in", native.STAND_IN_FLAGS))
+    monkeypatch.setattr(native, "dot_build", lambda flags: ("stand-in", build.STAND_IN_FLAGS))
 
 
 def test_a_vpdpbusd_build_that_computes_wrongly_is_not_used(altered_source, monkeypatch):
@@ -611,8 +640,8 @@ class _OneProductOff:
                                                ("q8_linear", "8-bit", 9)])
 def test_products_one_step_off_the_avx2_ones_are_caught(kernels, name, label, rows):
     avx2 = native.layer_ops()
-    with pytest.raises(native._Unavailable, match=f"its {label} products of {rows} rows differ"):
-        native._check_same_products(_OneProductOff(avx2, name, rows), avx2)
+    with pytest.raises(build.Unavailable, match=f"its {label} products of {rows} rows differ"):
+        self_check.check_same_products(_OneProductOff(avx2, name, rows), avx2)
 
 
 @pytest.mark.parametrize("winner", ["stand-in", "avx2"])
@@ -621,7 +650,7 @@ def test_the_vpdpbusd_build_is_used_only_where_it_is_faster(fresh_cache, monkeyp
     one once per machine (kept) and used only where it is faster."""
     monkeypatch.delenv(native.SWITCH)
     _as_if_the_cpu_had_vpdpbusd(monkeypatch)
-    monkeypatch.setattr(native, "time_against_torch",
+    monkeypatch.setattr(kernel_choice, "time_against_torch",
                         lambda kernels, repeats=3: {"native": [1.0, 2.0], "torch": [9.0, 9.0]})
     calls = []
 
@@ -629,9 +658,9 @@ def test_the_vpdpbusd_build_is_used_only_where_it_is_faster(fresh_cache, monkeyp
         calls.append(sorted(candidates))
         return {name: [1.0, 2.0] if name == winner else [3.0, 4.0] for name in candidates}
 
-    monkeypatch.setattr(native, "time_q4_mlp", timing)
+    monkeypatch.setattr(kernel_choice, "time_q4_mlp", timing)
     for _ in range(2):
-        kernels = native.native_kernels()
+        kernels = kernel_choice.product_kernels()
         want = "avx2" if winner == "avx2" else "avx2 stand-in for vpdpbusd"
         assert kernels.instruction == want and calls == [["avx2", "stand-in"]]
         reason = native.dot_product_reason()

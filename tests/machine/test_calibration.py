@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 import forerun.machine.calibration as calibration
+import forerun.machine.cpu as cpu
 from forerun.machine.calibration import CalibrationStore, cpu_name, machine_fingerprint, valid_costs
 from forerun.protocol.grouping_probe import GroupingResult
 
@@ -82,38 +84,70 @@ def test_an_unwritable_cache_costs_a_warning_not_the_answer(cache):
     assert store.load(valid_costs(2)) is None
 
 
-def _fake_cpuinfo(monkeypatch, tmp_path, flags: str) -> None:
-    path = tmp_path / "cpuinfo"
-    path.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n\n"
-                    f"processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n")
-    monkeypatch.setattr(calibration, "CPUINFO", str(path))
+@pytest.fixture()
+def fake_cpuinfo(monkeypatch, tmp_path):
+    """``fake(flags)``: /proc/cpuinfo as two "AMD EPYC" processors with
+    ``flags``, read afresh (and the real one again after the test)."""
+    def fake(flags: str) -> None:
+        path = tmp_path / "cpuinfo"
+        path.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n\n"
+                        f"processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(cpu, "CPUINFO", str(path))
+        cpu.cpu_info.cache_clear()
+        machine_fingerprint.cache_clear()
+
+    yield fake
+    cpu.cpu_info.cache_clear()
     machine_fingerprint.cache_clear()
 
 
-def test_two_cpus_of_one_name_are_told_apart_by_their_kernel_extensions(monkeypatch, tmp_path):
+def test_two_cpus_of_one_name_are_told_apart_by_their_kernel_extensions(fake_cpuinfo):
     """Two machines here both call themselves "AMD EPYC"; one has
     AVX512-BF16, the other AVX2 only.  Reports and stored measurements must
     not confuse them."""
-    try:
-        _fake_cpuinfo(monkeypatch, tmp_path, "fpu sse2 avx fma avx2 avx512f avx512_bf16 avx512_vnni")
-        wide, wide_print = cpu_name(), machine_fingerprint()
-        machine_fingerprint.cache_clear()
-        _fake_cpuinfo(monkeypatch, tmp_path, "fpu sse2 avx fma avx2")
-        narrow, narrow_print = cpu_name(), machine_fingerprint()
-    finally:
-        machine_fingerprint.cache_clear()
+    fake_cpuinfo("fpu sse2 avx fma avx2 avx512f avx512_bf16 avx512_vnni")
+    wide, wide_print = cpu_name(), machine_fingerprint()
+    fake_cpuinfo("fpu sse2 avx fma avx2")
+    narrow, narrow_print = cpu_name(), machine_fingerprint()
     assert wide == "AMD EPYC [avx2 fma avx512f avx512_vnni avx512_bf16]"
     assert narrow == "AMD EPYC [avx2 fma]"
     assert wide_print != narrow_print
 
 
-def test_the_llama_cpp_engine_reads_amx_from_the_same_flags(monkeypatch, tmp_path):
+def test_the_llama_cpp_engine_reads_amx_from_the_same_flags(fake_cpuinfo):
     """llama.cpp's extra buffers are off where the CPU advertises AMX; the
     engine asks the one /proc/cpuinfo reader."""
     from forerun.engines.llama_cpp_engine import cpu_has_amx, default_extra_buffers
 
-    _fake_cpuinfo(monkeypatch, tmp_path, "fpu avx2 amx_bf16 amx_tile amx_int8")
+    fake_cpuinfo("fpu avx2 amx_bf16 amx_tile amx_int8")
     assert cpu_has_amx() and not default_extra_buffers()
-    _fake_cpuinfo(monkeypatch, tmp_path, "fpu avx2 avx512f")
+    fake_cpuinfo("fpu avx2 avx512f")
     assert not cpu_has_amx() and default_extra_buffers()
-    machine_fingerprint.cache_clear()
+
+
+def test_the_cpu_is_read_once_and_its_model_and_flags_kept(fake_cpuinfo):
+    """Model name and flags come from the first processor, x86 or ARM
+    names alike; the file is read once until the cache is cleared."""
+    fake_cpuinfo("fpu avx2 fma")
+    assert cpu.cpu_info() == cpu.CpuInfo("AMD EPYC", frozenset({"fpu", "avx2", "fma"}))
+    assert cpu.cpu_flags() == {"fpu", "avx2", "fma"}
+    Path(cpu.CPUINFO).write_text("Hardware\t: BCM2835\nFeatures\t: fp asimd\n")
+    assert cpu.cpu_flags() == {"fpu", "avx2", "fma"}        # kept
+    cpu.cpu_info.cache_clear()
+    assert cpu.cpu_info() == cpu.CpuInfo("BCM2835", frozenset({"fp", "asimd"}))
+    Path(cpu.CPUINFO).unlink()
+    cpu.cpu_info.cache_clear()
+    assert cpu.cpu_info() == cpu.CpuInfo("", frozenset())
+
+
+def test_registered_key_parts_key_every_store(cache, monkeypatch):
+    """A layer above registers a part of every key (the native kernels
+    register their switch and source): stores made after it differ by it."""
+    before = CalibrationStore("costs", {"model": "m"})
+    monkeypatch.setattr(calibration, "_KEY_PARTS", dict(calibration._KEY_PARTS))
+    calibration.register_key_part("test_part", lambda: "a")
+    a = CalibrationStore("costs", {"model": "m"})
+    calibration.register_key_part("test_part", lambda: "b")
+    b = CalibrationStore("costs", {"model": "m"})
+    assert a.key["test_part"] == "a" and b.key["test_part"] == "b"
+    assert len({before.path, a.path, b.path}) == 3

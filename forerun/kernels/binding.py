@@ -1,0 +1,218 @@
+"""The ctypes binding of forerun's native library: :class:`NativeKernels`
+wraps its functions (the matrix products of ``avx2_int_products.c``, the
+layer operations of ``avx2_layer_ops.c``) with their argument types, and
+:data:`ABI_VERSION` is the version of their signatures and layouts that a
+library must report to be used."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from forerun.kernels.layouts import GROUP, padded
+
+# How a build's products sum, by what its fr_dot_instruction() returns (the
+# C file's FR_DPBUSD).
+INSTRUCTIONS = {-1: "avx2", 0: "avx2 stand-in for vpdpbusd", 256: "avx-vnni",
+                512: "avx512-vnni"}
+# Bumped whenever the layouts or the functions' signatures change (the
+# packed-weight cache is keyed by it).
+ABI_VERSION = 6
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+@dataclass
+class QuantizedRows:
+    """Activations ``[T, K]`` as the kernels read them: int8 ``values``
+    ``[T, Kp]`` in the chunk layout, and per group of 32 the ``scale`` and
+    the scale times the group's sum (``scaled_sums``), ``[T, Kp / 32]``."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    scaled_sums: torch.Tensor
+
+
+class NativeKernels:
+    """The loaded library.  Every method takes contiguous CPU tensors, and
+    the products take matrices in the layouts of :mod:`forerun.kernels.layouts`,
+    of the shapes :func:`~forerun.kernels.layouts.check_matrix` accepts
+    (the layers check theirs once, when built or restored, not per call), and
+    inputs no longer than the matrices' padded columns."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        # How its products sum (:data:`INSTRUCTIONS`): "avx2", "avx512-vnni", ...
+        self.instruction = INSTRUCTIONS.get(lib.fr_dot_instruction(), "unknown")
+        # The rows of its row groups (to_row_groups): the layout of every
+        # matrix it multiplies, 4 in the AVX512-VNNI build, 1 in the AVX2 one.
+        self.row_group: int = lib.fr_row_group()
+        self._quantize = lib.fr_quantize_rows
+        self._quantize.argtypes = [_P, _I, _I, _I, _P, _P, _P]
+        self._quantize.restype = None
+        self._q4 = lib.fr_q4_matmul
+        self._q4.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _I]
+        self._q4.restype = None
+        self._q8 = lib.fr_q8_matmul
+        self._q8.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, _I]
+        self._q8.restype = None
+        self._q4_linear = lib.fr_q4_linear
+        self._q4_linear.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _I]
+        self._q4_linear.restype = _I
+        self._q8_linear = lib.fr_q8_linear
+        self._q8_linear.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I]
+        self._q8_linear.restype = _I
+        self._q6_linear = lib.fr_q6_linear
+        self._q6_linear.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I]
+        self._q6_linear.restype = _I
+        self._rms_norm = lib.fr_rms_norm
+        self._rms_norm.argtypes = [_P, _I, _I, _P, ctypes.c_float, _P]
+        self._rms_norm.restype = None
+        self._silu_mul = lib.fr_silu_mul
+        self._silu_mul.argtypes = [_P, _I, _I, _P]
+        self._silu_mul.restype = None
+        self._attention = lib.fr_attention
+        self._attention.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _I]
+        self._attention.restype = _I
+
+    def quantize(self, x: torch.Tensor) -> QuantizedRows:
+        """``x`` float32 ``[T, K]`` quantized to int8 per group of 32."""
+        x = x.float().contiguous()
+        t, k = x.shape
+        kp = padded(k)
+        values = torch.empty(t, kp, dtype=torch.int8)
+        scale = torch.empty(t, kp // GROUP)
+        sums = torch.empty(t, kp // GROUP)
+        self._quantize(x.data_ptr(), t, k, kp, values.data_ptr(), scale.data_ptr(),
+                       sums.data_ptr())
+        return QuantizedRows(values, scale, sums)
+
+    def q4_matmul(self, x: QuantizedRows, q: torch.Tensor, scale: torch.Tensor,
+                  minimum: torch.Tensor, n: int) -> torch.Tensor:
+        """``[T, n]`` float32 products of ``x`` with the 4-bit matrix of ``n``
+        rows: ``q`` ``[Np, Kp / 2]`` (:func:`pack_nibbles`), ``scale`` and
+        ``minimum`` ``[Np, Kp / 32]`` float16, each in this build's row groups
+        (:func:`to_row_groups`; ``Np`` is ``n`` padded to
+        :attr:`row_group`)."""
+        t, kp = x.values.shape
+        y = torch.empty(t, n)
+        self._q4(q.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, kp,
+                 x.values.data_ptr(), x.scale.data_ptr(), x.scaled_sums.data_ptr(), t,
+                 y.data_ptr(), torch.get_num_threads())
+        return y
+
+    def q8_matmul(self, x: QuantizedRows, q: torch.Tensor, scale: torch.Tensor,
+                  n: int) -> torch.Tensor:
+        """``[T, n]`` float32 products of ``x`` with the int8 matrix of ``n``
+        rows: ``q`` ``[Np, Kp]`` (:func:`to_chunks`, in row groups) and its
+        float32 row ``scale`` ``[Np]``."""
+        t, kp = x.values.shape
+        y = torch.empty(t, n)
+        self._q8(q.data_ptr(), scale.data_ptr(), n, kp, x.values.data_ptr(),
+                 x.scale.data_ptr(), t, y.data_ptr(), torch.get_num_threads())
+        return y
+
+    def q4_linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                  minimum: torch.Tensor, n: int) -> torch.Tensor:
+        """:meth:`quantize` then :meth:`q4_matmul` in one call (what a
+        layer runs: no tensors for the quantized activations)."""
+        x = x.float().contiguous()
+        t, k = x.shape
+        kp = 2 * q.shape[1]
+        y = torch.empty(t, n)
+        if self._q4_linear(x.data_ptr(), t, k, kp, q.data_ptr(), scale.data_ptr(),
+                           minimum.data_ptr(), n, y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
+        return y
+
+    def q8_linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                  n: int) -> torch.Tensor:
+        """:meth:`quantize` then :meth:`q8_matmul` in one call."""
+        x = x.float().contiguous()
+        t, k = x.shape
+        kp = q.shape[1]
+        y = torch.empty(t, n)
+        if self._q8_linear(x.data_ptr(), t, k, kp, q.data_ptr(), scale.data_ptr(), n,
+                           y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
+        return y
+
+    def q6_linear(self, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+                  scale: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
+        """``[T, n]`` float32 products of ``x`` ``[T, K]`` (quantized to int8
+        per group of 32 in the call) with the 6-bit matrix of ``n`` rows:
+        :func:`pack_nibbles` ``low`` ``[Np, Kp / 2]``, :func:`pack_high_bits`
+        ``high`` ``[Np, Kp / 4]``, :func:`half_group_order` int8 ``scale``
+        ``[Np, Kp / 16]`` and float32 ``d`` ``[Np, Kp / 256]``, each in row
+        groups."""
+        x = x.float().contiguous()
+        t, k = x.shape
+        kp = 2 * low.shape[1]
+        y = torch.empty(t, n)
+        if self._q6_linear(x.data_ptr(), t, k, kp, low.data_ptr(),
+                           high.data_ptr(), scale.data_ptr(), d.data_ptr(), n, y.data_ptr(),
+                           torch.get_num_threads()):
+            raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
+        return y
+
+    # -- layer operations (float32, contiguous, CPU) --------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * x / sqrt(mean(x ** 2) + eps)`` per row of ``x`` ``[T, H]``."""
+        x = x.float().contiguous()
+        t, h = x.shape
+        if not (weight.dtype == torch.float32 and weight.is_contiguous()
+                and weight.shape == (h,)):
+            raise ValueError(f"RMSNorm needs a float32 contiguous weight of {h} values, got "
+                             f"{weight.dtype} {tuple(weight.shape)}")
+        y = torch.empty(t, h)
+        self._rms_norm(x.data_ptr(), t, h, weight.data_ptr(), eps, y.data_ptr())
+        return y
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``gate_up = [gate | up]`` ``[T, 2I]``: ``[T, I]``."""
+        gate_up = gate_up.float().contiguous()
+        t, width = gate_up.shape
+        if width % 2:
+            raise ValueError(f"SiLU gating needs [gate | up] of even width, got {width}")
+        y = torch.empty(t, width // 2)
+        self._silu_mul(gate_up.data_ptr(), t, width // 2, y.data_ptr())
+        return y
+
+    def attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, start: int,
+                  mask: torch.Tensor | None, heads: int) -> torch.Tensor:
+        """One layer's attention for the ``T`` positions whose fused q/k/v
+        projections are ``qkv`` ``[T, (heads + 2 KV) D]``, at cache slots
+        ``start ..``: rotates their queries and keys by ``cos``/``sin``
+        ``[T, D]`` (in place, in ``qkv``), writes their keys and values into
+        the layer's cache ``keys``/``values`` ``[KV, capacity, D]``, and
+        returns ``[T, heads D]``.  ``mask``: None (causal) or uint8
+        ``[T, start + T]``, nonzero where a position sees a slot."""
+        qkv = qkv.float().contiguous()
+        t = qkv.shape[0]
+        kv, capacity, d = keys.shape
+        if not (keys.dtype == values.dtype == torch.float32 and keys.is_contiguous()
+                and values.shape == keys.shape and values.is_contiguous()
+                and qkv.shape[1] == (heads + 2 * kv) * d and heads % kv == 0
+                and cos.shape == sin.shape == (t, d) and 0 <= start <= capacity - t
+                and (mask is None or (mask.dtype == torch.uint8 and mask.is_contiguous()
+                                      and mask.shape == (t, start + t)))):
+            raise ValueError(
+                "attention needs float32 contiguous caches [KV, capacity, D] with room for "
+                "T slots at start, q/k/v [T, (heads + 2 KV) D], angles [T, D] and a uint8 "
+                f"mask [T, start + T]; got q/k/v {tuple(qkv.shape)}, caches "
+                f"{tuple(keys.shape)} {keys.dtype}, start {start}, angles {tuple(cos.shape)}, "
+                f"mask {None if mask is None else tuple(mask.shape)}")
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        out = torch.empty(t, heads * d)
+        if self._attention(qkv.data_ptr(), t, heads, kv, d, cos.data_ptr(), sin.data_ptr(),
+                           keys.data_ptr(), values.data_ptr(), capacity, start,
+                           None if mask is None else mask.data_ptr(), out.data_ptr(),
+                           torch.get_num_threads()):
+            raise MemoryError(f"no memory for the attention scores of {start + t} slots")
+        return out

@@ -1,0 +1,179 @@
+"""The checks a built library passes before anything uses it: its products
+of every format against float64 sums of the same quantized values
+(:func:`check_products`), its layer operations against float64 formulas
+(:func:`check_layer_ops`), and a vpdpbusd build's products against the AVX2
+build's, bit for bit (:func:`check_same_products`).  Each raises
+:class:`~forerun.kernels.build.Unavailable` naming what it computes wrongly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forerun.kernels.binding import NativeKernels
+from forerun.kernels.build import Unavailable
+from forerun.kernels.layouts import (
+    BLOCK,
+    GROUP,
+    from_chunks,
+    half_group_order,
+    pack_high_bits,
+    pack_nibbles,
+    padded,
+    padded_rows,
+    row_grouped,
+    to_chunks,
+)
+
+
+@dataclass
+class CheckMatrices:
+    """Random weights of each format, for the checks of a built library: the
+    values, and (``packed4`` .. ``packed8``) the arguments the products take
+    after the activations."""
+
+    q4: torch.Tensor          # [N, Kp] 0..15, with float16 scale and minimum per group
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    q8: torch.Tensor          # [N, Kp] int8, natural order, with a float32 scale per row
+    s8: torch.Tensor
+    q6: torch.Tensor          # [N, Kp] 0..63, an int8 scale per 16 (natural order), d per 256
+    s6: torch.Tensor
+    d6: torch.Tensor
+
+    def packed4(self, rows: int) -> tuple:
+        """The 4-bit matrix's arguments for kernels of row group ``rows``."""
+        b = self.q4.shape[1] // BLOCK
+        return (row_grouped(pack_nibbles(self.q4), b, rows), row_grouped(self.scale, b, rows),
+                row_grouped(self.minimum, b, rows), self.q4.shape[0])
+
+    def packed6(self, rows: int) -> tuple:
+        b = self.q6.shape[1] // BLOCK
+        return (row_grouped(pack_nibbles(self.q6 & 15), b, rows),
+                row_grouped(pack_high_bits(self.q6), b, rows),
+                row_grouped(half_group_order(self.s6), b, rows), row_grouped(self.d6, b, rows),
+                self.q6.shape[0])
+
+    def packed8(self, rows: int) -> tuple:
+        n = self.q8.shape[0]
+        scale = torch.nn.functional.pad(self.s8, (0, padded_rows(n, rows) - n))
+        return (row_grouped(to_chunks(self.q8), self.q8.shape[1] // BLOCK, rows), scale, n)
+
+
+def check_matrices(gen: torch.Generator, n: int, kp: int) -> CheckMatrices:
+    """``n`` random rows of ``kp`` (a multiple of 256) weights per format."""
+    q4 = torch.randint(0, 16, (n, kp), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(n, kp // GROUP, generator=gen) + 0.5).half()
+    minimum = (-8 * scale.float()).half()
+    q8 = torch.randint(-128, 128, (n, kp), dtype=torch.int8, generator=gen)
+    s8 = torch.rand(n, generator=gen) + 0.5
+    q6 = torch.randint(0, 64, (n, kp), dtype=torch.uint8, generator=gen)
+    s6 = torch.randint(-128, 128, (n, kp // 16), dtype=torch.int8, generator=gen)
+    d6 = torch.rand(n, kp // BLOCK, generator=gen) / 64 + 1e-3
+    return CheckMatrices(q4, scale, minimum, q8, s8, q6, s6, d6)
+
+
+def check_products(kernels: NativeKernels) -> None:
+    """The products on random values, against the same sums in float64
+    from the quantized activations the library itself made."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 38, 300                            # padded rows and columns, a part row chunk
+    x = torch.randn(5, k, generator=gen)
+    rows = kernels.quantize(x)
+    kp = padded(k)
+    xq = from_chunks(rows.values).double() * rows.scale.double().repeat_interleave(GROUP, 1)
+    if not torch.allclose(xq[:, :k], x.double(), atol=float(x.abs().max()) / 200):
+        raise Unavailable("the built library quantizes activations wrongly")
+    m = check_matrices(gen, n, kp)
+    w4 = m.q4.double() * m.scale.double().repeat_interleave(GROUP, 1) + \
+        m.minimum.double().repeat_interleave(GROUP, 1)
+    w8 = m.q8.double() * m.s8.double()[:, None]
+    p4, p8 = m.packed4(kernels.row_group), m.packed8(kernels.row_group)
+    got4 = kernels.q4_matmul(rows, *p4)
+    got8 = kernels.q8_matmul(rows, *p8)
+    if not (torch.equal(kernels.q4_linear(x, *p4), got4)
+            and torch.equal(kernels.q8_linear(x, *p8), got8)):
+        raise Unavailable("the built library's one-call products differ from its two-call ones")
+    w6 = ((m.q6.double() - 32) * m.s6.double().repeat_interleave(16, 1)
+          * m.d6.double().repeat_interleave(BLOCK, 1))
+    got6 = kernels.q6_linear(x, *m.packed6(kernels.row_group))
+    for got, w, name in ((got4, w4, "4-bit"), (got6, w6, "6-bit"), (got8, w8, "8-bit")):
+        want = xq @ w.t()
+        if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-3 * float(want.abs().max())):
+            raise Unavailable(f"the built library computes {name} products wrongly "
+                              f"(largest error {float((got.double() - want).abs().max()):.3g})")
+
+
+def check_layer_ops(kernels: NativeKernels) -> None:
+    """The layer operations on random values, against float64 formulas:
+    RMSNorm, SiLU gating, and attention with grouped heads over a cache,
+    causal and masked."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 40, generator=gen), torch.randn(40, generator=gen)
+    want = w.double() * x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    worst = {"RMSNorm": (kernels.rms_norm(x, w, 1e-6).double() - want).abs().max()}
+    gu = 4 * torch.randn(3, 2 * 20, generator=gen, dtype=torch.float64)
+    gate, up = gu.chunk(2, dim=-1)
+    worst["SiLU gating"] = (kernels.silu_mul(gu.float()).double()
+                            - gate * torch.sigmoid(gate) * up).abs().max()
+    heads, kv, d, capacity, start, t = 4, 2, 12, 16, 5, 3
+    qkv = torch.randn(t, (heads + 2 * kv) * d, generator=gen)
+    angles = torch.rand(t, d // 2, generator=gen, dtype=torch.float64) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    mask = torch.rand(t, start + t, generator=gen) < 0.7
+    mask[:, 0] = True
+    for rows in (None, mask):
+        keys = torch.randn(kv, capacity, d, generator=gen)
+        values = torch.randn(kv, capacity, d, generator=gen)
+        cache_k, cache_v = keys.double().clone(), values.double().clone()
+        fed = qkv.double().view(t, heads + 2 * kv, d)
+
+        def rotated(v):
+            half = d // 2
+            return v * cos[:, None] + torch.cat([-v[..., half:], v[..., :half]], -1) * sin[:, None]
+
+        q, k = rotated(fed[:, :heads]), rotated(fed[:, heads:heads + kv])
+        cache_k[:, start:start + t] = k.transpose(0, 1)
+        cache_v[:, start:start + t] = fed[:, heads + kv:].transpose(0, 1)
+        sees = (torch.arange(start + t)[None] <= torch.arange(start, start + t)[:, None]
+                if rows is None else rows)
+        group = heads // kv
+        scores = torch.einsum("thd,hsd->ths", q, cache_k[:, :start + t].repeat_interleave(
+            group, 0)) / d ** 0.5
+        probs = scores.masked_fill(~sees[:, None], float("-inf")).softmax(-1)
+        want = torch.einsum("ths,hsd->thd", probs, cache_v[:, :start + t].repeat_interleave(
+            group, 0)).reshape(t, heads * d)
+        got = kernels.attention(qkv.clone(), cos.float(), sin.float(), keys, values, start,
+                                None if rows is None else rows.to(torch.uint8), heads)
+        name = "attention" if rows is None else "masked attention"
+        worst[name] = max((got.double() - want).abs().max(),
+                          (keys.double() - cache_k).abs().max(),
+                          (values.double() - cache_v).abs().max())
+    for name, error in worst.items():
+        if not error < 1e-4:
+            raise Unavailable(f"the built library computes {name} wrongly "
+                              f"(largest error {float(error):.3g})")
+
+
+def check_same_products(dot: NativeKernels, avx2: NativeKernels) -> None:
+    """``dot``'s products equal ``avx2``'s bit for bit: the 4-, 6- and 8-bit
+    products of 1 to 9 rows, on random values with the extreme weights
+    (products that would overflow an int16 sum if a build let them), each
+    build given the matrices in its own row groups.  Raises Unavailable
+    naming the first that differs."""
+    gen = torch.Generator().manual_seed(2)
+    n, k = 21, 520                            # a part row chunk, and padding
+    m = check_matrices(gen, n, padded(k))
+    m.q4[0], m.q6[0], m.q8[0] = 15, 63, -128  # the largest products
+    packed = {lib.row_group: (m.packed4(lib.row_group), m.packed6(lib.row_group),
+                              m.packed8(lib.row_group)) for lib in (dot, avx2)}
+    for t in range(1, 10):
+        x = torch.randn(t, k, generator=gen) * 3
+        x[0, :64] = 100                      # whole groups at +127
+        for name, run in (("4-bit", lambda lib: lib.q4_linear(x, *packed[lib.row_group][0])),
+                          ("6-bit", lambda lib: lib.q6_linear(x, *packed[lib.row_group][1])),
+                          ("8-bit", lambda lib: lib.q8_linear(x, *packed[lib.row_group][2]))):
+            if not torch.equal(run(dot), run(avx2)):
+                raise Unavailable(f"its {name} products of {t} rows differ from the AVX2 "
+                                  f"build's")
