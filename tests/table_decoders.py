@@ -17,7 +17,7 @@ from typing import Sequence
 import pytest
 import torch
 
-from forerun.protocol.decoder import Capabilities, ForwardOutput
+from forerun.protocol.decoder import Capabilities, EngineSettings, ForwardOutput
 from forerun.errors import CacheStateError, ContextLengthError, InvalidTokenError
 from forerun.decoding.sampling import SamplingParams, probabilities
 
@@ -88,8 +88,8 @@ class TableDecoder:
     group_ceiling = None
 
     @property
-    def settings(self) -> dict:
-        return {"engine": "table"}
+    def settings(self) -> EngineSettings:
+        return EngineSettings(engine="table", device="cpu", threads=1)
 
     # A table lookup runs on one thread, whatever it is told.
     threads = 1

@@ -88,10 +88,7 @@ class BenchContext:
                 raise BenchError(
                     f"no draft model: {self.model.name} has no default draft; "
                     f"pass --draft PRESET|PATH (a model sharing its tokenizer)")
-            from forerun.drafters.registry import load_draft_model
-
-            self._draft_model = load_draft_model(self.model, self.draft_source,
-                                                 progress=self.progress)
+            self._draft_model = self.model.draft_model(self.draft_source)
         return self._draft_model
 
     def source_file(self, which: str = "model") -> Path:

@@ -7,17 +7,20 @@ import re
 from typing import Any, Sequence
 
 from forerun.errors import ForerunError, ModelNotFoundError
+from forerun.speculation.config import SpeculativeConfig, resolve
 from forerun.bench.errors import BenchError
 from forerun.bench.method import BenchContext, BenchMethod, MethodOutput
 from forerun.bench.registry import register_method, register_pattern
 
 
 class ForerunMethod(BenchMethod):
-    """A forerun decoding method: ``Model.generate(draft=..., draft_k=...)``.
+    """A forerun decoding method: ``Model.generate(speculative=...)``.
 
-    ``draft``: a value passed to ``Model.generate`` as is (``None`` for plain
-    decoding, ``"ngram"``...); ``use_draft_model``: pass the run's draft
-    model instead.
+    ``draft`` and ``options`` (``draft_k``, ``draft_lookup``, ``draft_tree``,
+    ``tree_nodes``, ``draft_async``, ...) are the speculation options,
+    resolved once at setup (:func:`forerun.speculation.resolve`): ``draft``
+    as ``Model.generate`` takes it (``None`` for plain decoding,
+    ``"ngram"``...); ``use_draft_model``: the run's draft model instead.
     """
 
     def __init__(self, name: str, *, draft: Any = None, draft_k: int | None = None,
@@ -25,30 +28,29 @@ class ForerunMethod(BenchMethod):
                  options: dict[str, Any] | None = None) -> None:
         self.name = name
         self.draft = draft
-        self.draft_k = draft_k
-        self.options = dict(options or {})   # more keyword arguments of generate
+        self.options = {"draft_k": draft_k, **(options or {})}
         self.use_draft_model = use_draft_model
         self.description = description
         self.baseline = None if draft is None and not use_draft_model else "plain"
-        self._draft = draft
+        self.config: SpeculativeConfig | None = None
 
     def setup(self, ctx: BenchContext) -> None:
-        if self.use_draft_model:
-            self._draft = ctx.draft_model()
+        draft = ctx.draft_model() if self.use_draft_model else self.draft
+        self.config = resolve(draft, **self.options)
 
     def generate(self, ctx: BenchContext, prompt_ids: Sequence[int], *, max_new_tokens: int,
                  temperature: float, seed: int) -> MethodOutput:
         try:
             result = ctx.model.generate(prompt_ids=list(prompt_ids),
                                         max_new_tokens=max_new_tokens,
-                                        temperature=temperature, seed=seed, draft=self._draft,
-                                        draft_k=self.draft_k, **self.options)
+                                        temperature=temperature, seed=seed,
+                                        speculative=self.config)
         except ModelNotFoundError as exc:
-            if isinstance(self._draft, str):
+            if isinstance(self.draft, str):
                 # Model.generate took the name for a draft model's path: this
                 # version of forerun has no such built-in drafter.
                 raise ForerunError(
-                    f"method {self.name}: Model.generate(draft={self._draft!r}) is not "
+                    f"method {self.name}: Model.generate(draft={self.draft!r}) is not "
                     f"supported by this version of forerun ({exc})") from None
             raise
         s = result.stats

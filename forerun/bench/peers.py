@@ -148,7 +148,7 @@ class LlamaCppMethod(BenchMethod):
             decoder = ctx.model.decoder
             # The engine's settings when the model runs on llama.cpp, else
             # llama.cpp's defaults as the engine would pick them.
-            options = decoder.settings if decoder.engine == "llama.cpp" else {}
+            options = dict(decoder.settings.extra) if decoder.engine == "llama.cpp" else {}
             settings = {k: options[k] for k in ("n_threads", "n_batch", "n_ubatch", "flash_attn",
                                                 "cache_type_k", "cache_type_v")
                         if k in options}

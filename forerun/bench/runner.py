@@ -126,9 +126,10 @@ def machine_info(model=None) -> dict[str, Any]:
         decoder = model.decoder
         info["engine"] = decoder.engine
         info["device"] = str(decoder.device)
+        settings = decoder.settings
         for key in ("dtype", "weights"):   # weights: the format that `auto` chose
-            if key in decoder.settings:
-                info[key] = decoder.settings[key]
+            if getattr(settings, key) is not None:
+                info[key] = getattr(settings, key)
     return info
 
 
@@ -196,7 +197,7 @@ def run_bench(settings: BenchSettings, *, model=None, draft=None,
         raise BenchError("no prompts to run")
     methods: list[BenchMethod] = [make_method(n) for n in settings.method_names()]
     if model is None:
-        from forerun.api.model import load
+        from forerun.api import load
 
         model = load(settings.model, engine=settings.engine, weights=settings.weights,
                      context_length=settings.context_length, device=settings.device,

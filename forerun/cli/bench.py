@@ -8,7 +8,7 @@ import datetime as _dt
 import sys
 from pathlib import Path
 
-from forerun.cli.main import WEIGHT_CHOICES
+from forerun.cli.options import WEIGHT_CHOICES
 
 DEFAULT_METHODS = "plain,draft,ngram"
 
@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace):
-    from forerun.drafters.registry import default_draft
+    from forerun.speculation.config import default_draft
     from forerun.loading.presets import DEFAULT_MODEL
     from forerun.bench.errors import BenchError
     from forerun.bench.runner import BenchSettings

@@ -6,88 +6,15 @@ import argparse
 import contextlib
 import json
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+from forerun.cli.options import (add_async_options, add_lookup_option, add_model_options,
+                                 add_sampling_options, add_tree_options)
 from forerun.errors import ForerunError
 
-#: ``--weights`` values: "auto" and forerun.engines.linear.WEIGHT_FORMATS,
-#: written out so that parsing the command line does not import torch
-WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "q8", "q4", "q4-all")
-
-
-def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None,
-                   help="preset name, .gguf file or Hugging Face folder "
-                        "(default: qwen2.5-coder-1.5b)")
-    p.add_argument("--context-length", type=int, default=None,
-                   help="KV cache size in positions (default: the model's, at most 4096)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda, mps or cpu)")
-    p.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
-                   help="torch: forerun's PyTorch engine (default); llama.cpp: run the GGUF "
-                        "with llama.cpp (needs: pip install 'forerun[llama]'); a draft "
-                        "model given by name runs on the same engine")
-    p.add_argument("--weights", default="auto",
-                   choices=WEIGHT_CHOICES,
-                   help="the torch engine's weight format: q4 (4-bit groups; a GGUF's Q4 "
-                        "and Q6_K tensors as they are, its other 5-to-8-bit ones as int8), "
-                        "q4-all (every "
-                        "matrix 4-bit: smaller, less faithful; what a draft runs in), q8 "
-                        "(int8), bfloat16, float32, or auto (default: for a GGUF, the "
-                        "fastest on this machine, measured once)")
-    p.add_argument("--draft", "-d", default=None,
-                   help="speculative decoding with this draft: a preset, .gguf file or "
-                        "folder sharing the model's tokenizer, 'ngram' (prompt lookup), "
-                        "'medusa' (the preset's shipped Medusa heads; 'medusa:FILE' for "
-                        "others), or 'none' for plain decoding "
-                        "(default: the preset's own: ngram for qwen2.5-coder-1.5b, or its "
-                        "draft model qwen2.5-coder-0.5b where --draft-tree, --tree-nodes, "
-                        "--draft-lookup or --draft-async asks for a draft model; none for a "
-                        "path)")
-    p.add_argument("--draft-k", type=int, default=None,
-                   help="fixed draft length (default: chosen every round from measured costs)")
-
-
-def _add_tree_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-tree", action="store_true",
-                   help="the draft model drafts a token tree by its own probabilities, "
-                        "verified in one forward (torch engine); its node budget is chosen "
-                        "every round from measured costs")
-    p.add_argument("--tree-nodes", type=int, default=None,
-                   help="a fixed node budget for the draft tree (implies --draft-tree), or "
-                        "the node count of a Medusa tree")
-
-
-def _add_lookup_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-lookup", action=argparse.BooleanOptionalAction, default=None,
-                   help="prompt lookup beside the draft model: each round drafts from the "
-                        "prompt and the text so far, or with the draft model, whichever "
-                        "is expected to pay more (default: on for a draft model drafting "
-                        "chains of a chosen length; --no-draft-lookup: the draft model "
-                        "alone)")
-
-
-def _add_async_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-async", action="store_true",
-                   help="run the draft model in a thread of its own, drafting ahead while "
-                        "the model verifies (same output; --stats says whether it paid)")
-    p.add_argument("--draft-threads", type=int, default=None,
-                   help="with --draft-async: the draft model's CPU threads (default 1)")
-    p.add_argument("--target-threads", type=int, default=None,
-                   help="with --draft-async: the model's CPU threads while the draft runs "
-                        "beside it (default: its own count less the draft's, at least 1)")
-
-
-def _add_sampling_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", "-n", type=int, default=256)
-    p.add_argument("--temperature", "-t", type=float, default=0.0,
-                   help="0 is greedy decoding (the default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables it")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 disables it")
-    p.add_argument("--min-p", type=float, default=0.0, help="0 disables it")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[],
-                   help="stop string (repeatable); the text ends just before it")
-
+if TYPE_CHECKING:
+    from forerun.protocol.decoder import EngineSettings
+    from forerun.speculation.config import SpeculativeConfig
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -97,11 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt", help="the prompt ('-' reads it from standard input)")
-    _add_model_options(gen)
-    _add_sampling_options(gen)
-    _add_async_options(gen)
-    _add_tree_options(gen)
-    _add_lookup_option(gen)
+    add_model_options(gen)
+    add_sampling_options(gen)
+    add_async_options(gen)
+    add_tree_options(gen)
+    add_lookup_option(gen)
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is, without the chat template")
     gen.add_argument("--system", default=None, help="a system message for the chat template")
@@ -135,9 +62,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from forerun.api.model import async_split, lookup_option, tree_options
-    from forerun.generation.params import GenerationParams
     from forerun.decoding.sampling import SamplingParams
+    from forerun.generation.params import GenerationParams
 
     # Check the settings before spending seconds on loading a model.
     GenerationParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
@@ -148,16 +74,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.model is not None and not args.model.strip():
         raise ForerunError("--model is empty; give a preset, a .gguf file or a Hugging Face "
                            "folder, or leave --model out for the default")
-    draft = resolve_draft_option(args)
-    split = async_split(draft, args.draft_async, args.draft_threads, args.target_threads)
-    tree = tree_options(draft, args.draft_k, args.draft_tree, args.tree_nodes, split)
-    lookup_option(draft, args.draft_lookup, args.draft_k, tree, split)
+    speculative = speculative_config(args)
     with calibration_notices(shown=not args.quiet):
-        return _generate(args, prompt, draft)
+        return _generate(args, prompt, speculative)
 
 
-def _generate(args: argparse.Namespace, prompt: str, draft: str | None) -> int:
-    from forerun.api.model import load
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    """The command line's :class:`~forerun.speculation.SpeculativeConfig`:
+    --draft and the options that shape it, or the preset's default drafter
+    (its draft model where the options need one); ``--draft none`` turns
+    speculation off.  ``forerun generate`` and ``forerun serve`` both call
+    it."""
+    from forerun.speculation.config import CLI, resolve_for_preset
+
+    return resolve_for_preset(
+        args.model, args.draft, names=CLI, draft_k=args.draft_k,
+        draft_lookup=args.draft_lookup, draft_tree=args.draft_tree,
+        tree_nodes=args.tree_nodes, draft_async=getattr(args, "draft_async", False),
+        draft_threads=getattr(args, "draft_threads", None),
+        target_threads=getattr(args, "target_threads", None))
+
+
+def _generate(args: argparse.Namespace, prompt: str, speculative: SpeculativeConfig) -> int:
+    from forerun.api import load
     from forerun.loading.presets import DEFAULT_MODEL
 
     model = load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
@@ -174,11 +113,8 @@ def _generate(args: argparse.Namespace, prompt: str, draft: str | None) -> int:
         source = {"messages": messages + [{"role": "user", "content": prompt}]}
     stream = model.stream(**source, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, seed=args.seed, stop=args.stop, draft=draft,
-                          draft_k=args.draft_k, draft_async=args.draft_async,
-                          draft_threads=args.draft_threads,
-                          target_threads=args.target_threads, draft_tree=args.draft_tree,
-                          tree_nodes=args.tree_nodes, draft_lookup=args.draft_lookup)
+                          min_p=args.min_p, seed=args.seed, stop=args.stop,
+                          speculative=speculative)
     for delta in stream:
         if not args.json:
             sys.stdout.write(delta)
@@ -239,30 +175,8 @@ def read_prompt(arg: str) -> str:
     return arg
 
 
-def needs_draft_model(args: argparse.Namespace) -> bool:
-    """Whether the options ask for a draft model (--draft-tree, --tree-nodes,
-    --draft-lookup or --no-draft-lookup, --draft-async): then a run without
-    --draft takes its preset's draft model instead of its default drafter."""
-    return bool(getattr(args, "draft_tree", False) or getattr(args, "draft_async", False)
-                or getattr(args, "tree_nodes", None) is not None
-                or getattr(args, "draft_lookup", None) is not None)
-
-
-def resolve_draft_option(args: argparse.Namespace) -> str | None:
-    """The draft to use (:func:`~forerun.drafters.registry.default_draft`):
-    --draft, else the preset's default drafter (its draft model where the
-    options need one); 'none' turns speculation off."""
-    from forerun.drafters.registry import default_draft
-
-    draft = default_draft(args.model, args.draft, needs_model=needs_draft_model(args))
-    if draft is None and args.draft_k is not None:
-        raise ForerunError("--draft-k needs a draft: add --draft PRESET|PATH|ngram|medusa "
-                           "(or drop --draft-k)")
-    return draft
-
-
-def print_stats(result, out, settings: dict | None = None,
-                draft_settings: dict | None = None) -> None:
+def print_stats(result, out, settings: EngineSettings | None = None,
+                draft_settings: EngineSettings | None = None) -> None:
     s = result.stats
     lines = [engine_line(settings)] if settings else []
     if draft_settings:
@@ -294,22 +208,20 @@ def print_stats(result, out, settings: dict | None = None,
     out.write("\n".join(lines) + "\n")
 
 
-def engine_line(settings: dict, label: str = "engine") -> str:
+def engine_line(settings: EngineSettings, label: str = "engine") -> str:
     """What ran the model (or, under another ``label``, its draft model):
-    engine, device, weight format and kernels."""
+    engine, device, weight format and kernels, threads."""
     from forerun.engines.linear import QUANTIZED_FORMATS
 
-    line = f"{label}: {settings.get('engine')} on {settings.get('device')}"
-    if "weights" in settings:
-        line += f", weights {settings['weights']}"
-        if settings.get("kernels") == "native":
-            line += f" (forerun's native kernels, {settings.get('instruction', 'avx2')})"
-        elif settings.get("weights") in QUANTIZED_FORMATS:
+    line = f"{label}: {settings.engine} on {settings.device}"
+    if settings.weights is not None:
+        line += f", weights {settings.weights}"
+        if settings.kernels == "native":
+            line += f" (forerun's native kernels, {settings.instruction or 'avx2'})"
+        elif settings.kernels is not None and settings.weights in QUANTIZED_FORMATS:
             line += " (torch's kernels)"
-    if "threads" in settings:
-        n = settings["threads"]
-        line += f", {n} thread{'' if n == 1 else 's'}"
-    return line
+    n = settings.threads
+    return line + f", {n} thread{'' if n == 1 else 's'}"
 
 
 def _async_lines(s) -> list[str]:

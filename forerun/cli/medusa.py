@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from forerun.api.model import load
+    from forerun.api import load
     from forerun.training.medusa import TrainSettings, train_medusa
 
     settings = TrainSettings(heads=args.heads, epochs=args.epochs, lr=args.lr,
@@ -86,7 +86,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     model = load(args.model, context_length=args.seq_len, device=args.device,
                  progress=not args.quiet)
     caps = model.decoder.capabilities
-    if not (caps.hidden_states and caps.network):
+    if not (caps.hidden_states and caps.output_layer):
         raise ForerunError("training Medusa heads needs forerun's torch engine "
                            "(hidden states and the LM head)")
 

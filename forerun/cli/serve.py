@@ -15,15 +15,15 @@ DEFAULT_PREFIX_CACHE_MB = 1024
 
 
 def add_parser(sub) -> None:
-    from forerun.cli.main import _add_lookup_option, _add_model_options, _add_tree_options
+    from forerun.cli.options import add_lookup_option, add_model_options, add_tree_options
 
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (needs: pip install 'forerun[server]')",
         description="Serve a model over OpenAI's API (/v1/chat/completions, /v1/completions, "
                     "/v1/models), with speculative decoding and an exact prefix cache.")
-    _add_model_options(p)
-    _add_tree_options(p)
-    _add_lookup_option(p)
+    add_model_options(p)
+    add_tree_options(p)
+    add_lookup_option(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
                    "127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -92,36 +92,28 @@ def _check_options(args: argparse.Namespace) -> None:
 def _build_service(args: argparse.Namespace):
     """Load the model (and its draft model), and assemble the server's parts."""
     import forerun
+    from forerun.cli.main import speculative_config
     from forerun.loading.presets import DEFAULT_MODEL
     from forerun.server.app import Service
     from forerun.server.metrics import Metrics
     from forerun.server.prefix_cache import PrefixCache
-    from forerun.api.model import lookup_option, tree_options
-    from forerun.drafters.registry import draft_kind, load_draft_model
-    from forerun.cli.main import resolve_draft_option
     from forerun.server.translate import Translator
     from forerun.server.worker import EngineWorker
 
+    config = speculative_config(args)   # before the model loads: a bad option fails at once
     name = args.model or DEFAULT_MODEL
     model = forerun.load(name, engine=args.engine, weights=args.weights,
                          context_length=args.context_length,
                          device=args.device, progress=not args.quiet)
-    draft = resolve_draft_option(args)
-    tree = tree_options(draft, args.draft_k, args.draft_tree, args.tree_nodes, None)
-    lookup = lookup_option(draft, args.draft_lookup, args.draft_k, tree, None)
     drafts = {}
-    if draft_kind(draft) == "model":
+    if config.uses_draft_model:
         # On the target's engine, with its context (in q4-all beside a quantized target).
-        loaded = load_draft_model(model, draft, progress=not args.quiet)
-        drafts = {draft: loaded}
-        if loaded.name != draft:
-            drafts[loaded.name] = loaded
+        loaded = model.draft_model(config.draft)
+        drafts = {config.draft: config.draft, loaded.name: config.draft}
     ids = [model.name] + ([name] if name != model.name else [])
-    translator = Translator(model, ids, drafts, draft,
-                            {"draft_k": args.draft_k, "draft_tree": args.draft_tree,
-                             "tree_nodes": args.tree_nodes, "draft_lookup": args.draft_lookup})
-    # Check the default drafter now, not on the first request.
-    model.generate(prompt_ids=[0], max_new_tokens=1, **translator.default_options())
+    translator = Translator(model, ids, drafts, config)
+    # Build the default drafter now, not on the first request.
+    model.generate(prompt_ids=[0], max_new_tokens=1, speculative=config)
     prefix_cache = PrefixCache(model.decoder, limit_bytes=int(args.prefix_cache_mb * 2 ** 20),
                                enabled=not args.no_prefix_cache)
     worker_ref = []
@@ -132,8 +124,4 @@ def _build_service(args: argparse.Namespace):
     worker_ref.append(worker)
     service = Service(translator, worker, metrics, api_key=args.api_key,
                       created=int(time.time()))
-    engine = model.decoder.engine
-    shape = (f", trees of {args.tree_nodes} nodes" if args.tree_nodes else
-             ", trees" if args.draft_tree else f", k={args.draft_k}" if args.draft_k else
-             ", with prompt lookup" if lookup else "")
-    return service, f"{model.name} ({engine}, draft: {draft or 'none'}{shape})"
+    return service, f"{model.name} ({model.decoder.engine}, draft: {config.describe()})"

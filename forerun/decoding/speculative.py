@@ -42,7 +42,7 @@ drafted nodes fed.
 from __future__ import annotations
 
 import time
-from typing import Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 import torch
 
@@ -57,6 +57,9 @@ from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.finite import finite
 from forerun.decoding.prefill import prefill
 from forerun.decoding.tree_acceptance import accept_tree_greedy, accept_tree_sampled, accept_tree_typical
+
+if TYPE_CHECKING:
+    from forerun.machine.calibration import CalibrationStore
 
 __all__ = ["MAX_DRAFT_LENGTH", "Planner", "SpeculativeDecoding"]
 
@@ -110,12 +113,15 @@ class SpeculativeDecoding(DraftAndVerify):
     costs, up to ``max_k``.  Any other drafting comes as a ``planner``.
     ``lossy_typical``: Medusa's typical acceptance when sampling, which is
     **not** lossless (see :mod:`~forerun.decoding.tree_acceptance`).
+    ``cost_store``: where the measured verification costs persist on this
+    machine (``None``: measured afresh by each method object).
     """
 
     def __init__(self, target: Decoder, drafter: Drafter | None = None, *,
                  k: int | None = None, max_k: int = 8, name: str | None = None,
                  planner: Planner | None = None, lossy_typical: bool = False,
-                 typical_threshold: float = 0.09, typical_alpha: float = 0.3) -> None:
+                 typical_threshold: float = 0.09, typical_alpha: float = 0.3,
+                 cost_store: CalibrationStore | None = None) -> None:
         if planner is None:
             if drafter is None:
                 raise ConfigError("speculative decoding needs a drafter or a planner")
@@ -137,7 +143,7 @@ class SpeculativeDecoding(DraftAndVerify):
         self.typical_threshold = typical_threshold
         self.typical_alpha = typical_alpha
         self._calibrated = False
-        self.cost_store = None   # optional: persists calibration (see api)
+        self.cost_store = cost_store
         self.nodes_verified = 0
 
     def _calibrate(self, token: int) -> None:

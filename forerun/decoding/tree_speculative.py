@@ -33,8 +33,10 @@ class TreeSpeculativeDecoding(SpeculativeDecoding):
                  tree: TreeShape | Sequence[Sequence[int]] | None = None,
                  nodes: int | None = None, max_nodes: int = 16,
                  lossy_typical: bool = False, typical_threshold: float = 0.09,
-                 typical_alpha: float = 0.3, name: str | None = None) -> None:
+                 typical_alpha: float = 0.3, name: str | None = None,
+                 cost_store=None) -> None:
         planner = RankTreePlanner(drafter, tree=tree, nodes=nodes, max_nodes=max_nodes)
         super().__init__(target, name=name, planner=planner, lossy_typical=lossy_typical,
-                         typical_threshold=typical_threshold, typical_alpha=typical_alpha)
+                         typical_threshold=typical_threshold, typical_alpha=typical_alpha,
+                         cost_store=cost_store)
         self.drafter = drafter

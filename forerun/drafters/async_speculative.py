@@ -73,12 +73,15 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
 
     def __init__(self, target: Decoder, drafter: AsyncDraftModelDrafter, *,
                  k: int | None = None, target_threads: int | None = None,
-                 verify_group: int | None = None, max_k: int = 8) -> None:
-        super().__init__(target, drafter, k=k, max_k=max_k, name="draft-async")
+                 verify_group: int | None = None, max_k: int = 8, cost_store=None,
+                 reference_store=None) -> None:
+        super().__init__(target, drafter, k=k, max_k=max_k, name="draft-async",
+                         cost_store=cost_store)
         self.target_threads = target_threads
         self.verify_group = verify_group
         self.reference: SyncReference | None = None
-        self.reference_store = None   # optional: the synchronous method's cost store
+        #: the synchronous method's cost store (None: measured afresh)
+        self.reference_store = reference_store
 
     def run(self, prompt_ids: list[int], sampler: TokenSampler,
             stats: GenerationStats) -> Iterator[list[int]]:

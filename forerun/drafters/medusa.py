@@ -394,20 +394,21 @@ class MedusaDrafter:
     @classmethod
     def for_decoder(cls, heads: MedusaHeads, decoder, name: str = "the model",
                     **kwargs) -> "MedusaDrafter":
-        """A drafter for forerun's engine: checks the heads against the model
+        """A drafter for a decoder with hidden states and an output layer
+        (``capabilities.output_layer``): checks the heads against the model
         and moves them to its device and dtype."""
-        network = decoder.model
-        heads.check_base(network.config.hidden_size, network.config.vocab_size, name)
+        layer = decoder.output_layer
+        heads.check_base(layer.hidden_size, layer.vocab_size, name)
         base = str(heads.info.get("base_model") or "")
         if base and name != "the model" and base != name and heads.info.get("source") != "medusa":
             warnings.warn(f"these Medusa heads were trained for {base}, not {name}; they fit "
                           f"its shape but may draft poorly (the output is unaffected)",
                           stacklevel=2)
-        heads = heads.to(network.device, network.dtype)
+        heads = heads.to(layer.device, layer.dtype)
         if heads.lm_heads is not None:
             return cls(heads, None, **kwargs)
         # Only the candidate vocabulary's rows of the LM head, as float.
-        rows = network.lm_head.weight_rows(heads.vocab).to(network.dtype)
+        rows = layer.weight_rows(heads.vocab).to(layer.dtype)
         return cls(heads, rows, rows_selected=heads.vocab is not None, **kwargs)
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
@@ -472,7 +473,7 @@ def medusa_drafter(model, draft) -> "MedusaDrafter":
     if hasattr(draft, "candidates"):
         return draft
     decoder = model.decoder
-    if not (decoder.capabilities.hidden_states and decoder.capabilities.network):
+    if not (decoder.capabilities.hidden_states and decoder.capabilities.output_layer):
         raise ConfigError(f"Medusa needs forerun's torch engine (the target's hidden states "
                           f"and LM head); {model.name} runs on another engine")
     if isinstance(draft, MedusaHeads):

@@ -51,9 +51,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from forerun.machine.calibration import cpu_flags
+from forerun.machine.cpu import cpu_flags
 from forerun.protocol.cache_positions import CachePositions
-from forerun.protocol.decoder import Capabilities, ForwardOutput
+from forerun.protocol.decoder import Capabilities, EngineSettings, ForwardOutput
 from forerun.errors import CacheStateError, ConfigError, EngineError, EngineUnavailableError, InvalidTokenError, ModelFormatError, ModelNotFoundError, UnsupportedOperationError
 from forerun.engines.base import EngineDecoder
 
@@ -326,15 +326,18 @@ class LlamaCppDecoder(EngineDecoder):
         return self._vocab
 
     @property
-    def settings(self) -> dict:
+    def settings(self) -> EngineSettings:
         """Everything that decides which kernels run (and so the numerics
         and the costs): the engine options, the weight buffers, llama.cpp's
-        version."""
+        version.  ``weights`` is None: llama.cpp runs the GGUF's own
+        quantization."""
         self._check_open()
         options = {k: v for k, v in self.options.items() if k != "verbose"}
-        return {"engine": self.engine, "device": self.device,
-                "extra_buffers": self._model.extra_buffers,
-                "llama_cpp": getattr(self._lc, "__version__", "?"), **options}
+        return EngineSettings(
+            engine=self.engine, device=str(self.device), threads=self.options["n_threads"],
+            extra=(("extra_buffers", self._model.extra_buffers),
+                   ("llama_cpp", getattr(self._lc, "__version__", "?")),
+                   *sorted(options.items())))
 
     @property
     def threads(self) -> int:

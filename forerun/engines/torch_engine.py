@@ -8,9 +8,9 @@ from typing import Sequence
 
 import torch
 
-from forerun.protocol.decoder import Capabilities, ForwardOutput
+from forerun.protocol.decoder import Capabilities, EngineSettings, ForwardOutput
 from forerun.errors import CacheStateError, ConfigError, ContextLengthError, InvalidTokenError
-from forerun.kernels import native
+from forerun.engines.kernel_choice import product_kernels
 from forerun.protocol.kv_cache import KVCache
 from forerun.engines.base import EngineDecoder
 from forerun.engines.prefill_kernel import GEMM_ROWS
@@ -44,7 +44,7 @@ class TorchDecoder(EngineDecoder):
 
     engine = "torch"
     capabilities = Capabilities(hidden_states=True, tree_masks=True, slot_compaction=True,
-                                network=True, fork=True)
+                                output_layer=True, fork=True)
     # A verification attends for each position on its own, through the very
     # call a one-position forward makes (Transformer.forward's ``rowwise``),
     # so a group differs from one-by-one forwards only in its matrix
@@ -95,20 +95,24 @@ class TorchDecoder(EngineDecoder):
         return self.model.device
 
     @property
-    def settings(self) -> dict:
+    def settings(self) -> EngineSettings:
         """Everything that decides which kernels run (and so the numerics
         and the costs): the engine, device, activation dtype, weight format,
         matrix kernels (forerun's native ones or torch's; for native ones,
-        the instruction their products sum with), prefill kernel and thread
-        count."""
+        the instruction their products sum with), prefill kernel, thread
+        count and torch's version."""
         kernels = self.model.matrix_kernels
-        settings = {"engine": self.engine, "device": str(self.device),
-                    "dtype": str(self.model.dtype).removeprefix("torch."),
-                    "weights": self.model.weights_format, "kernels": kernels}
-        if kernels == "native":
-            settings["instruction"] = native.native_kernels().instruction
-        return {**settings, "prefill": self.model.prefill_kernel,
-                "threads": torch.get_num_threads(), "torch": torch.__version__}
+        return EngineSettings(
+            engine=self.engine, device=str(self.device), threads=torch.get_num_threads(),
+            weights=self.model.weights_format, kernels=kernels,
+            instruction=product_kernels().instruction if kernels == "native" else None,
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            prefill=self.model.prefill_kernel, extra=(("torch", torch.__version__),))
+
+    @property
+    def output_layer(self) -> "_OutputLayer":
+        """The network's LM head (:class:`~forerun.protocol.decoder.OutputLayer`)."""
+        return _OutputLayer(self.model)
 
     @property
     def threads(self) -> int:
@@ -229,3 +233,17 @@ class TorchDecoder(EngineDecoder):
                                   "setting; it can't be restored here")
         self.cache.restore(payload.data)
         self.cache.set_prefilled(payload.tokens)
+
+
+class _OutputLayer:
+    """A :class:`~forerun.protocol.decoder.OutputLayer` over a network's LM head."""
+
+    def __init__(self, network: Transformer) -> None:
+        self._head = network.lm_head
+        self.hidden_size = network.config.hidden_size
+        self.vocab_size = network.config.vocab_size
+        self.dtype = network.dtype
+        self.device = network.device
+
+    def weight_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self._head.weight_rows(ids)

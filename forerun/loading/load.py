@@ -97,11 +97,11 @@ def load_model_files(spec: str | Path, *, progress: bool = True) -> ModelFiles:
         raise ModelFormatError(
             f"{path} is neither a .gguf file nor a model folder; forerun loads GGUF files "
             f"and Hugging Face folders with safetensors weights")
-    converted = convert_gguf(path, progress=progress, digest=_known_digest(spec))
+    converted = convert_gguf(path, progress=progress, digest=known_digest(spec))
     return load_converted(converted, name, path)
 
 
-def _known_digest(spec: str | Path) -> str | None:
+def known_digest(spec: str | Path) -> str | None:
     """The SHA-256 of a preset's GGUF (checked when it was assembled)."""
     preset = PRESETS.get(str(spec))
     return preset.sha256 if preset is not None else None
@@ -125,7 +125,7 @@ def load_gguf_files(spec: str | Path, *, engine: str = "llama.cpp",
     if path.suffix.lower() != ".gguf":
         raise ModelFormatError(
             f"the {engine} engine runs GGUF files, and {path} is not a .gguf file")
-    config, tokenizer = _gguf_header(path, _known_digest(spec))
+    config, tokenizer = _gguf_header(path, known_digest(spec))
     return ModelFiles(name, config, {}, tokenizer, gguf_path=path)
 
 

@@ -32,10 +32,10 @@ class Preset:
     size: int
     sha256: str
     #: what a command-line run or a server without --draft drafts with
-    #: (see forerun.drafters.registry.default_draft)
+    #: (see forerun.speculation.config.default_draft)
     default_draft: str | None = None
     #: the draft model paired with it (sharing its tokenizer), for the
-    #: options that need one (forerun.cli.main.needs_draft_model) and for
+    #: options that need one (forerun.speculation.config.wants_draft_model) and for
     #: forerun bench's draft-model methods
     draft_model: str | None = None
     # Packages whose own dependencies are not needed (and are heavy).

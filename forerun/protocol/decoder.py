@@ -21,7 +21,7 @@ Vocabulary of the contracts below:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -40,9 +40,9 @@ class Capabilities:
     ``slot_compaction``: ``keep_slots(slots, start)`` moves cache slots
     ``slots`` to contiguous slots from ``start`` and drops the rest (tree
     verification keeps its accepted path with it).
-    ``network``: ``decoder.model`` is forerun's
-    :class:`~forerun.engines.transformer.Transformer`, whose output layer
-    (``lm_head``) Medusa heads draft and train through.
+    ``output_layer``: ``decoder.output_layer`` is the model's own output
+    layer (:class:`OutputLayer`), which Medusa heads draft and train
+    through.
     ``fork``: ``fork()`` gives a second decoder over the same weights with an
     empty cache of its own (a model drafting for itself).
     """
@@ -50,8 +50,66 @@ class Capabilities:
     hidden_states: bool = False
     tree_masks: bool = False
     slot_compaction: bool = False
-    network: bool = False
+    output_layer: bool = False
     fork: bool = False
+
+
+class OutputLayer(Protocol):
+    """A model's own output layer (its LM head), for drafters that draft
+    through it (Medusa heads): ``hidden_size`` inputs, ``vocab_size``
+    rows, activations in ``dtype`` on ``device``."""
+
+    hidden_size: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def weight_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows of ``ids`` (all rows for ``None``) as a float
+        ``[len(ids), hidden_size]`` tensor."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine runs with: everything that decides its kernels, and so
+    its numerics and its costs.
+
+    ``engine``: its name (``"torch"``, ``"llama.cpp"``).  ``device``: where
+    it computes.  ``threads``: its CPU threads for a forward.  ``weights``:
+    the weight format of an engine that chooses one (the torch engine's
+    ``float32``, ``bfloat16``, ``q8``, ``q4``, ``q4-all``); ``None`` for one
+    that runs its file's own quantization (llama.cpp).  ``kernels``: whose
+    matrix kernels run (``"native"``: forerun's own; ``"torch"``), and
+    ``instruction`` the instruction native products sum with; ``None``
+    where that doesn't apply.  ``dtype``: the activation dtype, where the
+    engine has one.  ``prefill``: the prefill kernel, where the engine
+    chooses one.  ``extra``: the engine's other settings (library
+    versions, engine options), as ``(name, value)`` pairs of JSON values.
+
+    :attr:`key` is all of it as one JSON object: the key of the
+    measurements forerun keeps per machine."""
+
+    engine: str
+    device: str
+    threads: int
+    weights: str | None = None
+    kernels: str | None = None
+    instruction: str | None = None
+    dtype: str | None = None
+    prefill: str | None = None
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def key(self) -> dict[str, Any]:
+        """Every setting as one JSON-serialisable dict (unset ones left out)."""
+        key: dict[str, Any] = {"engine": self.engine, "device": self.device,
+                               "threads": self.threads}
+        for name in ("weights", "kernels", "instruction", "dtype", "prefill"):
+            value = getattr(self, name)
+            if value is not None:
+                key[name] = value
+        return {**key, **dict(self.extra)}
 
 
 @dataclass
@@ -112,7 +170,7 @@ class Decoder(Protocol):
     @property
     def capabilities(self) -> Capabilities:
         """What the engine can do beyond this protocol's core (hidden states,
-        tree masks, slot compaction, its network, forks)."""
+        tree masks, slot compaction, its output layer, forks)."""
         ...
 
     #: The most positions one forward of :meth:`feed` or :meth:`forward`
@@ -139,10 +197,9 @@ class Decoder(Protocol):
     probe_context: int
 
     @property
-    def settings(self) -> dict:
-        """Everything that decides which kernels the engine runs (engine,
-        device, weight format, threads, options), as JSON-serialisable
-        values: the key of measurements kept per machine."""
+    def settings(self) -> EngineSettings:
+        """What this engine runs with (weight format, kernels, threads,
+        options): see :class:`EngineSettings`."""
         ...
 
     @property

@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from forerun.drafters.registry import BUILTIN_DRAFTS, NO_DRAFT
 from forerun.errors import ForerunError
+from forerun.speculation.config import (BUILTIN_DRAFTS, NO_DRAFT, PLAIN, SERVER,
+                                        SpeculativeConfig, SpeculativeConfigError, resolve)
 from forerun.server.errors import APIError, bad_request, from_forerun_error, not_found
 from forerun.server.schemas import ChatCompletionRequest, CompletionRequest, _Generation
 
@@ -39,25 +40,18 @@ class Translator:
     """Turns requests into :class:`GenerationSpec` for one served model.
 
     ``model_ids``: the names the model answers to (its id first).
-    ``drafts``: the draft models loaded at start, by name.  ``default_draft``:
-    what a request without ``speculative.draft`` uses (``None``: plain
-    decoding; ``"ngram"``, ``"medusa"``, ``"medusa:PATH"`` or a key of
-    ``drafts``), shaped by ``default_shape`` (``draft_k``, ``draft_tree``,
-    ``tree_nodes``) unless the request shapes its drafter itself.
+    ``drafts``: the draft models loaded at start: each name a request may
+    give, mapped to the draft spec the server resolved.  ``default``: the
+    :class:`~forerun.speculation.SpeculativeConfig` of a request that does
+    not choose its drafter (the server's command line).
     """
 
     def __init__(self, model, model_ids: list[str], drafts: dict[str, Any],
-                 default_draft: str | None, default_shape: dict[str, Any] | None = None
-                 ) -> None:
+                 default: SpeculativeConfig = PLAIN) -> None:
         self.model = model
         self.model_ids = model_ids
         self.drafts = drafts
-        self.default_draft = default_draft
-        self.default_shape = _shape(**(default_shape or {}))
-
-    def default_options(self) -> dict[str, Any]:
-        """The drafter arguments of a request that does not choose one."""
-        return self._resolve(self.default_draft, self.default_shape)
+        self.default = default
 
     # -- the two endpoints ---------------------------------------------------
     def chat(self, req: ChatCompletionRequest) -> GenerationSpec:
@@ -121,8 +115,9 @@ class Translator:
     def draft_names(self) -> list[str]:
         """What ``speculative.draft`` accepts."""
         names = [NO_DRAFT, *BUILTIN_DRAFTS, *self.drafts]
-        if self.default_draft and self.default_draft not in names:
-            names.append(self.default_draft)
+        default = self.default.draft
+        if isinstance(default, str) and default not in names:
+            names.append(default)
         return names
 
     def _reject_unsupported(self, req: _Generation) -> None:
@@ -176,70 +171,39 @@ class Translator:
                                                  and req.stream_options.include_usage))
 
     def _drafter(self, req: _Generation) -> dict[str, Any]:
-        """The request's drafter.  A request that shapes it (``draft_k``,
-        ``draft_tree`` or ``tree_nodes``) takes none of the server's shape;
-        one that names only a drafter gets that drafter's own defaults."""
+        """The request's drafter, as ``{"speculative": config}``.  A request
+        that names no drafter and shapes none gets the server's default; one
+        that shapes its drafter (``draft_k``, ``draft_tree``, ``tree_nodes``,
+        ``draft_lookup``) takes none of the server's shape; one that names
+        only a drafter gets that drafter's own defaults."""
         spec = req.speculative
-        name = self.default_draft if spec is None or spec.draft is None else spec.draft
-        if spec is not None and (spec.draft_k is not None or spec.draft_tree is not None
-                                 or spec.tree_nodes is not None
-                                 or spec.draft_lookup is not None):
-            shape = _shape(spec.draft_k, spec.draft_tree, spec.tree_nodes, spec.draft_lookup)
-        elif spec is None or spec.draft is None:
-            shape = self.default_shape
-        else:
-            shape = _shape()
-        return self._resolve(name, shape)
-
-    def _resolve(self, name: str | None, shape: dict[str, Any]) -> dict[str, Any]:
+        shape = {} if spec is None else {
+            name: value for name in ("draft_k", "draft_tree", "tree_nodes", "draft_lookup")
+            if (value := getattr(spec, name)) is not None}
+        if (spec is None or spec.draft is None) and not shape:
+            return {"speculative": self.default}
+        name = self.default.draft if spec is None or spec.draft is None else spec.draft
         if name is None or name == NO_DRAFT:
-            for field_name, value in shape.items():
-                if value not in (None, False):
-                    raise bad_request(f"speculative.{field_name} needs a drafter; drop it or "
-                                      f"choose speculative.draft",
-                                      param=f"speculative.{field_name}")
-            return {"draft": None}
+            for field_name in shape:
+                raise bad_request(f"speculative.{field_name} needs a drafter; drop it or "
+                                  f"choose speculative.draft",
+                                  param=f"speculative.{field_name}")
+            return {"speculative": PLAIN}
+        draft = self._draft(name)
+        try:
+            return {"speculative": resolve(draft, names=SERVER, **shape)}
+        except SpeculativeConfigError as exc:
+            raise bad_request(str(exc), param=f"speculative.{exc.option}") from None
+
+    def _draft(self, name: Any) -> Any:
+        """The draft a request's ``speculative.draft`` names, or a 400."""
         if name in self.drafts:
-            draft = self.drafts[name]
-        elif name in BUILTIN_DRAFTS or (name == self.default_draft
-                                        and name.startswith("medusa:")):
-            draft = name
-        else:
-            raise bad_request(f"unknown drafter {name!r}; choose one of "
-                              f"{', '.join(map(repr, self.draft_names()))}",
-                              param="speculative.draft")
-        _check_shape(draft, shape)
-        return {"draft": draft, **shape}
-
-
-def _shape(draft_k: int | None = None, draft_tree: bool | None = None,
-           tree_nodes: int | None = None, draft_lookup: bool | None = None) -> dict[str, Any]:
-    return {"draft_k": draft_k, "draft_tree": bool(draft_tree), "tree_nodes": tree_nodes,
-            "draft_lookup": draft_lookup}
-
-
-def _check_shape(draft, shape: dict[str, Any]) -> None:
-    """400 for a drafter shape the drafter cannot take (a tree of n-grams,
-    a chain length and a tree at once, too many nodes)."""
-    from forerun.api.model import lookup_option, tree_options
-    from forerun.decoding.rank_tree_planner import MAX_TREE_NODES
-
-    nodes = shape["tree_nodes"]
-    param = "speculative.tree_nodes" if nodes is not None else "speculative.draft_tree"
-    if nodes is not None and nodes > MAX_TREE_NODES:
-        raise bad_request(f"speculative.tree_nodes is at most {MAX_TREE_NODES}, got {nodes}",
-                          param=param)
-    try:
-        tree = tree_options(draft, shape["draft_k"], shape["draft_tree"], nodes, None)
-    except ForerunError as exc:
-        raise bad_request(str(exc).replace("--tree-nodes", "speculative.tree_nodes")
-                          .replace("--draft-k", "speculative.draft_k"), param=param) from None
-    try:
-        lookup_option(draft, shape["draft_lookup"], shape["draft_k"], tree, None)
-    except ForerunError as exc:
-        raise bad_request(str(exc).replace("(--draft-lookup) ", "")
-                          .replace(" (--draft-k)", ""),
-                          param="speculative.draft_lookup") from None
+            return self.drafts[name]
+        if name in BUILTIN_DRAFTS or name == self.default.draft:
+            return name
+        raise bad_request(f"unknown drafter {name!r}; choose one of "
+                          f"{', '.join(map(repr, self.draft_names()))}",
+                          param="speculative.draft")
 
 
 def _text_of(content: str | list[dict] | None, index: int) -> str:

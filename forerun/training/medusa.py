@@ -215,15 +215,17 @@ class TeacherData:
 
 
 def model_key(decoder, name: str) -> str:
-    """Identifies a base model for the cache: its name, config and a few of
-    its weights."""
-    network = decoder.model
+    """Identifies a base model for the cache: its name, its engine settings
+    (weight format, dtype), its output layer's shape and a few of its
+    weights."""
+    layer = decoder.output_layer
     digest = hashlib.sha256(name.encode())
-    config = network.config.to_dict() if hasattr(network.config, "to_dict") else {}
-    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    corner = network.lm_head.weight_rows(torch.arange(4))[:, :4]
+    shape = {"hidden": layer.hidden_size, "vocab": layer.vocab_size,
+             "settings": {k: v for k, v in decoder.settings.key.items()
+                          if k in ("engine", "weights", "dtype")}}
+    digest.update(json.dumps(shape, sort_keys=True, default=str).encode())
+    corner = layer.weight_rows(torch.arange(4))[:, :4]
     digest.update(str([float(x) for x in corner.reshape(-1)]).encode())
-    digest.update(f"{network.dtype}|{network.weights_format}".encode())
     safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in name)[:60]
     return f"{safe}-{digest.hexdigest()[:16]}"
 
@@ -547,7 +549,8 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
                             progress=progress, desc="base model (training)")
     teacher_seconds = time.perf_counter() - t0
     log(f"base model hidden states and predictions: {teacher_seconds:.1f} s")
-    result = train_heads(train, held, decoder.model.lm_head.weight_rows(), settings, progress=progress,
+    result = train_heads(train, held, decoder.output_layer.weight_rows(), settings,
+                         progress=progress,
                          log=log)
     result.seconds["teacher"] = teacher_seconds
     result.heads.info = {

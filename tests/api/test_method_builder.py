@@ -1,56 +1,18 @@
-"""One set of rules for what a ``draft=`` value names, shared by the API,
-``forerun generate``, ``forerun serve`` and ``forerun bench``."""
+"""The one builder from a speculation config to a decoding method: draft
+models load like the target and are checked against it, and every method
+the API builds keeps plain decoding's greedy output."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 import forerun
-from forerun.drafters.medusa import MedusaHeads
-from forerun.drafters.ngram import NgramDrafter
-from forerun.drafters.registry import (check_draft_model, default_draft, draft_kind,
-                                       draft_weights, load_draft_model)
+from forerun.api.method_builder import check_draft_model, draft_weights, load_draft_model
+from forerun.speculation import resolve
 from forerun.errors import ConfigError, GenerationConfigError, TokenizerError
 from tiny_models import hf_folders
-
-
-@pytest.mark.parametrize("value, kind", [
-    (None, "none"), ("none", "none"), ("None", "none"),
-    ("ngram", "ngram"),
-    ("medusa", "medusa"), ("medusa:/some/heads.safetensors", "medusa"),
-    (NgramDrafter(), "drafter"),
-    ("qwen2.5-coder-0.5b", "model"), ("path/to/draft.gguf", "model"),
-    (Path("some/folder"), "model"),
-])
-def test_draft_kind(value, kind):
-    assert draft_kind(value) == kind
-
-
-def test_medusa_heads_object_is_medusa():
-    heads = MedusaHeads.__new__(MedusaHeads)
-    assert draft_kind(heads) == "medusa"
-
-
-@pytest.mark.parametrize("model, draft, needs_model, expected", [
-    (None, None, False, "ngram"),                         # the default preset's own drafter
-    ("qwen2.5-coder-1.5b", None, False, "ngram"),         # a preset named: the same rule
-    (None, None, True, "qwen2.5-coder-0.5b"),             # options that need a draft model
-    ("qwen2.5-coder-1.5b", None, True, "qwen2.5-coder-0.5b"),
-    ("qwen2.5-coder-0.5b", None, False, None),            # a preset without a draft
-    ("qwen2.5-coder-0.5b", None, True, None),
-    ("smollm2-135m", None, False, None),
-    ("path/to/model.gguf", None, False, None),            # a path: no default
-    ("path/to/model.gguf", None, True, None),
-    (None, "none", False, None), ("qwen2.5-coder-1.5b", "NONE", True, None),
-    (None, "ngram", True, "ngram"),                        # a given draft stays as given
-    ("path/to/model.gguf", "medusa:h", False, "medusa:h"),
-    ("qwen2.5-coder-1.5b", "other.gguf", False, "other.gguf"),
-])
-def test_default_draft_is_one_rule(model, draft, needs_model, expected):
-    assert default_draft(model, draft, needs_model=needs_model) == expected
 
 
 def _model(name, fingerprint, context):
@@ -80,8 +42,8 @@ def test_a_draft_path_loads_like_the_target(tiny):
     target, draft_folder = tiny
     draft = load_draft_model(target, draft_folder)
     assert draft.decoder.context_length == target.decoder.context_length
-    assert draft.decoder.settings["weights"] == target.decoder.settings["weights"]
-    assert draft.decoder.settings["engine"] == target.decoder.settings["engine"]
+    assert draft.decoder.settings.weights == target.decoder.settings.weights
+    assert draft.decoder.settings.engine == target.decoder.settings.engine
 
 
 def test_a_quantized_targets_draft_runs_every_matrix_in_4_bits(tiny):
@@ -94,7 +56,7 @@ def test_a_quantized_targets_draft_runs_every_matrix_in_4_bits(tiny):
     quantized = forerun.load(target.source, context_length=64, device="cpu", weights="q8",
                              progress=False)
     draft = load_draft_model(quantized, draft_folder)
-    assert draft.decoder.settings["weights"] == "q4-all"
+    assert draft.decoder.settings.weights == "q4-all"
     layer = draft.decoder.model.layers[0].gate_up
     assert layer.format == "q4"
 
@@ -121,7 +83,7 @@ def test_api_draft_tree_matches_plain_and_refuses_wrong_combinations(tiny):
         (dict(draft=draft_folder, draft_tree=True, draft_k=3), "draft_k drafts a chain"),
         (dict(draft=draft_folder, tree_nodes=3, draft_async=True), "asynchronous drafting"),
         (dict(draft=draft_folder, tree_nodes=0), "tree_nodes must be a positive integer"),
-        (dict(draft=draft_folder, draft_tree="yes"), "draft_tree must be True or False"),
+        (dict(draft=draft_folder, draft_tree="yes"), "draft_tree must be true or false"),
         (dict(draft=None, draft_tree=True), "need a draft model"),
     ]
     for kwargs, message in wrong:
@@ -136,7 +98,7 @@ def test_api_draft_lookup_matches_plain_and_refuses_wrong_combinations(tiny):
     out = target.generate(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True,
                           draft=draft_folder, draft_lookup=True)
     assert out.tokens == plain.tokens and out.stats.method == "draft+lookup"
-    method, _ = target._method(draft_folder, lookup=True)
+    method, _ = target._method(resolve(draft_folder, draft_lookup=True))
     assert method.planner.model.context.window == 256
     # By default a draft model drafts beside prompt lookup where it can: not
     # with a fixed length, a tree or asynchronous drafting, nor when told not to.
@@ -150,12 +112,12 @@ def test_api_draft_lookup_matches_plain_and_refuses_wrong_combinations(tiny):
                               draft=draft_folder, **kwargs)
         assert out.tokens == plain.tokens and out.stats.method == name, kwargs
     wrong = [
-        (dict(draft="ngram", draft_lookup=True), "for prompt lookup alone use draft='ngram'"),
+        (dict(draft="ngram", draft_lookup=True), "for prompt lookup alone draft with 'ngram'"),
         (dict(draft=None, draft_lookup=True), "adds prompt lookup to a draft model"),
         (dict(draft=draft_folder, draft_lookup=True, draft_k=2), "drop draft_k"),
         (dict(draft=draft_folder, draft_lookup=True, draft_tree=True), "drop draft_tree"),
         (dict(draft=draft_folder, draft_lookup=True, draft_async=True), "draft_async"),
-        (dict(draft=draft_folder, draft_lookup=1), "draft_lookup must be True, False or None"),
+        (dict(draft=draft_folder, draft_lookup=1), "draft_lookup must be true, false or unset"),
     ]
     for kwargs, message in wrong:
         with pytest.raises(GenerationConfigError, match=message):

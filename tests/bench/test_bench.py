@@ -322,7 +322,7 @@ def test_report_files(tiny, tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "draft-k2" in md and "Speedup over plain decoding by category" in md
     # The weight format the model ran in (what `--weights auto` chose).
-    assert data["machine"]["weights"] == tiny[0].decoder.settings["weights"]
+    assert data["machine"]["weights"] == tiny[0].decoder.settings.weights
     assert f"on torch ({data['machine']['weights']} weights)" in md
     assert "prefill" in md
     if importlib.util.find_spec("matplotlib") is not None:

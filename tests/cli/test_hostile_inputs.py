@@ -86,7 +86,7 @@ CASES = [
     ("empty-draft", G + ["-m", "{d}/hf", "--draft", "", "hi"], {}, None, 1,
      "model name is empty"),
     ("draft-k-0", G + ["-m", "{d}/hf", "--draft", "ngram", "--draft-k", "0", "hi"], {}, None,
-     1, "draft_k"),
+     1, "--draft-k must be a positive integer"),
     ("gguf-zero-heads", G + ["-m", "{d}/zero_heads.gguf", "hi"], {}, None, 1,
      "head_count must be a positive integer"),
     ("gguf-zero-layers", G + ["-m", "{d}/zero_layers.gguf", "hi"], {}, None, 1,

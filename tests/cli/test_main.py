@@ -69,33 +69,34 @@ def test_generate_streams_text_and_stats(preset_gguf, capsys):
 
 
 @pytest.mark.parametrize("settings, line", [
-    ({"engine": "torch", "device": "cpu", "weights": "q4", "kernels": "native",
-      "instruction": "avx2", "threads": 2},
+    (dict(weights="q4", kernels="native", instruction="avx2", threads=2),
      "engine: torch on cpu, weights q4 (forerun's native kernels, avx2), 2 threads"),
-    ({"engine": "torch", "device": "cpu", "weights": "q4", "kernels": "native",
-      "instruction": "avx512-vnni", "threads": 2},
+    (dict(weights="q4", kernels="native", instruction="avx512-vnni", threads=2),
      "engine: torch on cpu, weights q4 (forerun's native kernels, avx512-vnni), 2 threads"),
-    ({"engine": "torch", "device": "cpu", "weights": "q8", "kernels": "torch", "threads": 1},
+    (dict(weights="q8", kernels="torch", threads=1),
      "engine: torch on cpu, weights q8 (torch's kernels), 1 thread"),
-    ({"engine": "torch", "device": "cpu", "weights": "float32", "kernels": "torch"},
-     "engine: torch on cpu, weights float32"),
-    ({"engine": "llama.cpp", "device": "cpu", "threads": 2}, "engine: llama.cpp on cpu, 2 threads"),
+    (dict(weights="float32", kernels="torch", threads=2),
+     "engine: torch on cpu, weights float32, 2 threads"),
+    (dict(engine="llama.cpp", threads=2), "engine: llama.cpp on cpu, 2 threads"),
 ])
 def test_stats_say_what_ran_the_model(settings, line):
     from forerun.cli.main import engine_line
-    assert engine_line(settings) == line
+    from forerun.protocol.decoder import EngineSettings
+    assert engine_line(EngineSettings(**{"engine": "torch", "device": "cpu", **settings})) \
+        == line
 
 
 def test_the_weights_option_offers_every_weight_format():
-    from forerun.cli.main import WEIGHT_CHOICES
+    from forerun.cli.options import WEIGHT_CHOICES
     from forerun.engines.linear import WEIGHT_FORMATS
     assert WEIGHT_CHOICES == ("auto",) + WEIGHT_FORMATS
 
 
 def test_stats_say_what_ran_the_draft_model():
     from forerun.cli.main import engine_line
-    settings = {"engine": "torch", "device": "cpu", "weights": "q4-all", "kernels": "native",
-                "instruction": "avx2", "threads": 2}
+    from forerun.protocol.decoder import EngineSettings
+    settings = EngineSettings(engine="torch", device="cpu", weights="q4-all", kernels="native",
+                              instruction="avx2", threads=2)
     assert engine_line(settings, "draft engine") == (
         "draft engine: torch on cpu, weights q4-all (forerun's native kernels, avx2), 2 threads")
 
@@ -110,16 +111,16 @@ def test_prompt_longer_than_context_is_a_clean_error(preset_gguf):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--draft", "x", "--draft-threads", "1"], "draft_threads applies to asynchronous drafting"),
-    (["--draft", "x", "--target-threads", "2"], "target_threads applies to asynchronous"),
-    (["--draft", "ngram", "--draft-async"], "draft_async needs a draft model"),
-    (["--draft", "none", "--draft-async"], "draft_async needs a draft model"),
-    (["--draft", "x", "--draft-async", "--draft-threads", "0"], "draft_threads must be a positive"),
-    (["--draft", "ngram", "--draft-lookup"], "for prompt lookup alone use draft='ngram'"),
+    (["--draft", "x", "--draft-threads", "1"], "--draft-threads applies to asynchronous drafting"),
+    (["--draft", "x", "--target-threads", "2"], "--target-threads applies to asynchronous"),
+    (["--draft", "ngram", "--draft-async"], "--draft-async needs a draft model"),
+    (["--draft", "none", "--draft-async"], "--draft-async needs a draft model"),
+    (["--draft", "x", "--draft-async", "--draft-threads", "0"], "--draft-threads must be a positive"),
+    (["--draft", "ngram", "--draft-lookup"], "for prompt lookup alone"),
     (["--draft", "none", "--draft-lookup"], "adds prompt lookup to a draft model"),
-    (["--draft", "x", "--draft-lookup", "--draft-k", "3"], "drop draft_k (--draft-k)"),
-    (["--draft", "x", "--draft-lookup", "--draft-tree"], "drop draft_tree"),
-    (["--draft", "x", "--draft-lookup", "--draft-async"], "draft_async"),
+    (["--draft", "x", "--draft-lookup", "--draft-k", "3"], "drop --draft-k"),
+    (["--draft", "x", "--draft-lookup", "--draft-tree"], "drop --draft-tree"),
+    (["--draft", "x", "--draft-lookup", "--draft-async"], "--draft-async"),
 ])
 def test_async_options_are_checked_before_loading(args, message, capsys):
     assert main(["generate", "--model", "/nonexistent", *args, "hi"]) == 1
@@ -136,17 +137,32 @@ def test_async_options_are_checked_before_loading(args, message, capsys):
     (["--no-draft-lookup"], "qwen2.5-coder-0.5b"),
     (["--draft-async"], "qwen2.5-coder-0.5b"),
     (["--draft-k", "3"], "ngram"),                        # a length fits prompt lookup too
-    (["--draft", "none", "--draft-tree"], None),          # a given draft stays as given
-    (["-m", "smollm2-135m", "--draft-tree"], None),       # a preset without a draft model
+    (["--draft", "none"], None),                          # a given draft stays as given
+    (["-m", "smollm2-135m"], None),                       # a preset without a drafter
 ])
 def test_without_draft_the_preset_drafts_with_lookup_or_its_draft_model(command, args, draft):
-    from forerun.cli.main import build_parser, resolve_draft_option
+    from forerun.cli.main import build_parser, speculative_config
 
     if command == "serve" and "--draft-async" in args:
         pytest.skip("serve has no --draft-async")
     parsed = build_parser().parse_args([command, *args] + (["hi"] if command == "generate"
                                                             else []))
-    assert resolve_draft_option(parsed) == draft      # what generate and serve both call
+    assert speculative_config(parsed).draft == draft      # what generate and serve both call
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("args", [["--draft", "none", "--draft-tree"],
+                                  ["-m", "smollm2-135m", "--draft-tree"]])
+def test_a_tree_without_a_draft_model_is_refused_before_loading(command, args):
+    """A given draft stays as given, and a preset without a draft model has
+    none to take: a tree then has nothing to draft it."""
+    from forerun.cli.main import build_parser, speculative_config
+    from forerun.speculation import SpeculativeConfigError
+
+    parsed = build_parser().parse_args([command, *args] + (["hi"] if command == "generate"
+                                                            else []))
+    with pytest.raises(SpeculativeConfigError, match="--draft-tree/--tree-nodes need a draft"):
+        speculative_config(parsed)
 
 
 @pytest.mark.real_model

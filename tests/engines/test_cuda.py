@@ -245,7 +245,7 @@ def test_loads_onto_the_device(device, load, tiny, arch, fmt):
     decoder, network = model.decoder, model.decoder.model
     assert decoder.device.type == device
     assert network.weights_format == fmt
-    assert decoder.settings["device"].startswith(device)
+    assert decoder.settings.device.startswith(device)
     held = list(_held_tensors(network))
     assert len(held) > 20
     wrong = {t.device.type for t in held} - {device}
@@ -480,7 +480,7 @@ def test_greedy_speculative_equals_plain(device, load, tiny, medusa, arch, fmt, 
         assert draft_model.decoder.device.type == device
     if method == "draft-path":
         # Loaded by path beside the target: on its device, in q4-all beside
-        # a quantized target (forerun.drafters.registry.draft_weights).
+        # a quantized target (forerun.api.method_builder.draft_weights).
         assert target.drafts[-1].decoder.model.weights_format == "q4-all"
 
 

@@ -8,9 +8,9 @@ import torch
 
 import forerun
 import forerun.engines.format_choice as format_choice
-from forerun.api.model import choose_weights
+from forerun.api.loader import choose_weights
 from forerun.protocol.model_config import ModelConfig
-from forerun.engines.format_choice import (TIMED_POSITIONS, FormatChoice, _random_weights,
+from forerun.engines.format_choice import (TIMED_POSITIONS, FormatChoice, random_weights,
                                            choose_format, time_formats)
 from forerun.engines.linear import Int4Groups, Int8Rows
 from tiny_gguf import write_tiny_gguf
@@ -35,11 +35,11 @@ def test_each_candidate_is_timed_at_each_length():
 
 def test_timed_weights_are_in_the_format_they_time():
     gen = torch.Generator().manual_seed(0)
-    assert isinstance(_random_weights("q4", 32, 64, gen), Int4Groups)
-    assert isinstance(_random_weights("q4", 32, 40, gen), Int8Rows)   # no whole groups
-    assert isinstance(_random_weights("q8", 32, 64, gen), Int8Rows)
-    assert _random_weights("bfloat16", 32, 64, gen).dtype == torch.bfloat16
-    assert _random_weights("float32", 32, 64, gen).dtype == torch.float32
+    assert isinstance(random_weights("q4", 32, 64, gen), Int4Groups)
+    assert isinstance(random_weights("q4", 32, 40, gen), Int8Rows)   # no whole groups
+    assert isinstance(random_weights("q8", 32, 64, gen), Int8Rows)
+    assert random_weights("bfloat16", 32, 64, gen).dtype == torch.bfloat16
+    assert random_weights("float32", 32, 64, gen).dtype == torch.float32
 
 
 def test_the_fastest_over_both_lengths_is_chosen():
@@ -79,7 +79,7 @@ def test_auto_loads_the_chosen_format(tmp_path, monkeypatch):
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     for fmt in ("q8", "bfloat16"):
-        monkeypatch.setattr(forerun.api.model, "choose_weights",
+        monkeypatch.setattr(forerun.api.loader, "choose_weights",
                             lambda name, cfg, device, fmt=fmt: FormatChoice(fmt, {}))
         model = forerun.load(path, context_length=64, progress=False)
-        assert model.decoder.settings["weights"] == fmt
+        assert model.decoder.settings.weights == fmt

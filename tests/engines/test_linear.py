@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GGMLType
 
+from forerun.api.engine_policy import probe_tokens
 import forerun
 from forerun.protocol.grouping_probe import MAX_GROUP, exact_group_size
 from forerun.engines.linear import (QUANTIZE_ROWS, WEIGHT_FORMATS, ConcatLinear, Int4Groups,
@@ -19,7 +20,7 @@ from forerun.engines.linear import (QUANTIZE_ROWS, WEIGHT_FORMATS, ConcatLinear,
 from forerun.engines.torch_engine import PER_POSITION_FEED, TorchDecoder
 from forerun.engines.transformer import PADDED_ROWS, Transformer
 from forerun.errors import ConfigError, EngineError
-from forerun.kernels import native
+from forerun.kernels import layouts, native
 from forerun.loading.dequantize import dequantize
 from forerun.loading.gguf_quantized import int4_groups, int6_blocks
 
@@ -75,7 +76,7 @@ def _as_the_kernel_computes(kernels: str, values: Int4Groups, x: torch.Tensor):
         return x.bfloat16().float() @ w.t(), w
     rows = native.native_kernels().quantize(x)
     k = x.shape[1]
-    xq = native.from_chunks(rows.values).double() * rows.scale.double().repeat_interleave(32, 1)
+    xq = layouts.from_chunks(rows.values).double() * rows.scale.double().repeat_interleave(32, 1)
     scale = values.scale.half().double()
     minimum = (values.zero - 8 * values.scale).half().double()
     w = values.q.double() * scale.repeat_interleave(32, 1) + minimum.repeat_interleave(32, 1)
@@ -124,7 +125,7 @@ def test_gguf_6bit_blocks_keep_their_values(matrix_kernels):
         assert layer.format == "q6" and layer.nbytes == rows * cols * 13 // 16 + rows * 2 * 4
         assert torch.equal(layer.weight_rows(), want)
         rows_q = native.native_kernels().quantize(x)
-        xq = native.from_chunks(rows_q.values).double() * \
+        xq = layouts.from_chunks(rows_q.values).double() * \
             rows_q.scale.double().repeat_interleave(32, 1)
         product = xq @ want.double().t()
         assert float((layer(x).double() - product).abs().max()) <= \
@@ -374,7 +375,7 @@ def test_real_model_formats_agree_with_float32(preset_model, fmt):
     ref = preset_model("smollm2-135m", 512)
     model = forerun.load("smollm2-135m", weights=fmt, context_length=512, progress=False)
     assert model.decoder.model.weights_format == fmt
-    ids = ref._probe_tokens(160)
+    ids = probe_tokens(ref, 160)
     want = ref.decoder.feed(ids).logits
     ref.decoder.reset()
     got = model.decoder.feed(ids).logits
@@ -403,7 +404,7 @@ def test_real_model_greedy_speculation_is_plain_decoding(preset_gguf, fmt):
         # steps where this machine's measured costs say drafting won't pay.
         assert out.stats.drafted > 0 or k is None, (draft, k)
     assert model.drafts[-1] is not model
-    assert model.drafts[-1].decoder.settings["weights"] == "q4-all"
+    assert model.drafts[-1].decoder.settings.weights == "q4-all"
 
 
 def test_off_the_cpu_the_ceiling_is_the_padded_rows():

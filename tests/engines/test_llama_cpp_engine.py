@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from forerun.api.engine_policy import probe_tokens
 import forerun
 from forerun.errors import (CacheStateError, ConfigError, ContextLengthError,
                             EngineUnavailableError, InvalidTokenError, ModelFormatError,
@@ -301,7 +302,7 @@ def test_grouping_invariance_up_to_the_default_context(preset_gguf):
         decoder = model.decoder
         assert decoder.context_length == 4096 and decoder.options["cache_type_v"] == "q8_0"
         group = model.verification_grouping().exact_group
-        long_prompt = model._probe_tokens(4096 - 2 * len(MORE))
+        long_prompt = probe_tokens(model, 4096 - 2 * len(MORE))
         decoder.reset()
         for length in (600, 1154, 2100, len(long_prompt)):
             decoder.feed(long_prompt[decoder.length:length], last_only=True)

@@ -151,12 +151,12 @@ def _load_with_gemm_prefill(tmp_path, monkeypatch):
 def test_load_applies_the_measured_choice(tmp_path, monkeypatch):
     model = _load_with_gemm_prefill(tmp_path, monkeypatch)
     network = model.decoder.model
-    assert model.decoder.settings["prefill"] == "float32-gemm"
+    assert model.decoder.settings.prefill == "float32-gemm"
     assert all(layer.gemm_rows == GEMM_ROWS for layer in network.int8_layers())
     assert network.lm_head.gemm_rows is None      # the LM head runs on one row
     q4 = forerun.load(tmp_path / "tiny.gguf", weights="q4", context_length=512, progress=False)
     # What was timed is q8's blocks: q4 keeps the int8 kernel for any int8 part.
-    assert q4.decoder.settings["prefill"] != "float32-gemm"
+    assert q4.decoder.settings.prefill != "float32-gemm"
     assert all(layer.gemm_rows is None for layer in q4.decoder.model.int8_layers())
 
 

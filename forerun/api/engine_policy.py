@@ -1,0 +1,88 @@
+"""What forerun measures about a model's engine on this machine, and where
+it keeps it: the largest verification group the engine computes exactly
+(the grouping probe), and what verifying 1, 2, ... positions costs.
+
+Both are kept per machine in forerun's cache
+(:class:`~forerun.machine.calibration.CalibrationStore`), keyed by the
+model's identity and the engine settings that decide its kernels
+(:attr:`~forerun.protocol.decoder.EngineSettings.key`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from forerun.machine.calibration import CalibrationStore
+
+if TYPE_CHECKING:
+    from forerun.api.model import Model
+    from forerun.protocol.grouping_probe import GroupingResult
+
+# Real text for the grouping probe: prose and code, as prompts hold.
+PROBE_TEXT = (
+    "Speculative decoding lets a small model propose several tokens that the large "
+    "model checks in one forward pass. def binary_search(items, target):\n"
+    "    lo, hi = 0, len(items) - 1\n    while lo <= hi:\n        mid = (lo + hi) // 2\n"
+    "        if items[mid] == target:\n            return mid\n"
+    "        if items[mid] < target:\n            lo = mid + 1\n        else:\n"
+    "            hi = mid - 1\n    return -1\n"
+    "The committee met on Tuesday to review the budget, and agreed to fund the new "
+    "library, the repairs to the bridge, and three scholarships for local students. ")
+
+
+def model_identity(model: "Model") -> str:
+    """The model as calibration records know it: its name and shape."""
+    c = model.config
+    return f"{model.name}|{c.architecture}|{c.num_layers}x{c.hidden_size}|{c.vocab_size}"
+
+
+def probe_tokens(model: "Model", n: int) -> list[int]:
+    """``n`` token ids of :data:`PROBE_TEXT`, repeated as needed."""
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += model.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    return ids[:n]
+
+
+def probe_contexts(model: "Model") -> tuple[int, ...]:
+    """Cached lengths the grouping probe runs at: a short prompt, and the
+    engine's long one (past the lengths where its kernels switch)."""
+    room = model.decoder.context_length - 16
+    return tuple(sorted({min(32, room), min(model.decoder.probe_context, room)}))
+
+
+def measured_grouping(model: "Model", threads: int | None = None) -> "GroupingResult":
+    """The grouping probe's result for ``model`` on this machine (kept in
+    forerun's cache): for verifications on ``threads`` threads against
+    plain decoding on the decoder's own count, when given."""
+    from forerun.protocol.grouping_probe import MAX_GROUP, GroupingResult, exact_group_size
+
+    decoder = model.decoder
+    contexts = probe_contexts(model)
+    key = {"model": model_identity(model), **decoder.settings.key,
+           "contexts": list(contexts)}
+    if threads is not None:
+        key["verified_on_threads"] = threads
+    store = CalibrationStore("grouping", key, label=f"{model.name}-{decoder.engine}")
+    largest = decoder.group_ceiling or MAX_GROUP
+    return store.load_or_measure(
+        GroupingResult.from_dict,
+        lambda: exact_group_size(decoder, probe_tokens(model, max(contexts) + largest),
+                                 contexts=contexts, threads=threads, max_group=largest),
+        f"which verification groups {model.name} computes exactly", GroupingResult.to_dict)
+
+
+def cost_store(model: "Model", tag: str = "") -> CalibrationStore:
+    """Where the measured verification costs of ``model`` on this machine
+    are kept, so the adaptive draft length calibrates once per model,
+    engine settings (weight format, threads, options), CPU and context.
+    ``tag`` names the method when its costs differ from a chain's
+    (``"+tree"``, ``"+draft-tree"``, ``"+async-D+T"``).  ``timing`` names how
+    the sizes were timed (interleaved, since costs timed size after size
+    could be bent by one slow spell), so curves timed the old way are
+    measured again."""
+    decoder = model.decoder
+    key = {"model": model_identity(model), **decoder.settings.key,
+           "context_length": decoder.context_length,
+           "verify_group": decoder.verify_group, "method": tag or "chain",
+           "timing": "interleaved"}
+    return CalibrationStore("costs", key, label=f"{model.name}-{decoder.engine}{tag}")

@@ -1,0 +1,183 @@
+"""Loading a model: :func:`load` turns a preset name, a ``.gguf`` path or a
+Hugging Face folder into a :class:`~forerun.api.model.Model` on an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forerun.api.load_arguments import check_load_arguments, memory_error, parse_device, resolve_device
+from forerun.api.model import Model
+from forerun.errors import ConfigError
+
+DEFAULT_CONTEXT_LENGTH = 4096
+ENGINES = ("torch", "llama.cpp")
+# Other spellings of the llama.cpp engine that load() accepts.
+_ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "llama-cpp": "llama.cpp"}
+
+
+def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
+         context_length: int | None = None, device: str | torch.device | None = None,
+         dtype: torch.dtype = torch.float32, progress: bool = True,
+         engine_options: dict[str, Any] | None = None, weights: str = "auto") -> Model:
+    """Load a model by preset name, ``.gguf`` path or Hugging Face folder.
+
+    ``context_length`` sets the KV cache size (default: the model's own limit,
+    capped at 4096 positions); ``device`` defaults to CUDA, then MPS, then the
+    CPU.  The first load of a GGUF model converts it into forerun's cache
+    (``$FORERUN_CACHE``, default ``~/.cache/forerun``).
+
+    ``engine="llama.cpp"`` runs a GGUF file (a preset or a path) with
+    llama.cpp instead, on the CPU and with its quantized weights (nothing is
+    converted; ``dtype`` does not apply).  It needs llama-cpp-python
+    (``pip install 'forerun[llama]'``).  ``engine_options`` go to
+    :class:`~forerun.engines.llama_cpp_engine.LlamaCppDecoder`: ``n_threads``,
+    ``n_threads_batch``, ``n_batch``, ``flash_attn``, ``extra_buffers``.
+
+    ``weights`` is the PyTorch engine's weight format: ``"float32"``,
+    ``"bfloat16"``, ``"q8"`` (int8, a scale per row), ``"q4"`` (4-bit groups
+    of 32; a GGUF's Q4_K/Q4_0/Q4_1 and Q6_K tensors keep their own values,
+    its other 5-to-8-bit ones become int8), ``"q4-all"`` (every matrix in 4-bit
+    groups, the 5-to-8-bit ones requantized: the format draft models run
+    in, never picked by ``auto``), or ``"auto"``: for a GGUF file, the
+    fastest of these on this machine, measured once per machine and model
+    shape; for a Hugging Face folder, float32 (quantizing a float model is
+    left to an explicit ``bfloat16``/``q8``/``q4``).  The
+    quantized formats read the GGUF directly, with no float32 conversion
+    cache.  See :mod:`forerun.engines.linear`.
+    """
+    from forerun.engines.linear import check_format
+
+    weights = check_format(weights)
+    check_load_arguments(model, context_length=context_length, dtype=dtype,
+                         progress=progress, engine_options=engine_options)
+    engine = _ENGINE_ALIASES.get(engine, engine) if isinstance(engine, str) else engine
+    if not isinstance(engine, str) or engine not in ENGINES:
+        raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if engine == "llama.cpp":
+        from forerun.engines.llama_cpp_engine import import_llama_cpp
+        from forerun.loading.load import load_gguf_files
+
+        import_llama_cpp()   # EngineUnavailableError before any file is read
+        if weights != "auto":
+            raise ConfigError(f"weights={weights!r} applies to the torch engine; the "
+                              f"llama.cpp engine runs the GGUF file's own quantization")
+        if device is not None and parse_device(device).type != "cpu":
+            raise ConfigError(
+                f"the llama.cpp engine runs on the CPU; device {str(device)!r} is not "
+                f"supported (drop --device, or use engine='torch')")
+        files = load_gguf_files(model, progress=progress)
+    else:
+        if engine_options:
+            raise ConfigError(f"engine_options apply to the llama.cpp engine, not to "
+                              f"{engine!r}; got {', '.join(engine_options)}")
+        device = resolve_device(device)   # before the seconds a conversion takes
+        files, weights = _torch_model_files(model, weights, dtype, device, progress)
+    config = files.config
+    if context_length is None:
+        context_length = min(config.max_position_embeddings, DEFAULT_CONTEXT_LENGTH)
+    if context_length > config.max_position_embeddings:
+        raise ConfigError(
+            f"context_length {context_length} exceeds the model's limit of "
+            f"{config.max_position_embeddings} positions")
+    if engine == "llama.cpp":
+        from forerun.engines.llama_cpp_engine import ENGINE_OPTIONS, LlamaCppDecoder
+
+        options = dict(engine_options or {})
+        unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+        if unknown:
+            raise ConfigError(f"unknown llama.cpp engine option(s) {', '.join(unknown)}; "
+                              f"the options are {', '.join(ENGINE_OPTIONS)}")
+        decoder = LlamaCppDecoder(files.gguf_path, context_length=context_length,
+                                  eos_token_ids=config.eos_token_ids, **options)
+        return Model(files.name, decoder, files.tokenizer, config, source=_source(files, model))
+    from forerun.engines.torch_engine import TorchDecoder
+    from forerun.engines.transformer import Transformer
+
+    try:
+        if files.weights is None:   # a GGUF in q4, q8 or q4-all: the packed network
+            from forerun.loading.load import known_digest
+            from forerun.loading.packed_cache import packed_network
+
+            network = packed_network(files.gguf_path, config, weights, device,
+                                     digest=known_digest(model), progress=progress)
+        else:
+            network = Transformer(config, files.weights, dtype=dtype, device=device,
+                                  weights_format=weights)
+        if network.weights_format == "q8" and network.int8_layers():
+            # (q4's int8 parts, a GGUF's 6-bit matrices, prefilled slower
+            # this way on the AMD EPYC, and the timing is of int8 blocks.
+            # forerun's native layers need no choice: their one kernel
+            # prefilled the 1.5B at 66 tok/s in q8 there, against 41-44.)
+            from forerun.engines.prefill_kernel import choose_prefill_kernel
+
+            network.set_prefill_kernel(choose_prefill_kernel(files.name, config, device).kernel)
+        decoder = TorchDecoder(network, context_length, config.eos_token_ids)
+    except (RuntimeError, MemoryError) as exc:
+        if not memory_error(exc):
+            raise
+        raise ConfigError(f"not enough memory on {device} for {files.name} with a context of "
+                          f"{context_length} positions: load it with a smaller "
+                          f"context_length (--context-length)") from exc
+    return Model(files.name, decoder, files.tokenizer, config, source=_source(files, model))
+
+
+def _torch_model_files(model, weights: str, dtype: torch.dtype, device: torch.device,
+                       progress: bool):
+    """The files of ``model`` for the torch engine in weight format
+    ``weights`` (``"auto"`` resolved here), and that format.  A GGUF in a
+    quantized format (q4, q8, q4-all) comes with ``weights`` None: its
+    network is built from the GGUF itself, or read from the packed-weight
+    cache (:mod:`forerun.loading.packed_cache`); other models come through
+    the float32 conversion cache."""
+    from forerun.engines.linear import QUANTIZED_FORMATS
+    from forerun.loading.load import load_gguf_files, load_model_files, resolve_spec
+
+    path = resolve_spec(model, progress=progress)
+    is_gguf = not path.is_dir() and path.suffix.lower() == ".gguf"
+    if dtype != torch.float32 and weights == "auto":   # an explicit activation dtype
+        weights = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    if not is_gguf:
+        # A float model keeps its precision unless asked otherwise.
+        return load_model_files(model, progress=progress), \
+            "float32" if weights == "auto" else weights
+    if weights == "auto" or weights in QUANTIZED_FORMATS:
+        # The header (config, tokenizer) alone; the weights read lazily.
+        files = load_gguf_files(model, engine="torch", progress=progress)
+        if weights == "auto":
+            weights = choose_weights(files.name, files.config, device).format
+        if weights in QUANTIZED_FORMATS:
+            files.weights = None   # built from the GGUF or the packed cache by load()
+            return files, weights
+    return load_model_files(model, progress=progress), weights
+
+
+def choose_weights(name: str, config, device: torch.device):
+    """The weight format ``weights="auto"`` picks for a model of ``config``'s
+    shape on ``device``: stored per machine, else measured
+    (:mod:`forerun.engines.format_choice`)."""
+    from forerun.machine.calibration import CalibrationStore
+    from forerun.engines.format_choice import FormatChoice, choose_format, time_formats
+
+    if device.type == "cpu":
+        candidates = ("q4", "q8", "bfloat16", "float32")
+    else:   # forerun's int4/int8 layers run dequantized off the CPU
+        candidates = ("bfloat16", "float32")
+    key = {"hidden": config.hidden_size, "intermediate": config.intermediate_size,
+           "candidates": list(candidates), "device": str(device),
+           "threads": torch.get_num_threads(), "torch": torch.__version__}
+    store = CalibrationStore("weights", key, label=f"{name}-{device.type}")
+
+    def measure() -> FormatChoice:
+        ms = time_formats(config, candidates, device)
+        return FormatChoice(choose_format(ms), ms)
+
+    return store.load_or_measure(lambda d: FormatChoice.from_dict(d, candidates), measure,
+                                 f"the fastest weight format for {name}", FormatChoice.to_dict)
+
+
+def _source(files, spec) -> str:
+    """The file or folder a model was read from, for error messages."""
+    return str(files.gguf_path) if files.gguf_path is not None else str(spec)

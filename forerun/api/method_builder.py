@@ -1,0 +1,202 @@
+"""One builder: a :class:`~forerun.speculation.SpeculativeConfig` and a
+target :class:`~forerun.api.model.Model` make a decoding method.
+
+Every method is built with what it needs passed in: its drafter or planner,
+its cost stores (:func:`~forerun.api.engine_policy.cost_store`), and the
+target's exact verification group, measured once per machine
+(:meth:`Model.verification_grouping`) before any speculative method runs.
+Draft models load here, on the target's engine, device and context length
+(:func:`load_draft_model`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from forerun.api.engine_policy import cost_store, probe_tokens
+from forerun.errors import ConfigError, TokenizerError
+from forerun.speculation.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from forerun.api.model import Model
+    from forerun.decoding.base import DecodingMethod
+
+
+def build_method(model: "Model", config: SpeculativeConfig
+                 ) -> tuple["DecodingMethod", list["Model"]]:
+    """The decoding method ``config`` asks for on ``model``, and the draft
+    models it drafts with (loaded once per model and spec, and kept)."""
+    from forerun.decoding.plain import PlainDecoding
+
+    if not config.speculates:
+        return PlainDecoding(model.decoder), []
+    drafts: list[Model] = []
+    build = _BUILDERS[config.method]
+    return build(model, config, drafts), drafts
+
+
+def _chain(model: "Model", config: SpeculativeConfig, drafts: list) -> "DecodingMethod":
+    """A chain drafted by prompt lookup, a Drafter object or a draft model
+    alone, ``config.length`` long or chosen every round."""
+    from forerun.decoding.speculative import SpeculativeDecoding
+
+    if config.method == "ngram":
+        from forerun.drafters.ngram import NgramDrafter
+
+        drafter: Any = NgramDrafter()
+    elif config.method == "drafter":
+        drafter = config.draft
+    else:
+        from forerun.drafters.draft_model import DraftModelDrafter
+
+        drafter = DraftModelDrafter(_draft_decoder(model, config.draft, drafts))
+    model.verification_grouping()
+    return SpeculativeDecoding(model.decoder, drafter, k=config.length,
+                               cost_store=cost_store(model))
+
+
+def _medusa(model: "Model", config: SpeculativeConfig, drafts: list) -> "DecodingMethod":
+    """Medusa heads drafting a rank tree of ``config.nodes`` nodes (default:
+    chosen by the heads' measured accuracies)."""
+    from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
+    from forerun.drafters.medusa import medusa_drafter
+
+    drafter = medusa_drafter(model, config.draft)
+    model.verification_grouping()
+    return TreeSpeculativeDecoding(model.decoder, drafter, nodes=config.nodes,
+                                   cost_store=cost_store(model, "+tree"))
+
+
+def _lookup_or_draft(model: "Model", config: SpeculativeConfig,
+                     drafts: list) -> "DecodingMethod":
+    """Prompt lookup and a draft model, each round drafting with the one
+    expected to pay more (:mod:`forerun.drafters.lookup_or_draft_planner`)."""
+    from forerun.decoding.speculative import SpeculativeDecoding
+    from forerun.drafters.draft_model import DraftModelDrafter
+    from forerun.drafters.lookup_or_draft_planner import (LOOKUP_DRAFT_WINDOW,
+                                                          LookupOrDraftPlanner)
+
+    drafter = DraftModelDrafter(_draft_decoder(model, config.draft, drafts),
+                                window=LOOKUP_DRAFT_WINDOW)
+    model.verification_grouping()
+    return SpeculativeDecoding(model.decoder, planner=LookupOrDraftPlanner(drafter),
+                               cost_store=cost_store(model))
+
+
+def _draft_tree(model: "Model", config: SpeculativeConfig, drafts: list) -> "DecodingMethod":
+    """A draft model drafting trees by its own probabilities, ``config.nodes``
+    nodes or a budget chosen every round."""
+    from forerun.decoding.draft_tree_planner import DraftTreePlanner
+    from forerun.decoding.speculative import SpeculativeDecoding
+    from forerun.drafters.draft_model_tree import DraftModelTreeDrafter
+
+    drafter = DraftModelTreeDrafter(_draft_decoder(model, config.draft, drafts))
+    model.verification_grouping()
+    return SpeculativeDecoding(model.decoder,
+                               planner=DraftTreePlanner(drafter, nodes=config.nodes),
+                               cost_store=cost_store(model, "+draft-tree"))
+
+
+def _async(model: "Model", config: SpeculativeConfig, drafts: list) -> "DecodingMethod":
+    """A draft model drafting in a thread of its own on
+    ``config.draft_threads`` (default 1) while the target verifies on
+    ``config.target_threads`` (default: its own count less the draft's).
+    Verifying on fewer threads than the model was loaded with is exact only
+    where the grouping probe finds that count gives the same logits."""
+    from forerun.drafters.async_draft import AsyncDraftModelDrafter
+    from forerun.drafters.async_speculative import AsyncSpeculativeDecoding
+
+    asked = config.target_threads
+    draft_threads = config.draft_threads or 1
+    own = model.decoder.threads
+    target_threads = asked or max(1, own - draft_threads)
+    drafter = AsyncDraftModelDrafter(_draft_decoder(model, config.draft, drafts),
+                                     threads=draft_threads)
+    group = model.verification_grouping().exact_group
+    if target_threads != own:
+        probe = model.measured_grouping(target_threads)
+        if probe.exact_group == 0 and asked is not None:
+            raise ConfigError(
+                f"target_threads={asked}: on {target_threads} thread(s) this model's "
+                f"engine computes other logits than on its own {own} "
+                f"({probe.describe()}), so speculative decoding would not be "
+                f"token-identical to plain decoding; leave target_threads out (the "
+                f"model then keeps its {own} threads) or use another weight format")
+        if probe.exact_group == 0:
+            target_threads = own
+        else:
+            group = min(group, probe.exact_group)
+    method = AsyncSpeculativeDecoding(
+        model.decoder, drafter, k=config.length, target_threads=target_threads,
+        verify_group=group, cost_store=cost_store(model, f"+async-{draft_threads}+"
+                                                         f"{target_threads}"),
+        reference_store=cost_store(model))
+    method.measure_reference(probe_tokens(model, 1)[0])
+    return method
+
+
+_BUILDERS = {"ngram": _chain, "drafter": _chain, "draft": _chain, "medusa": _medusa,
+             "draft-lookup": _lookup_or_draft, "draft-tree": _draft_tree,
+             "draft-async": _async}
+
+
+def _draft_decoder(model: "Model", draft: Any, drafts: list):
+    """The decoder a draft model (a Model, preset name or path) drafts
+    with: its own, or a fork of the target's when it drafts for itself."""
+    loaded = model.draft_model(draft)
+    decoder = model.decoder
+    if loaded.decoder is decoder and not decoder.capabilities.fork:
+        raise ConfigError(f"{model.name} can't draft for itself: the {decoder.engine} "
+                          f"engine can't give it a second cache (capabilities.fork)")
+    drafts.append(loaded)
+    # A model drafting for itself needs a cache of its own.
+    return decoder.fork() if loaded.decoder is decoder else loaded.decoder
+
+
+def draft_weights(target_weights: str | None) -> str | None:
+    """The weight format a draft model loads in beside a target in
+    ``target_weights`` (the torch engine's formats; ``None`` for an engine
+    that runs its file's own quantization): ``q4-all`` beside a quantized
+    target, so every draft matrix is 4-bit, else the target's own.  A
+    draft's precision changes how often its proposals are accepted, never
+    the output, and fewer bytes make each draft step cheaper."""
+    from forerun.engines.linear import QUANTIZED_FORMATS
+
+    if target_weights is None:
+        return None
+    return "q4-all" if target_weights in QUANTIZED_FORMATS else target_weights
+
+
+def load_draft_model(target: "Model", spec: Any, *, progress: bool = False) -> "Model":
+    """The draft model ``spec`` names (a preset, path, or a loaded
+    :class:`~forerun.api.model.Model`, returned as it is), loaded on
+    ``target``'s engine, in the weight format :func:`draft_weights` gives
+    for the target's, on its device and with its context length, and
+    checked against it (:func:`check_draft_model`)."""
+    from forerun.api.loader import load
+    from forerun.api.model import Model
+
+    draft = spec
+    if not isinstance(spec, Model):
+        decoder = target.decoder
+        settings = decoder.settings
+        weights = draft_weights(settings.weights)
+        options = {"weights": weights} if weights is not None else {}
+        draft = load(spec, engine=settings.engine, context_length=decoder.context_length,
+                     device=decoder.device, progress=progress, **options)
+    check_draft_model(target, draft)
+    return draft
+
+
+def check_draft_model(target: "Model", draft: "Model") -> None:
+    """Refuse a draft model that can't draft for ``target``: another
+    tokenizer (:class:`TokenizerError`), or a shorter context
+    (:class:`ConfigError`)."""
+    if draft.tokenizer.fingerprint() != target.tokenizer.fingerprint():
+        raise TokenizerError(
+            f"draft model {draft.name} uses a different tokenizer from {target.name}; "
+            f"speculative decoding needs a draft with the same vocabulary")
+    if draft.decoder.context_length < target.decoder.context_length:
+        raise ConfigError(
+            f"the draft's context ({draft.decoder.context_length}) is shorter than the "
+            f"target's ({target.decoder.context_length}); load it with the same "
+            f"context_length")

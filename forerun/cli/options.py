@@ -1,0 +1,84 @@
+"""Command-line options that several ``forerun`` commands share: the model,
+its engine and weights, the draft and its shape, sampling."""
+
+from __future__ import annotations
+
+import argparse
+
+#: ``--weights`` values: "auto" and forerun.engines.linear.WEIGHT_FORMATS,
+#: written out so that parsing the command line does not import torch
+WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "q8", "q4", "q4-all")
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="preset name, .gguf file or Hugging Face folder "
+                        "(default: qwen2.5-coder-1.5b)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="KV cache size in positions (default: the model's, at most 4096)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda, mps or cpu)")
+    p.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
+                   help="torch: forerun's PyTorch engine (default); llama.cpp: run the GGUF "
+                        "with llama.cpp (needs: pip install 'forerun[llama]'); a draft "
+                        "model given by name runs on the same engine")
+    p.add_argument("--weights", default="auto",
+                   choices=WEIGHT_CHOICES,
+                   help="the torch engine's weight format: q4 (4-bit groups; a GGUF's Q4 "
+                        "and Q6_K tensors as they are, its other 5-to-8-bit ones as int8), "
+                        "q4-all (every "
+                        "matrix 4-bit: smaller, less faithful; what a draft runs in), q8 "
+                        "(int8), bfloat16, float32, or auto (default: for a GGUF, the "
+                        "fastest on this machine, measured once)")
+    p.add_argument("--draft", "-d", default=None,
+                   help="speculative decoding with this draft: a preset, .gguf file or "
+                        "folder sharing the model's tokenizer, 'ngram' (prompt lookup), "
+                        "'medusa' (the preset's shipped Medusa heads; 'medusa:FILE' for "
+                        "others), or 'none' for plain decoding "
+                        "(default: the preset's own: ngram for qwen2.5-coder-1.5b, or its "
+                        "draft model qwen2.5-coder-0.5b where --draft-tree, --tree-nodes, "
+                        "--draft-lookup or --draft-async asks for a draft model; none for a "
+                        "path)")
+    p.add_argument("--draft-k", type=int, default=None,
+                   help="fixed draft length (default: chosen every round from measured costs)")
+
+
+def add_tree_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-tree", action="store_true",
+                   help="the draft model drafts a token tree by its own probabilities, "
+                        "verified in one forward (torch engine); its node budget is chosen "
+                        "every round from measured costs")
+    p.add_argument("--tree-nodes", type=int, default=None,
+                   help="a fixed node budget for the draft tree (implies --draft-tree), or "
+                        "the node count of a Medusa tree")
+
+
+def add_lookup_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-lookup", action=argparse.BooleanOptionalAction, default=None,
+                   help="prompt lookup beside the draft model: each round drafts from the "
+                        "prompt and the text so far, or with the draft model, whichever "
+                        "is expected to pay more (default: on for a draft model drafting "
+                        "chains of a chosen length; --no-draft-lookup: the draft model "
+                        "alone)")
+
+
+def add_async_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-async", action="store_true",
+                   help="run the draft model in a thread of its own, drafting ahead while "
+                        "the model verifies (same output; --stats says whether it paid)")
+    p.add_argument("--draft-threads", type=int, default=None,
+                   help="with --draft-async: the draft model's CPU threads (default 1)")
+    p.add_argument("--target-threads", type=int, default=None,
+                   help="with --draft-async: the model's CPU threads while the draft runs "
+                        "beside it (default: its own count less the draft's, at least 1)")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", "-n", type=int, default=256)
+    p.add_argument("--temperature", "-t", type=float, default=0.0,
+                   help="0 is greedy decoding (the default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables it")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 disables it")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 disables it")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop string (repeatable); the text ends just before it")

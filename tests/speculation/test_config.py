@@ -1,0 +1,180 @@
+"""One speculation config, resolved once: what a ``draft`` value names, the
+preset's default drafter, every method a set of options asks for, errors
+spelled the way each front end names its options, and the same settings
+giving equal configs through the API, the command line and the server."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from forerun.cli.main import build_parser, speculative_config
+from forerun.drafters.medusa import MedusaHeads
+from forerun.drafters.ngram import NgramDrafter
+from forerun.errors import GenerationConfigError
+from forerun.server.schemas import ChatCompletionRequest, parse
+from forerun.server.translate import Translator
+from forerun.speculation.config import (API, CLI, PLAIN, SERVER, SpeculativeConfig,
+                                        SpeculativeConfigError, default_draft, draft_kind,
+                                        resolve, resolve_for_preset)
+
+
+@pytest.mark.parametrize("value, kind", [
+    (None, "none"), ("none", "none"), ("None", "none"),
+    ("ngram", "ngram"),
+    ("medusa", "medusa"), ("medusa:/some/heads.safetensors", "medusa"),
+    (NgramDrafter(), "drafter"),
+    ("qwen2.5-coder-0.5b", "model"), ("path/to/draft.gguf", "model"),
+    (Path("some/folder"), "model"),
+])
+def test_draft_kind(value, kind):
+    assert draft_kind(value) == kind
+
+
+def test_medusa_heads_object_is_medusa():
+    heads = MedusaHeads.__new__(MedusaHeads)
+    assert draft_kind(heads) == "medusa"
+
+
+@pytest.mark.parametrize("model, draft, needs_model, expected", [
+    (None, None, False, "ngram"),                         # the default preset's own drafter
+    ("qwen2.5-coder-1.5b", None, False, "ngram"),         # a preset named: the same rule
+    (None, None, True, "qwen2.5-coder-0.5b"),             # options that need a draft model
+    ("qwen2.5-coder-1.5b", None, True, "qwen2.5-coder-0.5b"),
+    ("qwen2.5-coder-0.5b", None, False, None),            # a preset without a draft
+    ("qwen2.5-coder-0.5b", None, True, None),
+    ("smollm2-135m", None, False, None),
+    ("path/to/model.gguf", None, False, None),            # a path: no default
+    ("path/to/model.gguf", None, True, None),
+    (None, "none", False, None), ("qwen2.5-coder-1.5b", "NONE", True, None),
+    (None, "ngram", True, "ngram"),                        # a given draft stays as given
+    ("path/to/model.gguf", "medusa:h", False, "medusa:h"),
+    ("qwen2.5-coder-1.5b", "other.gguf", False, "other.gguf"),
+])
+def test_default_draft_is_one_rule(model, draft, needs_model, expected):
+    assert default_draft(model, draft, needs_model=needs_model) == expected
+
+
+DRAFT = "draft.gguf"
+OWN = NgramDrafter()
+
+
+@pytest.mark.parametrize("draft, options, expected", [
+    (None, {}, PLAIN),
+    ("none", {}, PLAIN),
+    ("ngram", {}, SpeculativeConfig("ngram", "ngram")),
+    ("ngram", {"draft_k": 3}, SpeculativeConfig("ngram", "ngram", length=3)),
+    (OWN, {"draft_k": 2}, SpeculativeConfig("drafter", OWN, length=2)),
+    ("medusa", {}, SpeculativeConfig("medusa", "medusa")),
+    ("medusa", {"tree_nodes": 8}, SpeculativeConfig("medusa", "medusa", nodes=8)),
+    ("medusa", {"draft_k": 5}, SpeculativeConfig("medusa", "medusa", nodes=5)),
+    (DRAFT, {}, SpeculativeConfig("draft-lookup", DRAFT)),
+    (DRAFT, {"draft_lookup": True}, SpeculativeConfig("draft-lookup", DRAFT)),
+    (DRAFT, {"draft_lookup": False}, SpeculativeConfig("draft", DRAFT)),
+    (DRAFT, {"draft_k": 4}, SpeculativeConfig("draft", DRAFT, length=4)),
+    (DRAFT, {"draft_tree": True}, SpeculativeConfig("draft-tree", DRAFT)),
+    (DRAFT, {"tree_nodes": 6}, SpeculativeConfig("draft-tree", DRAFT, nodes=6)),
+    (DRAFT, {"draft_async": True}, SpeculativeConfig("draft-async", DRAFT)),
+    (DRAFT, {"draft_async": True, "draft_k": 3, "draft_threads": 1, "target_threads": 1},
+     SpeculativeConfig("draft-async", DRAFT, length=3, draft_threads=1, target_threads=1)),
+])
+def test_each_set_of_options_resolves_to_one_method(draft, options, expected):
+    assert resolve(draft, **options) == expected
+
+
+@pytest.mark.parametrize("draft, options, option, words", [
+    ("none", {"draft_k": 2}, "draft_k", "{draft_k} needs a draft: set {draft}"),
+    ("ngram", {"draft_k": 0}, "draft_k", "{draft_k} must be a positive integer"),
+    ("ngram", {"draft_k": True}, "draft_k", "{draft_k} must be a positive integer"),
+    ("ngram", {"draft_tree": True}, "draft_tree", "need a draft model"),
+    ("ngram", {"tree_nodes": 4}, "tree_nodes", "need a draft model"),
+    (None, {"draft_tree": True}, "draft_tree", "need a draft model"),
+    (DRAFT, {"draft_tree": True, "draft_k": 3}, "draft_k", "{draft_k} drafts a chain"),
+    (DRAFT, {"tree_nodes": 3, "draft_async": True}, "draft_async", "asynchronous drafting"),
+    (DRAFT, {"tree_nodes": 65}, "tree_nodes", "{tree_nodes} is at most 64"),
+    ("ngram", {"draft_k": 1000}, "draft_k", "{draft_k} is at most 16"),
+    (DRAFT, {"draft_k": 17}, "draft_k", "{draft_k} is at most 16"),
+    ("medusa", {"draft_k": 65}, "draft_k", "{draft_k} is at most 64"),
+    (DRAFT, {"draft_tree": "yes"}, "draft_tree", "{draft_tree} must be true or false"),
+    ("medusa", {"tree_nodes": 4, "draft_k": 4}, "tree_nodes", "node count once"),
+    ("ngram", {"draft_async": True}, "draft_async", "{draft_async} needs a draft model"),
+    (DRAFT, {"draft_threads": 1}, "draft_threads", "add {draft_async}"),
+    (DRAFT, {"draft_async": True, "target_threads": 0}, "target_threads",
+     "{target_threads} must be a positive integer"),
+    ("ngram", {"draft_lookup": True}, "draft_lookup", "for prompt lookup alone"),
+    (DRAFT, {"draft_lookup": True, "draft_k": 2}, "draft_lookup", "drop {draft_k}"),
+    (DRAFT, {"draft_lookup": True, "draft_tree": True}, "draft_lookup", "drop {draft_tree}"),
+    (DRAFT, {"draft_lookup": True, "draft_async": True}, "draft_lookup", "{draft_async}"),
+    (DRAFT, {"draft_lookup": 1}, "draft_lookup", "{draft_lookup} must be true, false"),
+])
+@pytest.mark.parametrize("names", [API, CLI, SERVER], ids=["api", "cli", "server"])
+def test_errors_name_the_option_as_each_front_end_spells_it(draft, options, option, words,
+                                                            names):
+    with pytest.raises(SpeculativeConfigError) as err:
+        resolve(draft, names=names, **options)
+    assert err.value.option == option
+    assert isinstance(err.value, GenerationConfigError)
+    assert words.format(**names) in str(err.value)
+    other = [n for n in (API, CLI, SERVER) if n is not names]
+    for spelling in other:   # no other front end's spelling leaks in
+        if spelling[option] not in names[option]:
+            assert spelling[option] not in str(err.value)
+
+
+def test_a_config_is_frozen_and_keyed_by_its_drafts_identity():
+    config = resolve(OWN, draft_k=2)
+    with pytest.raises(AttributeError):
+        config.length = 3   # type: ignore[misc]
+    assert config.key == resolve(OWN, draft_k=2).key
+    assert config.key != resolve(NgramDrafter(), draft_k=2).key
+    assert resolve(DRAFT, tree_nodes=6).describe() == "draft.gguf, trees of 6 nodes"
+    assert resolve(DRAFT).describe() == "draft.gguf, with prompt lookup"
+    assert PLAIN.describe() == "none" and not PLAIN.speculates
+
+
+def _cli(*argv: str):
+    return speculative_config(build_parser().parse_args(["generate", "hi", *argv]))
+
+
+def _server(default, body: bytes = b""):
+    translator = Translator(None, ["m"], {"qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b"},
+                            default)
+    extra = b', "speculative": ' + body if body else b""
+    req = parse(ChatCompletionRequest,
+                b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]' + extra + b"}")
+    return translator._drafter(req)["speculative"]
+
+
+@pytest.mark.parametrize("argv, body, api", [
+    ((), b"", dict(draft="ngram")),                                     # the preset's default
+    (("--draft", "none"), b'{"draft": "none"}', dict(draft=None)),
+    (("--draft", "ngram", "--draft-k", "3"), b'{"draft": "ngram", "draft_k": 3}',
+     dict(draft="ngram", draft_k=3)),
+    (("--draft", "medusa", "--tree-nodes", "8"), b'{"draft": "medusa", "tree_nodes": 8}',
+     dict(draft="medusa", tree_nodes=8)),
+    (("--draft-tree",), b'{"draft": "qwen2.5-coder-0.5b", "draft_tree": true}',
+     dict(draft="qwen2.5-coder-0.5b", draft_tree=True)),
+    (("--tree-nodes", "6"), b'{"draft": "qwen2.5-coder-0.5b", "tree_nodes": 6}',
+     dict(draft="qwen2.5-coder-0.5b", tree_nodes=6)),
+    (("--no-draft-lookup",), b'{"draft": "qwen2.5-coder-0.5b", "draft_lookup": false}',
+     dict(draft="qwen2.5-coder-0.5b", draft_lookup=False)),
+    (("--draft", "qwen2.5-coder-0.5b"), b'{"draft": "qwen2.5-coder-0.5b"}',
+     dict(draft="qwen2.5-coder-0.5b")),
+])
+def test_the_cli_the_server_and_the_api_resolve_the_same_settings_alike(argv, body, api):
+    from_cli = _cli(*argv)
+    assert from_cli == resolve(**api)
+    assert _server(from_cli) == from_cli          # a server started with these options
+    if body:
+        assert _server(PLAIN, body) == from_cli   # a request asking for them
+    assert resolve_for_preset(None, names=CLI, **{
+        k: v for k, v in api.items() if k != "draft"}, draft=api["draft"] or "none") \
+        == from_cli
+
+
+def test_the_cli_refuses_before_loading_anything(monkeypatch):
+    monkeypatch.setitem(sys.modules, "forerun.api.loader", None)   # importing it would fail
+    with pytest.raises(SpeculativeConfigError, match="--draft-k drafts a chain"):
+        _cli("--draft-tree", "--draft-k", "3")
