@@ -21,13 +21,9 @@ Not a timing: it can run beside other work, but it holds the float32 model
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-
 import torch
+from harness import load_model, machine_line, model_options, parser, release, write_result
 
-import forerun
 from forerun.bench.prompts import load_prompts
 from forerun.machine.calibration import cpu_name
 
@@ -97,8 +93,7 @@ def compare(got: torch.Tensor, ref: torch.Tensor, starts: torch.Tensor,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p = model_options(parser(__doc__))
     p.add_argument("--positions", type=int, default=2048)
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--formats", default="q4,q8,bfloat16")
@@ -107,26 +102,20 @@ def main() -> None:
     args = p.parse_args()
 
     context = args.length + 8
-    reference = forerun.load(args.model, weights="float32", context_length=context,
-                             progress=False)
+    reference = load_model(args, weights="float32", context_length=context)
     seqs = sequences(reference, args.positions, args.length)
     logits = {"float32": all_logits(reference, seqs)}
     del reference
-    gc.collect()
-    names = [f for f in args.formats.split(",") if f]
-    for fmt in names:
-        model = forerun.load(args.model, weights=fmt, context_length=context, progress=False)
-        logits[fmt] = all_logits(model, seqs)
-        del model
-        gc.collect()
+    runs = [(f, {"weights": f}) for f in args.formats.split(",") if f]
     if not args.no_llama_cpp:
-        model = forerun.load(args.model, engine="llama.cpp", context_length=context,
-                             progress=False)
-        logits["llama.cpp"] = all_logits(model, seqs)
+        runs.append(("llama.cpp", {"engine": "llama.cpp"}))
+    for name, options in runs:
+        model = load_model(args, context_length=context, **options)
+        logits[name] = all_logits(model, seqs)
+        release(model)
         del model
     positions = sum(len(s) for s in seqs)
-    print(f"{args.model}: {positions} positions of the prompt set, {cpu_name()}, "
-          f"torch {torch.__version__}")
+    print(machine_line(f"{args.model}: {positions} positions of the prompt set"))
     starts = torch.zeros(positions, dtype=torch.bool)
     starts[torch.tensor([sum(len(s) for s in seqs[:i]) for i in range(len(seqs))])] = True
     print(f"top-1 agreement: over all positions, and (in brackets) over the share of "
@@ -146,9 +135,8 @@ def main() -> None:
                   f"{row['mean_kl']:.3g} | {row['max_logit_gap']:.2f} | "
                   f"{row['max_logit_gap_first_positions']:.2f} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "positions": positions, "cpu": cpu_name(),
-                       "rows": table}, f, indent=1)
+        write_result(args.json, {"model": args.model, "positions": positions,
+                                 "cpu": cpu_name(), "rows": table})
 
 
 if __name__ == "__main__":

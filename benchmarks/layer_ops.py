@@ -15,55 +15,57 @@ Run it on an idle machine (nothing else running): every figure is a time.
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import torch
+from harness import (
+    interleaved,
+    load_model,
+    machine_line,
+    model_options,
+    parser,
+    positions_list,
+    timed,
+)
 
-import forerun
-from forerun.machine.calibration import cpu_name
+from forerun.api.engine_policy import probe_tokens
 from forerun.kernels import native
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="qwen2.5-coder-0.5b")
-    p.add_argument("--weights", default="q4-all")
-    p.add_argument("--context", type=int, default=200)
+    p = model_options(parser(__doc__), "qwen2.5-coder-0.5b", weights="q4-all", context=200)
     p.add_argument("--positions", default="1,5")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    model = forerun.load(args.model, weights=args.weights, progress=False)
+    model = load_model(args)
     network = model.decoder.model
     ops = network.layer_ops
     if ops is None:
         raise SystemExit("forerun's native layer operations don't run here: "
                          f"{native.unavailable_reason()}")
-    print(f"CPU: {cpu_name()}, torch {torch.__version__}, threads {torch.get_num_threads()}; "
-          f"{args.model} in {network.weights_format}, {args.context} positions of context")
+    print(machine_line(f"{args.model} in {network.weights_format}, {args.context} positions "
+                       "of context"))
     cache = network.new_cache(args.context + 64)
-    tokens = torch.tensor(model._probe_tokens(args.context))
+    tokens = torch.tensor(probe_tokens(model, args.context))
     network.forward(tokens, torch.arange(args.context), cache, None)
     base = cache.length
-    best: dict[tuple[int, str], float] = {}
-    for _ in range(args.rounds):
-        for t in (int(v) for v in args.positions.split(",")):
-            fed = torch.full((t,), int(tokens[-1]))
-            positions = torch.arange(base, base + t)
-            for way in ("torch", "native"):
-                network.layer_ops = ops if way == "native" else None
-                times = []
-                for _ in range(args.steps + 2):
-                    cache.rollback(base)
-                    start = time.perf_counter()
-                    network.forward(fed, positions, cache, None, rowwise=t > 1)
-                    times.append(time.perf_counter() - start)
-                mean = sum(times[2:]) / args.steps
-                best[(t, way)] = min(best.get((t, way), mean), mean)
+
+    def mean_step(t: int, way: str) -> float:
+        """Mean seconds of a forward of ``t`` positions, after 2 untimed."""
+        network.layer_ops = ops if way == "native" else None
+        fed = torch.full((t,), int(tokens[-1]))
+        positions = torch.arange(base, base + t)
+        times = []
+        for _ in range(args.steps + 2):
+            cache.rollback(base)
+            times.append(timed(network.forward, fed, positions, cache, None, rowwise=t > 1))
+        return sum(times[2:]) / args.steps
+
+    ways = {(t, way): (lambda t=t, way=way: mean_step(t, way))
+            for t in positions_list(args.positions) for way in ("torch", "native")}
+    best = interleaved(ways, args.rounds)
     network.layer_ops = ops
-    for (t, way), seconds in sorted(best.items()):
-        print(f"{t} position(s), {way:6}: {seconds * 1000:6.1f} ms")
+    for (t, way), means in sorted(best.items()):
+        print(f"{t} position(s), {way:6}: {min(means) * 1000:6.1f} ms")
 
 
 if __name__ == "__main__":

@@ -19,17 +19,11 @@ model's preset packages.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
-
-PROMPTS = [
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Explain the difference between a list and a tuple in Python.",
-    "Write a SQL query that returns the ten customers with the highest total order value.",
-]
+from harness import CHAT_PROMPTS, chat_ids, load_model, machine_line, model_options, parser
 
 
 def run_forerun(model, ids: list[int], n: int) -> tuple[list[int], float, float, float]:
@@ -64,27 +58,25 @@ def run_llama(llm, ids: list[int], n: int) -> tuple[list[int], float, float, flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="llama.cpp threads for both (default: torch.get_num_threads())")
-    parser.add_argument("--n-ubatch", type=int, default=None,
-                        help="llama.cpp prefill micro-batch for both (default: the engine's, 512)")
-    parser.add_argument("--context-length", type=int, default=1024)
-    args = parser.parse_args()
+    p = model_options(parser(__doc__), context_length=1024)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None,
+                   help="llama.cpp threads for both (default: torch.get_num_threads())")
+    p.add_argument("--n-ubatch", type=int, default=None,
+                   help="llama.cpp prefill micro-batch for both (default: the engine's, 512)")
+    args = p.parse_args()
 
-    import forerun
     from forerun.bench.llama_cpp_reference import reference_llama
     from forerun.engines.llama_cpp_engine import DEFAULT_BATCH
     from forerun.loading.load import resolve_spec
 
     threads = args.threads or torch.get_num_threads()
     ubatch = args.n_ubatch or DEFAULT_BATCH
+    print(machine_line())
     t = time.perf_counter()
-    ours = forerun.load(args.model, engine="llama.cpp", context_length=args.context_length,
-                        engine_options={"n_threads": threads, "n_ubatch": ubatch})
+    ours = load_model(args, engine="llama.cpp",
+                      engine_options={"n_threads": threads, "n_ubatch": ubatch})
     print(f"forerun load: {time.perf_counter() - t:.1f} s")
     path = resolve_spec(args.model)
     t = time.perf_counter()
@@ -100,8 +92,8 @@ def main() -> None:
     cpu_rates: dict[str, list[float]] = {name: [] for name in runners}
     run = 0
     for _ in range(args.repeats):
-        for text in PROMPTS:
-            ids = ours.encode_prompt(messages=[{"role": "user", "content": text}])
+        for text in CHAT_PROMPTS:
+            ids = chat_ids(ours, text)
             order = list(runners) if run % 2 == 0 else list(reversed(runners))
             run += 1
             outputs = {}

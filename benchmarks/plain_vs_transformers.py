@@ -12,44 +12,37 @@ included) and the ratio forerun / transformers.  Needs the `test` extra
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
-
-PROMPTS = [
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Explain the difference between a list and a tuple in Python.",
-    "Write a SQL query that returns the ten customers with the highest total order value.",
-]
+from harness import CHAT_PROMPTS, chat_ids, load_model, machine_line, model_options, parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args()
+    p = model_options(parser(__doc__))
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1)
+    args = p.parse_args()
 
-    import forerun
-    from forerun.loading.presets import resolve_preset
     from transformers import AutoModelForCausalLM
 
+    from forerun.loading.presets import resolve_preset
+
+    print(machine_line())
     t = time.perf_counter()
-    ours = forerun.load(args.model, context_length=1024)
+    ours = load_model(args, context_length=1024)
     print(f"forerun load: {time.perf_counter() - t:.1f} s")
     path = resolve_preset(args.model)
     t = time.perf_counter()
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                dtype=torch.float32).eval()
     print(f"transformers load: {time.perf_counter() - t:.1f} s")
-    print(f"torch threads: {torch.get_num_threads()}")
 
     rates = {"forerun": [], "transformers": []}
     for _ in range(args.repeats):
-        for text in PROMPTS:
-            ids = ours.encode_prompt(messages=[{"role": "user", "content": text}])
+        for text in CHAT_PROMPTS:
+            ids = chat_ids(ours, text)
             ours.generate(prompt_ids=ids, max_new_tokens=4, ignore_eos=True)  # warm-up
             t = time.perf_counter()
             res = ours.generate(prompt_ids=ids, max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -69,7 +62,7 @@ def main() -> None:
     ratios = [a / b for a, b in zip(rates["forerun"], rates["transformers"])]
     print(f"\n{args.model}, {args.new_tokens} new tokens, greedy, float32, "
           f"{len(ratios)} runs")
-    print(f"| engine | tokens/s (median) |\n|---|---|")
+    print("| engine | tokens/s (median) |\n|---|---|")
     for name, r in rates.items():
         print(f"| {name} | {statistics.median(r):.2f} |")
     print(f"\nforerun / transformers: {statistics.median(ratios):.2f}x "

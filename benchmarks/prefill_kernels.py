@@ -22,14 +22,11 @@ formats of the PyTorch engine").
 
 from __future__ import annotations
 
-import argparse
-import time
 import warnings
 
 import torch
 import torch.nn.functional as F
-
-from forerun.machine.calibration import cpu_name
+from harness import machine_line, parser, timed
 
 # (out_features, in_features) of one layer: fused q/k/v, o, fused gate/up, down.
 QWEN_1_5B = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]
@@ -42,17 +39,13 @@ def int8_rows(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch
 
 
 def best_of(fn, reps: int = 3) -> float:
+    """The fewest seconds of ``reps`` calls of ``fn``, after one untimed."""
     fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return min(timed(fn) for _ in range(reps))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--m", type=int, default=128, help="prompt positions per block")
     p.add_argument("--layers", type=int, default=8)
     args = p.parse_args()
@@ -89,8 +82,7 @@ def main() -> None:
             for w, (_, k) in zip(resident[i % 2], QWEN_1_5B):
                 F.linear(x[k], w)
 
-    print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"M={args.m}, {args.layers} layers of {QWEN_1_5B}")
+    print(machine_line(f"M={args.m}, {args.layers} layers of {QWEN_1_5B}"))
     print("| kernel | ms per block | positions/s (matrices only) |")
     print("|---|---:|---:|")
     for name, fn in (("int8pack", int8pack), ("dequant-fp32", dequant_fp32),

@@ -22,32 +22,34 @@ Run it on an idle machine (nothing else running): every figure is a time.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from harness import (
+    ROOT,
+    build_library,
+    interleaved,
+    machine_line,
+    parser,
+    positions_list,
+    source_at,
+    timed,
+)
 
-from forerun.machine.calibration import cpu_name
-from forerun.kernels import native
+from forerun.kernels.build import dot_build
+from forerun.kernels.layouts import padded_rows
+from forerun.machine.cpu import cpu_flags
 
 SOURCE = "forerun/kernels/avx2_int_products.c"
-ROOT = Path(__file__).resolve().parent.parent
 # (out, in, 6-bit) of one layer's matrices, then the LM head.
 LAYER = ((2048, 1536, False), (1536, 1536, False), (17920, 1536, False))
 HEAD = (151936, 1536, True)
 
 
 def build(source: bytes, folder: Path, name: str, extra: tuple[str, ...]) -> ctypes.CDLL:
-    path = folder / f"{name}.c"
-    path.write_bytes(source)
-    library = folder / f"{name}.so"
-    subprocess.run(["cc", *native.FLAGS, *extra, str(path), "-o", str(library), "-lm"],
-                   check=True)
-    lib = ctypes.CDLL(str(library))
+    lib = build_library(source, folder, name, extra)
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.fr_q4_linear.argtypes = [p, i, i, i, p, p, p, i, p, i]
     lib.fr_q6_linear.argtypes = [p, i, i, i, p, p, p, p, i, p, i]
@@ -60,9 +62,9 @@ def matrices(layers: int) -> list[tuple]:
     shapes = [m for n in range(layers) for m in (*LAYER, (1536, 8960, n % 2 == 1))] + [HEAD]
     out = []
     for n, k, six in shapes:
-        rows = native.padded_rows(n, 4)          # room for either build's row groups
+        rows = padded_rows(n, 4)          # room for either build's row groups
 
-        def b(width, dtype=torch.uint8):
+        def b(width, dtype=torch.uint8, rows=rows):
             return torch.randint(0, 256, (rows, width), dtype=torch.uint8,
                                  generator=gen).view(dtype)
         if six:
@@ -78,19 +80,20 @@ def matrices(layers: int) -> list[tuple]:
 def one_pass(lib: ctypes.CDLL, mats: list[tuple], x: torch.Tensor, y: torch.Tensor,
              t: int) -> float:
     threads = torch.get_num_threads()
-    start = time.perf_counter()
-    for n, k, six, a in mats:
-        if six:
-            lib.fr_q6_linear(x.data_ptr(), t, k, k, a[0].data_ptr(), a[1].data_ptr(),
-                             a[2].data_ptr(), a[3].data_ptr(), n, y.data_ptr(), threads)
-        else:
-            lib.fr_q4_linear(x.data_ptr(), t, k, k, a[0].data_ptr(), a[1].data_ptr(),
-                             a[2].data_ptr(), n, y.data_ptr(), threads)
-    return time.perf_counter() - start
+
+    def products() -> None:
+        for n, k, six, a in mats:
+            if six:
+                lib.fr_q6_linear(x.data_ptr(), t, k, k, a[0].data_ptr(), a[1].data_ptr(),
+                                 a[2].data_ptr(), a[3].data_ptr(), n, y.data_ptr(), threads)
+            else:
+                lib.fr_q4_linear(x.data_ptr(), t, k, k, a[0].data_ptr(), a[1].data_ptr(),
+                                 a[2].data_ptr(), n, y.data_ptr(), threads)
+    return timed(products)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--against", required=True, help="a git revision, e.g. HEAD~1")
     p.add_argument("--positions", default="1,2,3,4,5,6")
     p.add_argument("--rounds", type=int, default=6)
@@ -100,15 +103,16 @@ def main() -> None:
     p.add_argument("--cflags", default="",
                    help="extra compiler flags for this tree's build only, e.g. -DFR_TILE=6")
     args = p.parse_args()
+    if args.rounds < 2:
+        p.error("--rounds must be at least 2 (the first warms up)")
     extra: tuple[str, ...] = ()
     if args.build == "dot":
-        chosen = native.dot_build(native._cpu_flags())
+        chosen = dot_build(cpu_flags())
         if chosen is None:
             raise SystemExit("this CPU has no vpdpbusd build")
         extra = chosen[1]
-    theirs = subprocess.run(["git", "show", f"{args.against}:{SOURCE}"], cwd=ROOT,
-                            check=True, capture_output=True).stdout
-    counts = [int(t) for t in args.positions.split(",")]
+    theirs = source_at(args.against, SOURCE)
+    counts = positions_list(args.positions)
     mats = matrices(args.layers)
     x = torch.randn(max(counts), 8960)
     y = torch.empty(max(counts), HEAD[0])
@@ -116,15 +120,12 @@ def main() -> None:
         builds = {f"at {args.against}": build(theirs, Path(tmp), "theirs", extra),
                   "this tree": build((ROOT / SOURCE).read_bytes(), Path(tmp), "ours",
                                      (*extra, *args.cflags.split()))}
-        spent = {(name, t): 0.0 for name in builds for t in counts}
-        for r in range(args.rounds):
-            for t in counts:
-                for name, lib in builds.items():
-                    dt = one_pass(lib, mats, x, y, t)
-                    if r:
-                        spent[(name, t)] += dt / (args.rounds - 1)
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, {args.build} build; "
-          f"{args.layers} layers and the LM head; mean of {args.rounds - 1} rounds, ms")
+        passes = interleaved({(name, t): (lambda lib=lib, t=t: one_pass(lib, mats, x, y, t))
+                              for t in counts for name, lib in builds.items()}, args.rounds)
+        # The first round warms up.
+        spent = {key: sum(times[1:]) / (args.rounds - 1) for key, times in passes.items()}
+    print(machine_line(f"{args.build} build; {args.layers} layers and the LM head; mean of "
+                       f"{args.rounds - 1} rounds, ms"))
     names = list(builds)
     print(f"{'positions':>9}  " + "  ".join(f"{n:>14} {'x one':>6}" for n in names)
           + f"  {'ours/theirs':>11}")

@@ -19,18 +19,17 @@ prompts must be the report's prompt file.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
+from harness import load_model, parser
 
-import forerun
 from forerun.bench.prompts import load_prompts
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("report", type=Path, help="a report.json written by forerun bench")
     ap.add_argument("--threads", type=int, default=None,
                     help="threads for the llama.cpp engine (default: the bench's)")
@@ -40,9 +39,8 @@ def main() -> None:
     settings = report["settings"]
     engine = settings.get("engine", "torch")
     options = {"n_threads": args.threads} if args.threads and engine == "llama.cpp" else None
-    model = forerun.load(settings["model"], engine=engine,
-                         context_length=settings.get("context_length"),
-                         engine_options=options, progress=False)
+    model = load_model(model=settings["model"], engine=engine,
+                       context_length=settings.get("context_length"), engine_options=options)
     prompts = {p.question_id: p for p in load_prompts(settings.get("prompts"))}
     rows = {(r["question_id"], r["method"]): r for r in report["rows"]}
     decoder = model.decoder

@@ -23,18 +23,15 @@ tiny model) and the tests folder on the path, as the tests have it.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import ROOT, interleaved, machine_line, median_ms, parser, timed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from forerun.protocol.model_config import ModelConfig  # noqa: E402
-from forerun.engines.torch_engine import TorchDecoder  # noqa: E402
-from forerun.engines.transformer import PADDED_ROWS, Transformer, rms_norm  # noqa: E402
+from forerun.engines.torch_engine import TorchDecoder
+from forerun.engines.transformer import PADDED_ROWS, Transformer, rms_norm
+from forerun.protocol.model_config import ModelConfig
 
 
 def differing_rows(run, one, trials: int = 3) -> list[int]:
@@ -49,7 +46,7 @@ def differing_rows(run, one, trials: int = 3) -> list[int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--timing", type=int, default=0, metavar="REPEATS",
@@ -57,7 +54,7 @@ def main() -> None:
     args = p.parse_args()
     dev = args.device
     gen = torch.Generator().manual_seed(0)
-    print(f"device {dev}, torch {torch.__version__}")
+    print(machine_line(f"device {dev}"))
     for dtype in (torch.bfloat16, torch.float32):
         for k, n in ((1536, 2048), (1536, 8960), (8960, 1536), (1536, 151936)):
             w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dev, dtype)
@@ -86,6 +83,7 @@ def main() -> None:
             differ += not torch.equal(a, b)
     print(f"attention, a query sliced from 16 against it alone: {differ} of 320 differ")
 
+    sys.path.insert(0, str(ROOT / "tests"))
     from tiny_models import hf_model
 
     hf = hf_model("qwen2", seed=5, hidden_size=256, intermediate_size=768)
@@ -122,8 +120,6 @@ def step_times(dev: str, repeats: int) -> None:
     """ms per forward of T positions of a network of Qwen2.5-1.5B's shapes
     (random bfloat16 weights, 256 positions of context), padded to
     PADDED_ROWS rows and unpadded, alternating."""
-    import time
-
     config = ModelConfig.from_hf({
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
         "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
@@ -153,22 +149,20 @@ def step_times(dev: str, repeats: int) -> None:
     decoder.feed(list(range(1000, 1256)), last_only=True)
     base = decoder.length
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
-    spent: dict[tuple[int, bool], list[float]] = {}
-    for _ in range(repeats):
-        for t in (1, 2, 4, 8, 16):
-            for padded in (True, False):
-                network.padded_rows = PADDED_ROWS if padded else None
-                sync()
-                start = time.perf_counter()
-                decoder.feed(list(range(2000, 2000 + t)))
-                sync()
-                spent.setdefault((t, padded), []).append(time.perf_counter() - start)
-                decoder.rollback(base)
+
+    def forward(t: int, padded: bool) -> float:
+        network.padded_rows = PADDED_ROWS if padded else None
+        decoder.rollback(base)
+        sync()
+        return timed(lambda: (decoder.feed(list(range(2000, 2000 + t))), sync()))
+
+    spent = interleaved({(t, padded): (lambda t=t, padded=padded: forward(t, padded))
+                         for t in (1, 2, 4, 8, 16) for padded in (True, False)}, repeats)
+    decoder.rollback(base)
     print(f"1.5B-shaped network, bfloat16, random weights, 256 positions of context, "
           f"median of {repeats} forwards, ms (padded to {PADDED_ROWS} rows / unpadded):")
     for t in (1, 2, 4, 8, 16):
-        a = sorted(spent[(t, True)])[repeats // 2] * 1e3
-        b = sorted(spent[(t, False)])[repeats // 2] * 1e3
+        a, b = median_ms(spent[(t, True)]), median_ms(spent[(t, False)])
         print(f"  T={t:>2}: {a:7.2f} / {b:7.2f}")
 
 

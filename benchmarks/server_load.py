@@ -27,8 +27,6 @@ order, as chat messages.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 import signal
@@ -38,7 +36,8 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+
+from harness import bench_prompts, machine_line, model_options, parser, write_result
 
 FOLLOW_UPS = ["Make it shorter.", "Now explain it step by step.", "Add error handling.",
               "Write a test for it.", "What is its complexity?", "Rename the variables."]
@@ -158,12 +157,10 @@ def multi_turn(server: Server, first: str, turns: int, max_tokens: int) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", "-m", default="qwen2.5-coder-1.5b")
+    p = model_options(parser(__doc__), context_length=4096)
     p.add_argument("--draft", default=None,
                    help="the draft of the speculative runs (default: the preset's own)")
     p.add_argument("--engine", default="torch")
-    p.add_argument("--context-length", type=int, default=4096)
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -177,10 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from forerun.bench.prompts import load_prompts
-
-    questions = load_prompts()
+    print(machine_line(torch_info=False))
+    questions = bench_prompts()
     prompts = [q.turns[0] for q in questions]
     chat_first = next((q.turns[0] for q in questions if q.category == args.chat_category),
                       None) if args.chat_category else prompts[0]
@@ -234,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {w['turn']} | {w['prompt_tokens']} | {w['reused']} | {w['ttft'] or 0:.3f} s "
               f"| {c['ttft'] or 0:.3f} s | {'yes' if w['text'] == c['text'] else 'NO'} |")
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-        print(f"\nwrote {args.out}")
+        print()
+        write_result(args.out, report, torch_info=False)
     return 0
 
 

@@ -18,53 +18,55 @@ Run it on an idle machine (nothing else running): every figure is a time.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import torch
+from harness import (
+    interleaved,
+    load_model,
+    machine_line,
+    median_ms,
+    parser,
+    positions_list,
+    prefill,
+    timed,
+)
 
-import forerun
-from forerun.machine.calibration import cpu_name
 from forerun.engines.torch_engine import PER_POSITION_FEED
 
 MODELS = (("qwen2.5-coder-1.5b", "q4"), ("qwen2.5-coder-0.5b", "q4-all"))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--positions", default="1,2,3,4,6,8,12,16,32")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--context", type=int, default=100)
     args = p.parse_args()
-    counts = [int(t) for t in args.positions.split(",")]
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads; median of {args.repeats} "
-          f"forwards after {args.context} positions, ms; the engine runs up to "
-          f"{PER_POSITION_FEED} per position")
+    counts = positions_list(args.positions)
+    print(machine_line(f"median of {args.repeats} forwards after {args.context} positions, "
+                       f"ms; the engine runs up to {PER_POSITION_FEED} per position"))
     for name, weights in MODELS:
-        model = forerun.load(name, weights=weights)
+        model = load_model(model=name, weights=weights)
         decoder, network = model.decoder, model.decoder.model
         if network.layer_ops is None:
             raise SystemExit("forerun's native layer operations don't run here")
-        decoder.reset()
-        decoder.feed(list(range(1000, 1000 + args.context)), last_only=True)
+        prefill(model, args.context)
         base = decoder.length
-        spent = {(t, rowwise): [] for t in counts for rowwise in (True, False)}
-        for _ in range(args.repeats):
-            for t in counts:
-                ids = torch.arange(2000, 2000 + t)
-                positions = torch.arange(base, base + t)
-                for rowwise in (True, False):
-                    start = time.perf_counter()
-                    network.forward(ids, positions, decoder.cache, None,
-                                    logits_rows=slice(-1, None), rowwise=rowwise)
-                    spent[(t, rowwise)].append(time.perf_counter() - start)
-                    decoder.rollback(base)
+
+        def forward(t: int, rowwise: bool, network=network, decoder=decoder,
+                    base=base) -> float:
+            seconds = timed(network.forward, torch.arange(2000, 2000 + t),
+                            torch.arange(base, base + t), decoder.cache, None,
+                            logits_rows=slice(-1, None), rowwise=rowwise)
+            decoder.rollback(base)
+            return seconds
+
+        spent = interleaved({(t, rowwise): (lambda t=t, rowwise=rowwise: forward(t, rowwise))
+                             for t in counts for rowwise in (True, False)}, args.repeats)
         print(f"{name} ({weights})")
         print(f"{'T':>4} {'per position':>13} {'batched':>8} {'ratio':>6}")
         for t in counts:
-            one = statistics.median(spent[(t, True)]) * 1e3
-            batched = statistics.median(spent[(t, False)]) * 1e3
+            one = median_ms(spent[(t, True)])
+            batched = median_ms(spent[(t, False)])
             print(f"{t:>4} {one:13.2f} {batched:8.2f} {one / batched:6.2f}")
 
 

@@ -32,9 +32,10 @@ beside anything.
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import Counter
+
+from harness import parser
 
 from forerun.decoding.draft_length import MAX_DRAFT_LENGTH, best_draft_length, expected_tokens
 
@@ -96,7 +97,7 @@ def decode_speedup(alpha: float, draft_cost: float, costs: list[float]) -> tuple
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("report", help="a forerun bench report (.json) with plain and llamacpp-plain")
     p.add_argument("--costs", required=True,
                    help="the target's verification costs, ms for T = 1, 2, ...")

@@ -24,15 +24,20 @@ Run it on an idle machine (nothing else running): every figure is a time.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 
 import torch
+from harness import (
+    interleaved,
+    load_model,
+    machine_line,
+    model_options,
+    parser,
+    prefill,
+    timed,
+    timed_feed,
+)
 from torch.profiler import ProfilerActivity, profile
-
-import forerun
-from forerun.machine.calibration import cpu_name
 
 MATRIX_OPS = ("aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
               "aten::linear", "aten::addmm", "aten::mm", "aten::matmul")
@@ -52,55 +57,39 @@ def time_matrices(network, repeats: int, positions: int) -> float:
     step."""
     calls = matrix_calls(network)
     inputs = [torch.randn(positions, c.in_features) for c in calls]
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+
+    def one_pass() -> None:
         for c, x in zip(calls, inputs):
             c(x)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median([timed(one_pass) for _ in range(repeats)])
 
 
 def time_steps(decoder, tokens: list[int], steps: int) -> float:
     base = decoder.length
-    times = []
-    for _ in range(steps):
-        decoder.rollback(base)
-        t0 = time.perf_counter()
-        decoder.feed(tokens)
-        times.append(time.perf_counter() - t0)
+    times = [timed_feed(decoder, base, tokens)[0] for _ in range(steps)]
     decoder.rollback(base)
     return statistics.median(times)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="qwen2.5-coder-1.5b")
-    p.add_argument("--weights", default="q8")
-    p.add_argument("--context", type=int, default=256)
+    p = model_options(parser(__doc__), weights="q8", context=256)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--positions", type=int, default=1,
                    help="positions fed per step (T of a verification)")
     args = p.parse_args()
     if args.positions < 1:
         p.error(f"--positions must be at least 1, got {args.positions}")
-    model = forerun.load(args.model, weights=args.weights, progress=False)
+    model = load_model(args)
     d = model.decoder
     network = d.model
-    print(f"CPU: {cpu_name()}, torch {torch.__version__}, threads {torch.get_num_threads()}; "
-          f"{args.model} in {network.weights_format}, {args.context} positions of context, "
-          f"{args.positions} fed per step")
-    tokens = model._probe_tokens(args.context)
-    d.reset()
-    d.feed(tokens, last_only=True)
-    step_tokens = tokens[-args.positions:]
+    print(machine_line(f"{args.model} in {network.weights_format}, {args.context} positions "
+                       f"of context, {args.positions} fed per step"))
+    step_tokens = prefill(model, args.context)[-args.positions:]
     time_steps(d, step_tokens, 4)  # warm-up
-    # Alternate, so that a drift of the machine touches both alike.
-    step, matrices = [], []
-    for _ in range(3):
-        step.append(time_steps(d, step_tokens, args.steps // 3))
-        matrices.append(time_matrices(network, args.steps // 3, args.positions))
-    step_s, matrix_s = min(step), min(matrices)
+    best = interleaved({"step": lambda: time_steps(d, step_tokens, args.steps // 3),
+                        "matrices": lambda: time_matrices(network, args.steps // 3,
+                                                          args.positions)}, 3)
+    step_s, matrix_s = min(best["step"]), min(best["matrices"])
     other = step_s - matrix_s
     print(f"step {step_s * 1000:.1f} ms ({1 / step_s:.2f} tok/s); matrix products alone "
           f"{matrix_s * 1000:.1f} ms; the rest {other * 1000:.1f} ms = "

@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from forerun.machine.calibration import cpu_name
+from harness import machine_line, parser
 
 REGISTERS = 12
 
@@ -101,6 +101,7 @@ def program() -> str:
 
 
 def main() -> None:
+    parser(__doc__).parse_args()
     if platform.machine() not in ("x86_64", "AMD64"):
         raise SystemExit("this measures x86-64 instructions; the machine is "
                          f"{platform.machine()}")
@@ -114,8 +115,8 @@ def main() -> None:
         lines = subprocess.run([str(binary)], check=True, capture_output=True,
                                text=True).stdout.split("\n")
     values = dict(line.split() for line in lines if line.strip())
-    print(f"{cpu_name()}, one thread, clock {float(values.pop('clock')):.2f} GHz "
-          "(from dependent adds)")
+    print(machine_line(f"one thread, clock {float(values.pop('clock')):.2f} GHz (from "
+                       "dependent adds)", torch_info=False))
     print(f"{'instruction':18} {'per cycle':>9}")
     for name, rate in values.items():
         print(f"{name.replace('_', ' '):18} {float(rate):9.2f}")

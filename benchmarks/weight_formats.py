@@ -11,17 +11,14 @@ Run it on an idle machine (nothing else running): every figure is a time.
 
 from __future__ import annotations
 
-import argparse
-import gc
 import json
 import resource
 import statistics
 import time
 
-import torch
+from harness import load_model, machine_line, model_options, parser, release, timed_feed
 
-import forerun
-from forerun.machine.calibration import cpu_name
+from forerun.api.engine_policy import probe_tokens
 
 
 def measure(model, tokens: list[int], new_tokens: int) -> dict:
@@ -41,12 +38,7 @@ def measure(model, tokens: list[int], new_tokens: int) -> dict:
     base = d.length
     verify = []
     for t in range(1, 10):
-        best = float("inf")
-        for _ in range(3):
-            d.rollback(base)
-            t0 = time.perf_counter()
-            d.feed(tokens[:t])
-            best = min(best, time.perf_counter() - t0)
+        best = min(timed_feed(d, base, tokens[:t])[0] for _ in range(3))
         verify.append(round(best * 1000, 1))
     d.reset()
     return {"prefill_tok_s": round(len(tokens) / prefill, 1),
@@ -55,14 +47,13 @@ def measure(model, tokens: list[int], new_tokens: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p = model_options(parser(__doc__))
     p.add_argument("--formats", default="q4,q8,bfloat16,float32")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--no-llama-cpp", action="store_true")
     args = p.parse_args()
-    print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}")
+    print(machine_line())
     rows = {}
     runs = [("torch", f) for f in args.formats.split(",")]
     if not args.no_llama_cpp:
@@ -70,21 +61,19 @@ def main() -> None:
     for engine, fmt in runs:
         t0 = time.perf_counter()
         if engine == "torch":
-            model = forerun.load(args.model, weights=fmt, progress=False)
+            model = load_model(args, weights=fmt)
         else:
-            model = forerun.load(args.model, engine="llama.cpp", progress=False)
+            model = load_model(args, engine="llama.cpp")
         load = time.perf_counter() - t0
-        tokens = model._probe_tokens(args.prompt_tokens)
+        tokens = probe_tokens(model, args.prompt_tokens)
         row = {"load_s": round(load, 1), **measure(model, tokens, args.tokens)}
         if engine == "torch":
             row["weight_mb"] = round(model.decoder.model.weight_bytes / 1e6)
         name = engine if fmt is None else f"torch {fmt}"
         rows[name] = row
         print(name, json.dumps(row), flush=True)
-        if engine == "llama.cpp":
-            model.decoder.close()
+        release(model)
         del model
-        gc.collect()
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB")
 
 

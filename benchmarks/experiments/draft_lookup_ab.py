@@ -2,7 +2,7 @@
 by side on one loaded model: the evidence behind drafting beside prompt
 lookup by default.
 
-    python benchmarks/draft_lookup_ab.py [--temperature 0.7] [--limit 2]
+    python benchmarks/experiments/draft_lookup_ab.py [--temperature 0.7] [--limit 2]
         [--max-new-tokens 128] [--model qwen2.5-coder-1.5b]
         [--draft qwen2.5-coder-0.5b] [--weights q4]
 
@@ -19,24 +19,31 @@ Run it on an idle machine (nothing else running): every figure is a time.
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
-from draft_ab_options import bench_prompts, draft_ab_parser, header, load_target
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for harness
+
+from harness import DRAFT, bench_prompts, chat_ids, load_model, machine_line, model_options, parser  # noqa: E402
 
 
 def main() -> None:
-    ap = draft_ab_parser(__doc__)
+    ap = model_options(parser(__doc__), weights="q4", draft=DRAFT)
+    ap.add_argument("--limit", type=int, default=2, help="prompts per category")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.7)
     args = ap.parse_args()
 
-    model = load_target(args)
+    model = load_model(args)
     for lookup in (False, True):     # load the draft, calibrate, warm up
         model.generate("hi", max_new_tokens=4, draft=args.draft, draft_lookup=lookup)
-    print(header(args, f", temperature {args.temperature}, {args.max_new_tokens} tokens"))
+    print(machine_line(f"{args.model} ({args.weights}) with {args.draft}, temperature "
+                       f"{args.temperature}, {args.max_new_tokens} tokens"))
     names = {False: "draft", True: "draft+lookup"}
     per_category: dict[str, dict[bool, float]] = {}
-    for i, p in enumerate(bench_prompts(args)):
-        ids = model.encode_prompt(messages=[{"role": "user", "content": p.turns[0]}])
+    for i, p in enumerate(bench_prompts(args.limit)):
+        ids = chat_ids(model, p.turns[0])
         line = f"{p.label:18s} {len(ids):5d} tokens"
         for lookup in ((False, True) if i % 2 == 0 else (True, False)):
             start = time.perf_counter()

@@ -3,7 +3,7 @@ logits of a context with the engine's cache types (default F16 keys and
 Q8_0 values, which keep speculative decoding exact on several threads)
 against one with llama.cpp's default F16 keys and values, over the same text.
 
-    python benchmarks/kv_cache_precision.py [--model qwen2.5-coder-1.5b]
+    python benchmarks/experiments/kv_cache_precision.py [--model qwen2.5-coder-1.5b]
         [--per-category 1] [--new-tokens 128] [--cache-type-k f16]
         [--cache-type-v q8_0]
 
@@ -18,39 +18,41 @@ KL(F16 || tested), and the largest logit difference.  Needs
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for harness
+
+from harness import bench_prompts, chat_ids, load_model, machine_line, model_options, parser  # noqa: E402
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--per-category", type=int, default=1)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--cache-type-k", default="f16", help="keys of the tested cache")
-    parser.add_argument("--cache-type-v", default="q8_0", help="values of the tested cache")
-    args = parser.parse_args()
+    p = model_options(parser(__doc__), context_length=2048)
+    p.add_argument("--per-category", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--cache-type-k", default="f16", help="keys of the tested cache")
+    p.add_argument("--cache-type-v", default="q8_0", help="values of the tested cache")
+    args = p.parse_args()
 
-    import forerun
-    from forerun.bench.prompts import load_prompts, select_prompts
     from forerun.engines.llama_cpp_engine import LlamaCppDecoder
 
-    f16 = forerun.load(args.model, engine="llama.cpp", context_length=2048, progress=False,
-                       engine_options={"cache_type_k": "f16", "cache_type_v": "f16",
-                                       "n_threads": 1})
-    tested = LlamaCppDecoder(f16.decoder.path, context_length=2048,
+    f16 = load_model(args, engine="llama.cpp",
+                     engine_options={"cache_type_k": "f16", "cache_type_v": "f16",
+                                     "n_threads": 1})
+    tested = LlamaCppDecoder(f16.decoder.path, context_length=args.context_length,
                              cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
-    print(f"{args.model}: {args.cache_type_k} keys and {args.cache_type_v} values "
-          f"against f16 keys and values")
+    print(machine_line(f"{args.model}: {args.cache_type_k} keys and {args.cache_type_v} "
+                       "values against f16 keys and values"))
     agree: list[float] = []
     kls: list[float] = []
     worst = 0.0
     print("| prompt | tokens | top-1 agreement | mean KL (nats) | max KL | max logit diff |")
     print("|---|---:|---:|---:|---:|---:|")
-    for prompt in select_prompts(load_prompts(), limit=args.per_category):
-        ids = f16.encode_prompt(messages=[{"role": "user", "content": prompt.turns[0]}])
+    for prompt in bench_prompts(args.per_category):
+        ids = chat_ids(f16, prompt.turns[0])
         out = f16.generate(prompt_ids=ids, max_new_tokens=args.new_tokens).tokens
         rows = []
         for decoder in (f16.decoder, tested):
