@@ -29,13 +29,13 @@ PROBE_TEXT = (
     "library, the repairs to the bridge, and three scholarships for local students. ")
 
 
-def model_identity(model: "Model") -> str:
+def model_identity(model: Model) -> str:
     """The model as calibration records know it: its name and shape."""
     c = model.config
     return f"{model.name}|{c.architecture}|{c.num_layers}x{c.hidden_size}|{c.vocab_size}"
 
 
-def probe_tokens(model: "Model", n: int) -> list[int]:
+def probe_tokens(model: Model, n: int) -> list[int]:
     """``n`` token ids of :data:`PROBE_TEXT`, repeated as needed."""
     ids: list[int] = []
     while len(ids) < n:
@@ -43,14 +43,14 @@ def probe_tokens(model: "Model", n: int) -> list[int]:
     return ids[:n]
 
 
-def probe_contexts(model: "Model") -> tuple[int, ...]:
+def probe_contexts(model: Model) -> tuple[int, ...]:
     """Cached lengths the grouping probe runs at: a short prompt, and the
     engine's long one (past the lengths where its kernels switch)."""
     room = model.decoder.context_length - 16
     return tuple(sorted({min(32, room), min(model.decoder.probe_context, room)}))
 
 
-def measured_grouping(model: "Model", threads: int | None = None) -> "GroupingResult":
+def measured_grouping(model: Model, threads: int | None = None) -> GroupingResult:
     """The grouping probe's result for ``model`` on this machine (kept in
     forerun's cache): for verifications on ``threads`` threads against
     plain decoding on the decoder's own count, when given."""
@@ -71,7 +71,7 @@ def measured_grouping(model: "Model", threads: int | None = None) -> "GroupingRe
         f"which verification groups {model.name} computes exactly", GroupingResult.to_dict)
 
 
-def cost_store(model: "Model", tag: str = "") -> CalibrationStore:
+def cost_store(model: Model, tag: str = "") -> CalibrationStore:
     """Where the measured verification costs of ``model`` on this machine
     are kept, so the adaptive draft length calibrates once per model,
     engine settings (weight format, threads, options), CPU and context.

@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 
-from forerun.api.load_arguments import check_load_arguments, memory_error, parse_device, resolve_device
+from forerun.api.load_arguments import (
+    check_load_arguments,
+    memory_error,
+    parse_device,
+    resolve_device,
+)
 from forerun.api.model import Model
 from forerun.errors import ConfigError
 
@@ -90,14 +95,17 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
         if unknown:
             raise ConfigError(f"unknown llama.cpp engine option(s) {', '.join(unknown)}; "
                               f"the options are {', '.join(ENGINE_OPTIONS)}")
-        decoder = LlamaCppDecoder(files.gguf_path, context_length=context_length,
-                                  eos_token_ids=config.eos_token_ids, **options)
-        return Model(files.name, decoder, files.tokenizer, config, source=_source(files, model))
+        assert files.gguf_path is not None   # load_gguf_files sets it
+        llama = LlamaCppDecoder(files.gguf_path, context_length=context_length,
+                                eos_token_ids=config.eos_token_ids, **options)
+        return Model(files.name, llama, files.tokenizer, config, source=_source(files, model))
     from forerun.engines.torch_engine import TorchDecoder
     from forerun.engines.transformer import Transformer
 
+    assert isinstance(device, torch.device)   # resolve_device above
     try:
         if files.weights is None:   # a GGUF in q4, q8 or q4-all: the packed network
+            assert files.gguf_path is not None   # load_gguf_files sets it
             from forerun.loading.load import known_digest
             from forerun.loading.packed_cache import packed_network
 
@@ -158,9 +166,10 @@ def choose_weights(name: str, config, device: torch.device):
     """The weight format ``weights="auto"`` picks for a model of ``config``'s
     shape on ``device``: stored per machine, else measured
     (:mod:`forerun.engines.format_choice`)."""
-    from forerun.machine.calibration import CalibrationStore
     from forerun.engines.format_choice import FormatChoice, choose_format, time_formats
+    from forerun.machine.calibration import CalibrationStore
 
+    candidates: tuple[str, ...]
     if device.type == "cpu":
         candidates = ("q4", "q8", "bfloat16", "float32")
     else:   # forerun's int4/int8 layers run dequantized off the CPU

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from forerun.decoding.base import DecodingMethod
 
 
-def build_method(model: "Model", config: SpeculativeConfig
-                 ) -> tuple["DecodingMethod", list["Model"]]:
+def build_method(model: Model, config: SpeculativeConfig
+                 ) -> tuple[DecodingMethod, list[Model]]:
     """The decoding method ``config`` asks for on ``model``, and the draft
     models it drafts with (loaded once per model and spec, and kept)."""
     from forerun.decoding.plain import PlainDecoding
@@ -34,7 +34,7 @@ def build_method(model: "Model", config: SpeculativeConfig
     return build(model, config, drafts), drafts
 
 
-def _chain(model: "Model", config: SpeculativeConfig, drafts: list) -> "DecodingMethod":
+def _chain(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMethod:
     """A chain drafted by prompt lookup, a Drafter object or a draft model
     alone, ``config.length`` long or chosen every round."""
     from forerun.decoding.speculative import SpeculativeDecoding
@@ -54,7 +54,7 @@ def _chain(model: "Model", config: SpeculativeConfig, drafts: list) -> "Decoding
                                cost_store=cost_store(model))
 
 
-def _medusa(model: "Model", config: SpeculativeConfig, drafts: list) -> "DecodingMethod":
+def _medusa(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMethod:
     """Medusa heads drafting a rank tree of ``config.nodes`` nodes (default:
     chosen by the heads' measured accuracies)."""
     from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
@@ -66,14 +66,13 @@ def _medusa(model: "Model", config: SpeculativeConfig, drafts: list) -> "Decodin
                                    cost_store=cost_store(model, "+tree"))
 
 
-def _lookup_or_draft(model: "Model", config: SpeculativeConfig,
-                     drafts: list) -> "DecodingMethod":
+def _lookup_or_draft(model: Model, config: SpeculativeConfig,
+                     drafts: list) -> DecodingMethod:
     """Prompt lookup and a draft model, each round drafting with the one
     expected to pay more (:mod:`forerun.drafters.lookup_or_draft_planner`)."""
     from forerun.decoding.speculative import SpeculativeDecoding
     from forerun.drafters.draft_model import DraftModelDrafter
-    from forerun.drafters.lookup_or_draft_planner import (LOOKUP_DRAFT_WINDOW,
-                                                          LookupOrDraftPlanner)
+    from forerun.drafters.lookup_or_draft_planner import LOOKUP_DRAFT_WINDOW, LookupOrDraftPlanner
 
     drafter = DraftModelDrafter(_draft_decoder(model, config.draft, drafts),
                                 window=LOOKUP_DRAFT_WINDOW)
@@ -82,7 +81,7 @@ def _lookup_or_draft(model: "Model", config: SpeculativeConfig,
                                cost_store=cost_store(model))
 
 
-def _draft_tree(model: "Model", config: SpeculativeConfig, drafts: list) -> "DecodingMethod":
+def _draft_tree(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMethod:
     """A draft model drafting trees by its own probabilities, ``config.nodes``
     nodes or a budget chosen every round."""
     from forerun.decoding.draft_tree_planner import DraftTreePlanner
@@ -96,7 +95,7 @@ def _draft_tree(model: "Model", config: SpeculativeConfig, drafts: list) -> "Dec
                                cost_store=cost_store(model, "+draft-tree"))
 
 
-def _async(model: "Model", config: SpeculativeConfig, drafts: list) -> "DecodingMethod":
+def _async(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMethod:
     """A draft model drafting in a thread of its own on
     ``config.draft_threads`` (default 1) while the target verifies on
     ``config.target_threads`` (default: its own count less the draft's).
@@ -139,7 +138,7 @@ _BUILDERS = {"ngram": _chain, "drafter": _chain, "draft": _chain, "medusa": _med
              "draft-async": _async}
 
 
-def _draft_decoder(model: "Model", draft: Any, drafts: list):
+def _draft_decoder(model: Model, draft: Any, drafts: list):
     """The decoder a draft model (a Model, preset name or path) drafts
     with: its own, or a fork of the target's when it drafts for itself."""
     loaded = model.draft_model(draft)
@@ -166,7 +165,7 @@ def draft_weights(target_weights: str | None) -> str | None:
     return "q4-all" if target_weights in QUANTIZED_FORMATS else target_weights
 
 
-def load_draft_model(target: "Model", spec: Any, *, progress: bool = False) -> "Model":
+def load_draft_model(target: Model, spec: Any, *, progress: bool = False) -> Model:
     """The draft model ``spec`` names (a preset, path, or a loaded
     :class:`~forerun.api.model.Model`, returned as it is), loaded on
     ``target``'s engine, in the weight format :func:`draft_weights` gives
@@ -180,14 +179,14 @@ def load_draft_model(target: "Model", spec: Any, *, progress: bool = False) -> "
         decoder = target.decoder
         settings = decoder.settings
         weights = draft_weights(settings.weights)
-        options = {"weights": weights} if weights is not None else {}
         draft = load(spec, engine=settings.engine, context_length=decoder.context_length,
-                     device=decoder.device, progress=progress, **options)
+                     device=decoder.device, progress=progress,
+                     weights="auto" if weights is None else weights)   # (load's default)
     check_draft_model(target, draft)
     return draft
 
 
-def check_draft_model(target: "Model", draft: "Model") -> None:
+def check_draft_model(target: Model, draft: Model) -> None:
     """Refuse a draft model that can't draft for ``target``: another
     tokenizer (:class:`TokenizerError`), or a shorter context
     (:class:`ConfigError`)."""

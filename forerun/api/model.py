@@ -4,8 +4,9 @@ speculative, and :class:`GenerationStream` iterates a generation's text."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from forerun.api.engine_policy import measured_grouping, model_identity
 from forerun.decoding.sampling import SamplingParams
@@ -103,7 +104,7 @@ class Model:
                draft_k: int | None = None, draft_async: bool = False,
                draft_threads: int | None = None, target_threads: int | None = None,
                draft_tree: bool = False, tree_nodes: int | None = None,
-               draft_lookup: bool | None = None) -> "GenerationStream":
+               draft_lookup: bool | None = None, **unknown: Any) -> GenerationStream:
         """Like :meth:`generate`, but returns an iterator of text deltas; its
         ``result`` attribute holds the :class:`GenerationResult` once the
         iteration has ended.
@@ -112,6 +113,8 @@ class Model:
         holds the model from its first ``next()`` until it ends or is
         closed (see :class:`Model`); close a stream you don't finish, or use
         it in a ``with`` block."""
+        if unknown:
+            raise _unknown_arguments(unknown)
         ids = self.encode_prompt(prompt, messages=messages, prompt_ids=prompt_ids)
         if isinstance(stop, str):
             stop = (stop,)
@@ -125,9 +128,11 @@ class Model:
                 else stop_token_ids, self.decoder.vocab_size, "stop_token_ids")),
             ignore_eos=ignore_eos)
         ids = check_request(self.decoder, ids, params, cancel)
-        options = dict(draft_k=draft_k, draft_async=draft_async, draft_threads=draft_threads,
-                       target_threads=target_threads, draft_tree=draft_tree,
-                       tree_nodes=tree_nodes, draft_lookup=draft_lookup)
+        # (resolve checks every value itself)
+        options: dict[str, Any] = dict(
+            draft_k=draft_k, draft_async=draft_async, draft_threads=draft_threads,
+            target_threads=target_threads, draft_tree=draft_tree,
+            tree_nodes=tree_nodes, draft_lookup=draft_lookup)
         if speculative is None:
             speculative = resolve(draft, **options)
         elif not isinstance(speculative, SpeculativeConfig):
@@ -140,7 +145,7 @@ class Model:
         method, drafts = self._method(speculative)
         return GenerationStream(self._run(method, drafts, ids, params, cancel))
 
-    def _run(self, method, drafts: list["Model"], ids: list[int], params: GenerationParams,
+    def _run(self, method, drafts: list[Model], ids: list[int], params: GenerationParams,
              cancel):
         """The generation, holding this model and its draft models."""
         with Holds([self._lock] + [d._lock for d in drafts]):
@@ -207,6 +212,7 @@ class Model:
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
             pass
+        assert stream.result is not None   # set once the stream is exhausted
         return stream.result
 
     @property
@@ -214,7 +220,7 @@ class Model:
         """The model as calibration records know it: its name and shape."""
         return model_identity(self)
 
-    def verification_grouping(self) -> "GroupingResult":
+    def verification_grouping(self) -> GroupingResult:
         """The largest group of positions this model's engine verifies
         exactly on this machine (measured once per machine and engine
         settings, then kept in forerun's cache), applied to the decoder:
@@ -226,13 +232,13 @@ class Model:
             self._grouping = result
         return self._grouping
 
-    def measured_grouping(self, threads: int | None = None) -> "GroupingResult":
+    def measured_grouping(self, threads: int | None = None) -> GroupingResult:
         """The grouping probe's result on this machine for verifications on
         ``threads`` threads against plain decoding on the decoder's own
         count (:func:`~forerun.api.engine_policy.measured_grouping`)."""
         return measured_grouping(self, threads)
 
-    def draft_model(self, spec: Any) -> "Model":
+    def draft_model(self, spec: Any) -> Model:
         """The draft model ``spec`` names (a Model, returned as it is, or a
         preset name or path), loaded on this model's engine the first time
         and kept (:func:`~forerun.api.method_builder.load_draft_model`)."""
@@ -279,7 +285,7 @@ class GenerationStream:
     def __iter__(self) -> Iterator[str]:
         return self
 
-    def __enter__(self) -> "GenerationStream":
+    def __enter__(self) -> GenerationStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -301,6 +307,23 @@ class GenerationStream:
 _NO_DRAFT_OPTIONS = dict(draft_k=None, draft_async=False, draft_threads=None,
                          target_threads=None, draft_tree=False, tree_nodes=None,
                          draft_lookup=None)
+
+
+def _unknown_arguments(unknown: dict[str, Any]) -> GenerationConfigError:
+    """The error for keyword arguments :meth:`Model.stream` does not take,
+    naming the nearest it does."""
+    import difflib
+    import inspect
+
+    known = [name for name, p in inspect.signature(Model.stream).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    parts = []
+    for name in unknown:
+        near = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return GenerationConfigError(f"unknown argument{'s' if len(parts) > 1 else ''} "
+                                 f"{', '.join(parts)}; the arguments are "
+                                 f"{', '.join(['prompt', *known])}")
 
 
 def _valid_text(text: str, what: str) -> str:

@@ -10,7 +10,14 @@ from typing import Any
 
 import torch
 
-from forerun.engines.llama_cpp_engine import DEFAULT_BATCH, DEFAULT_CACHE_TYPE_K, DEFAULT_CACHE_TYPE_V, cache_type_id, default_extra_buffers, import_llama_cpp
+from forerun.engines.llama_cpp_engine import (
+    DEFAULT_BATCH,
+    DEFAULT_CACHE_TYPE_K,
+    DEFAULT_CACHE_TYPE_V,
+    cache_type_id,
+    default_extra_buffers,
+    import_llama_cpp,
+)
 
 
 def reference_llama(path: str | Path, *, context_length: int, n_threads: int | None = None,

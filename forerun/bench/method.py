@@ -4,9 +4,10 @@ methods of one run share (:class:`BenchContext`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from forerun.bench.errors import BenchError, MethodUnavailable
 
@@ -45,12 +46,12 @@ class BenchMethod:
     description: str = ""
     note: str | None = None      # set by setup: something the report should say
 
-    def setup(self, ctx: "BenchContext") -> None:
+    def setup(self, ctx: BenchContext) -> None:
         """Load what the method needs.  Raise :class:`MethodUnavailable` to
         be skipped (a missing package), any :class:`ForerunError` to be
         reported as failed."""
 
-    def generate(self, ctx: "BenchContext", prompt_ids: Sequence[int], *, max_new_tokens: int,
+    def generate(self, ctx: BenchContext, prompt_ids: Sequence[int], *, max_new_tokens: int,
                  temperature: float, seed: int) -> MethodOutput:
         raise NotImplementedError
 

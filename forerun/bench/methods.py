@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from forerun.errors import ForerunError, ModelNotFoundError
-from forerun.speculation.config import SpeculativeConfig, resolve
 from forerun.bench.errors import BenchError
 from forerun.bench.method import BenchContext, BenchMethod, MethodOutput
 from forerun.bench.registry import register_method, register_pattern
+from forerun.errors import ForerunError, ModelNotFoundError
+from forerun.speculation.config import SpeculativeConfig, resolve
 
 
 class ForerunMethod(BenchMethod):

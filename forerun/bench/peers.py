@@ -15,7 +15,8 @@ message, it doesn't stop the run.
 from __future__ import annotations
 
 import importlib
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from forerun.bench.errors import MethodUnavailable
 from forerun.bench.method import BenchContext, BenchMethod, MethodOutput
@@ -48,7 +49,7 @@ class TransformersMethod(BenchMethod):
             "plain": "transformers generate",
             "assisted": "transformers assisted generation (assistant_model = the draft)",
             "lookup": "transformers prompt lookup (prompt_lookup_num_tokens=10)"}[mode]
-        self._model = None
+        self._model: Any = None   # a transformers model once set up
         self._extra: dict = {}
 
     @staticmethod
@@ -86,6 +87,7 @@ class TransformersMethod(BenchMethod):
 
         device = ctx.model.decoder.device
         x = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+        sampling: dict[str, object]
         if temperature > 0:
             torch.manual_seed(seed)
             sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
@@ -132,13 +134,13 @@ class LlamaCppMethod(BenchMethod):
 
     def __init__(self, name: str = "llamacpp-plain") -> None:
         self.name = name
-        self._llm = None
+        self._llm: Any = None   # a llama_cpp.Llama once set up
         self.note = None
 
     def setup(self, ctx: BenchContext) -> None:
         _require("llama_cpp", "llama-cpp-python", "--peer-llama-cpp")
-        from forerun.engines.llama_cpp_engine import CACHE_TYPES
         from forerun.bench.llama_cpp_reference import reference_llama
+        from forerun.engines.llama_cpp_engine import CACHE_TYPES
 
         path = ctx.source_file("model")
         if path.is_dir() or path.suffix.lower() != ".gguf":
@@ -163,7 +165,8 @@ class LlamaCppMethod(BenchMethod):
         self.note = (f"llama-cpp-python set up like forerun's llama.cpp engine: "
                      f"n_ubatch={params.n_ubatch}, flash attention {'on' if flash else 'off'}, "
                      f"{names.get(params.type_k, params.type_k)} keys, "
-                     f"{names.get(params.type_v, params.type_v)} values, {params.n_threads} threads")
+                     f"{names.get(params.type_v, params.type_v)} values, "
+                     f"{params.n_threads} threads")
 
     def generate(self, ctx: BenchContext, prompt_ids: Sequence[int], *, max_new_tokens: int,
                  temperature: float, seed: int) -> MethodOutput:

@@ -8,9 +8,9 @@ user messages of the conversation, in order).  Other keys (Spec-Bench's
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from forerun.bench.errors import BenchError
 

@@ -14,8 +14,8 @@ both, so the registry is complete wherever the package is used.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from forerun.bench.errors import BenchError
 from forerun.bench.method import BenchMethod
@@ -48,7 +48,11 @@ def register_pattern(pattern: str, factory: Callable[[re.Match], BenchMethod], u
     """Name a family of methods by a regular expression (matched in full):
     ``factory(match)`` builds the method; ``usage`` shows the family in
     help texts (``draft-kN``)."""
-    REGISTRY[usage] = _Entry(usage, description, factory, re.compile(pattern))
+    def make(match: re.Match | None) -> BenchMethod:
+        assert match is not None   # make_method makes a pattern's methods from a match
+        return factory(match)
+
+    REGISTRY[usage] = _Entry(usage, description, make, re.compile(pattern))
 
 
 def make_method(name: str) -> BenchMethod:

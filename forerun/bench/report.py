@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, TextIO
+from typing import Any, TextIO
 
 from forerun.bench.summary import OVERALL, PLAIN, BenchReport
+from forerun.machine.output_files import check_output_dir, written_whole
 
 # -- formatting ----------------------------------------------------------------
 
@@ -190,7 +192,7 @@ def render_markdown(report: BenchReport) -> str:
     return "\n".join(parts)
 
 
-def plot_speedup(report: BenchReport, path: Path) -> None:
+def plot_speedup(report: BenchReport, path: Path, format: str | None = None) -> None:
     """A bar chart of the speedup per category per method (one panel per
     temperature); raises ImportError without matplotlib."""
     import matplotlib
@@ -230,7 +232,7 @@ def plot_speedup(report: BenchReport, path: Path) -> None:
             ax.text(0.5, 0.5, "no method besides plain decoding completed",
                     transform=ax.transAxes, ha="center")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=format)
     plt.close(fig)
 
 
@@ -238,17 +240,19 @@ def write_reports(report: BenchReport, out_dir: str | Path) -> dict[str, Any]:
     """Write ``report.json``, ``report.md`` and ``speedup.png`` into
     ``out_dir``; returns ``{"files": [...], "messages": [...]}`` (a message
     says why the chart is missing)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_output_dir(out_dir, "--out")
     files = []
-    (out / "report.json").write_text(json.dumps(report.to_dict(), indent=1, ensure_ascii=False)
-                                     + "\n", encoding="utf-8")
+    with written_whole(out / "report.json") as tmp:
+        tmp.write_text(json.dumps(report.to_dict(), indent=1, ensure_ascii=False) + "\n",
+                       encoding="utf-8")
     files.append(out / "report.json")
-    (out / "report.md").write_text(render_markdown(report), encoding="utf-8")
+    with written_whole(out / "report.md") as tmp:
+        tmp.write_text(render_markdown(report), encoding="utf-8")
     files.append(out / "report.md")
     messages = []
     try:
-        plot_speedup(report, out / "speedup.png")
+        with written_whole(out / "speedup.png") as tmp:
+            plot_speedup(report, tmp, format="png")
         files.append(out / "speedup.png")
     except ImportError:
         messages.append("speedup.png not written: matplotlib is not installed "

@@ -15,19 +15,21 @@ import platform
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from forerun.machine.calibration import cpu_name
-from forerun.errors import ForerunError
-from forerun.decoding.stats import acceptance_rate, mean_accepted_tokens
-from forerun.protocol.token_sequences import common_prefix
 from forerun.bench.errors import BenchError, MethodUnavailable
 from forerun.bench.method import BenchContext, BenchMethod
 from forerun.bench.prompts import Prompt, categories_of, load_prompts, select_prompts
 from forerun.bench.registry import PEER_GROUPS, make_method
 from forerun.bench.summary import PLAIN, BenchReport, summarize
+from forerun.decoding.stats import acceptance_rate, mean_accepted_tokens
+from forerun.errors import ForerunError
+from forerun.machine.calibration import cpu_name
+from forerun.protocol.token_sequences import common_prefix
+
 
 @dataclass
 class BenchSettings:
@@ -361,7 +363,7 @@ def _run_prompt(ctx: BenchContext, methods: Sequence[BenchMethod], prompt: Promp
                 plain_out = out
         if plain_out is None:
             # No answer to build the next turn on: the later turns can't run.
-            for name, row in rows.items():
+            for row in rows.values():
                 if row["status"] == "ok" and turn_index + 1 < len(prompt.turns):
                     row.update(status="skipped",
                                error=f"turn {turn_index + 2} not run: plain decoding failed "
@@ -386,8 +388,8 @@ def _run_prompt(ctx: BenchContext, methods: Sequence[BenchMethod], prompt: Promp
                      for a, b in zip(row["turns"], base["turns"])]
             row["mismatch"] = any(d is not None for d in diffs)
             if row["mismatch"]:
-                turn = next(i for i, d in enumerate(diffs) if d is not None)
-                row["first_mismatch"] = {"turn": turn + 1, "position": diffs[turn]}
+                first = next(i for i, d in enumerate(diffs) if d is not None)
+                row["first_mismatch"] = {"turn": first + 1, "position": diffs[first]}
         if m.peer and rows[PLAIN]["status"] == "ok":
             same = sum(common_prefix(a["tokens"], b["tokens"])
                        for a, b in zip(row["turns"], rows[PLAIN]["turns"]))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from forerun.cli.options import WEIGHT_CHOICES
+from forerun.machine.output_files import check_output_dir
 
 DEFAULT_METHODS = "plain,draft,ngram"
 
@@ -72,10 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace):
-    from forerun.speculation.config import default_draft
-    from forerun.loading.presets import DEFAULT_MODEL
     from forerun.bench.errors import BenchError
     from forerun.bench.runner import BenchSettings
+    from forerun.loading.presets import DEFAULT_MODEL
+    from forerun.speculation.config import default_draft
 
     temps = []
     for t in _split(args.temperature) or ["0"]:
@@ -114,6 +115,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                              settings.limit)
     out = Path(args.out) if args.out else (
         Path("bench-out") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    check_output_dir(out, "--out")   # before minutes of benchmarking, not after
     print(f"bench: {len(prompts)} prompts, methods {', '.join(settings.method_names())}, "
           f"temperature {', '.join(f'{t:g}' for t in settings.temperatures)}; "
           f"reports go to {out}", file=sys.stderr)

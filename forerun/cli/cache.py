@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 
 from forerun.errors import ForerunError
 
@@ -51,13 +52,13 @@ def _age(seconds_since_epoch: float) -> str:
     return "today" if days < 1 else f"{days:.0f} days ago"
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip() for r in rows)
 
 
 def run(args: argparse.Namespace) -> int:
-    from forerun.loading.cache_inventory import prune_digests, remove, removable, scan
+    from forerun.loading.cache_inventory import prune_digests, removable, remove, scan
     from forerun.machine.paths import cache_dir
 
     root = cache_dir()

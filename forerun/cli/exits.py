@@ -16,8 +16,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import TypedDict
 
 from forerun.errors import ForerunError
 
@@ -88,9 +89,14 @@ def _silence_stdout() -> None:
         pass
 
 
+class _Held(TypedDict):
+    depth: int
+    pending: int | None
+
+
 # Signals held while C extensions load (see signals_deferred): how deep, and
 # the signal that arrived meanwhile.
-_held = {"depth": 0, "pending": None}
+_held: _Held = {"depth": 0, "pending": None}
 # Frames whose exceptions Python swallows ("Exception ignored in ..."):
 # weakref callbacks (importlib's module locks use one) and finalizers.
 _SWALLOWING = ("cb", "__del__")

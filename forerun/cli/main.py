@@ -6,10 +6,16 @@ import argparse
 import contextlib
 import json
 import sys
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from forerun.cli.options import (add_async_options, add_lookup_option, add_model_options,
-                                 add_sampling_options, add_tree_options)
+from forerun.cli.options import (
+    add_async_options,
+    add_lookup_option,
+    add_model_options,
+    add_sampling_options,
+    add_tree_options,
+)
 from forerun.errors import ForerunError
 
 if TYPE_CHECKING:
@@ -102,16 +108,18 @@ def _generate(args: argparse.Namespace, prompt: str, speculative: SpeculativeCon
     model = load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
                  context_length=args.context_length, device=args.device,
                  progress=not args.quiet)
+    raw: str | None = None
+    messages: list[dict[str, str]] | None = None
     if args.raw:
         if args.system is not None:
             raise ForerunError("--system needs the chat template; drop --raw or --system")
-        source = {"prompt": prompt}
+        raw = prompt
     elif model.tokenizer.chat_template is None:
         raise ForerunError(f"model {model.name} has no chat template; use --raw")
     else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        source = {"messages": messages + [{"role": "user", "content": prompt}]}
-    stream = model.stream(**source, max_new_tokens=args.max_new_tokens,
+        system = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = system + [{"role": "user", "content": prompt}]
+    stream = model.stream(raw, messages=messages, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, seed=args.seed, stop=args.stop,
                           speculative=speculative)
@@ -120,6 +128,7 @@ def _generate(args: argparse.Namespace, prompt: str, speculative: SpeculativeCon
             sys.stdout.write(delta)
             sys.stdout.flush()
     result = stream.result
+    assert result is not None   # set once the stream is exhausted
     if args.json:
         print(json.dumps(result.to_dict(), ensure_ascii=False))
     else:

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from forerun.errors import ForerunError
+from forerun.machine.output_files import check_output_file
 
 
 def add_parser(sub) -> None:
@@ -83,6 +84,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ForerunError("--rank must be >= 1")
     if not 0 <= args.off_path_weight <= 1:
         raise ForerunError("--off-path-weight must lie in 0..1")
+    if args.out is not None:   # before minutes of training, not after
+        check_output_file(args.out, "--out")
     model = load(args.model, context_length=args.seq_len, device=args.device,
                  progress=not args.quiet)
     caps = model.decoder.capabilities
@@ -108,7 +111,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     out = sys.stdout
     out.write(f"heads: {heads.num_heads} (residual blocks per head: {heads.num_layers})\n")
     out.write(f"hidden size: {heads.hidden_size}\n")
-    out.write(f"LM head: {'own, per head' if heads.lm_heads is not None else 'the model’s (shared)'}\n")
+    lm_head = "own, per head" if heads.lm_heads is not None else "the model’s (shared)"
+    out.write(f"LM head: {lm_head}\n")
     if heads.vocab is not None:
         out.write(f"candidate vocabulary: {heads.vocab.numel()} tokens\n")
     if heads.info.get("base_model"):

@@ -116,7 +116,7 @@ def _build_service(args: argparse.Namespace):
     model.generate(prompt_ids=[0], max_new_tokens=1, speculative=config)
     prefix_cache = PrefixCache(model.decoder, limit_bytes=int(args.prefix_cache_mb * 2 ** 20),
                                enabled=not args.no_prefix_cache)
-    worker_ref = []
+    worker_ref: list[EngineWorker] = []
     metrics = Metrics(queue_depth=lambda: worker_ref[0].queue_depth,
                       in_flight=lambda: worker_ref[0].in_flight, prefix_cache=prefix_cache)
     worker = EngineWorker(model, prefix_cache, max_queue=args.max_queue,

@@ -13,7 +13,7 @@ verification loop runs, with the chain's arguments.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

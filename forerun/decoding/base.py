@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Protocol
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Protocol
 
-from forerun.protocol.decoder import Decoder
-from forerun.errors import ConfigError
-from forerun.decoding.stats import GenerationStats
 from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.errors import ConfigError
+from forerun.protocol.decoder import Decoder
+
+if TYPE_CHECKING:
+    from forerun.decoding.speculative import CostedPolicy, Planner
+    from forerun.machine.calibration import CalibrationStore
 
 
 class DecodingMethod(Protocol):
@@ -21,7 +26,7 @@ class DecodingMethod(Protocol):
     target: Decoder
 
     def run(self, prompt_ids: list[int], sampler: TokenSampler,
-            stats: GenerationStats) -> Iterator[list[int]]:
+            stats: GenerationStats) -> Generator[list[int], None, None]:
         """Start from an empty cache, feed the prompt, and yield the tokens
         committed in each round, forever: the runner stops iterating when the
         output is complete.  Sets ``stats.prefill_seconds`` to the time
@@ -48,6 +53,12 @@ class DraftAndVerify:
     whose measured verification ``costs`` persist in ``cost_store`` (a
     :class:`~forerun.machine.calibration.CalibrationStore`) once calibrated
     (``_calibrated``)."""
+
+    target: Decoder
+    planner: Planner
+    policy: CostedPolicy
+    cost_store: CalibrationStore | None
+    _calibrated: bool
 
     def _use_stored_or_measure(self, measure: Callable[[], None]) -> None:
         """Fill ``policy.costs`` from ``cost_store`` when it holds costs of

@@ -11,14 +11,14 @@ decoding step; it is chosen when drafting does not pay.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from forerun.protocol.decoder import Decoder
-from forerun.decoding.sampling import TokenSampler
 from forerun.decoding.base import check_count
 from forerun.decoding.draft_tree import DraftTree
+from forerun.decoding.sampling import TokenSampler
+from forerun.protocol.decoder import Decoder
 
 MAX_DRAFT_LENGTH = 16
 

@@ -26,8 +26,8 @@ depth``) and children.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -154,7 +154,7 @@ class DraftTree:
 
     @classmethod
     def chain(cls, root: int, tokens: Sequence[int],
-              probs: torch.Tensor | None = None) -> "DraftTree":
+              probs: torch.Tensor | None = None) -> DraftTree:
         """The chain ``root, tokens[0], ..``; ``probs[i]``: the distribution
         ``tokens[i]`` was sampled from (``None``: deterministic drafts)."""
         siblings = {} if probs is None else {i: probs[i] for i in range(len(tokens))}

@@ -42,15 +42,22 @@ instead.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from forerun.decoding.sampling import TokenSampler
 from forerun.decoding.base import check_count
-from forerun.decoding.draft_length import OPTIMISTIC_ACCEPTANCE, AcceptanceEstimate, Exploration, VerifyCosts, best_chain_length, expected_tokens
+from forerun.decoding.draft_length import (
+    OPTIMISTIC_ACCEPTANCE,
+    AcceptanceEstimate,
+    Exploration,
+    VerifyCosts,
+    best_chain_length,
+    expected_tokens,
+)
 from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.rank_tree_planner import MAX_TREE_NODES
+from forerun.decoding.sampling import TokenSampler
 
 
 class NodeBudgetPolicy:

@@ -4,13 +4,13 @@ reference every other method is checked against."""
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Generator
 
-from forerun.protocol.decoder import Decoder
-from forerun.decoding.stats import GenerationStats
-from forerun.decoding.sampling import TokenSampler
 from forerun.decoding.finite import finite
 from forerun.decoding.prefill import prefill
+from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.protocol.decoder import Decoder
 
 
 class PlainDecoding:
@@ -20,7 +20,7 @@ class PlainDecoding:
         self.target = target
 
     def run(self, prompt_ids: list[int], sampler: TokenSampler,
-            stats: GenerationStats) -> Iterator[list[int]]:
+            stats: GenerationStats) -> Generator[list[int], None, None]:
         target = self.target
         start = time.perf_counter()
         logits = finite(prefill(target, prompt_ids).logits[-1])

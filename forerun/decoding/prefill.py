@@ -10,10 +10,10 @@ and all of them reuse a cached prefix the same exact way
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from forerun.protocol.decoder import Decoder, ForwardOutput
 from forerun.errors import CacheStateError
+from forerun.protocol.decoder import Decoder, ForwardOutput
 from forerun.protocol.prefix_reuse import PrefixReuse, reusable_length
 
 
@@ -44,11 +44,12 @@ def prefill(target: Decoder, prompt_ids: Sequence[int], *,
     keep = (reusable_length(target.prefilled_tokens, prompt, block)
             if target.reuse_prefixes else 0)
     target.keep_prefix(keep)
-    out = None
+    last: ForwardOutput | None = None
     for start in range(keep, len(prompt), block):
         chunk = prompt[start:start + block]
-        out = target.feed(chunk, last_only=True, return_hidden=return_hidden)
+        last = target.feed(chunk, last_only=True, return_hidden=return_hidden)
         if len(chunk) == block:
             target.mark_prefilled(chunk)
     target.commit()
-    return out
+    assert last is not None   # keep < len(prompt) (reusable_length): one feed at least
+    return last

@@ -61,15 +61,16 @@ accuracies make deeper nodes' path probabilities worth their cost).
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Iterable, Protocol, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, cast
 
 import torch
 
-from forerun.errors import ConfigError
-from forerun.decoding.sampling import TokenSampler
 from forerun.decoding.base import check_count
 from forerun.decoding.draft_length import OPTIMISTIC_ACCEPTANCE, Exploration, VerifyCosts
 from forerun.decoding.draft_tree import DraftTree, TreeTopology
+from forerun.decoding.sampling import TokenSampler
+from forerun.errors import ConfigError
 
 MAX_TREE_NODES = 64
 
@@ -122,12 +123,12 @@ class TreeShape(TreeTopology):
 
     # -- common shapes ------------------------------------------------------
     @classmethod
-    def chain(cls, k: int) -> "TreeShape":
+    def chain(cls, k: int) -> TreeShape:
         """The top-1 candidate of depths ``1..k``: chain speculation."""
         return tree_shape([(0,) * k] if k > 0 else [])
 
     @classmethod
-    def from_counts(cls, counts: Sequence[int]) -> "TreeShape":
+    def from_counts(cls, counts: Sequence[int]) -> TreeShape:
         """Every combination: ``counts[d]`` children under each node of depth
         ``d`` (``[2, 2, 1]`` has 2 + 4 + 4 nodes)."""
         paths: list[RankPath] = [()]
@@ -228,7 +229,7 @@ def grow_tree(rates: Sequence[Sequence[float]], max_nodes: int
     probs: list[float] = []
     # Frontier: (-probability, path).  A node enters once its parent and its
     # next-better sibling are in the tree.
-    heap = [(-rates[0][0], (0,))]
+    heap: list[tuple[float, RankPath]] = [(-rates[0][0], (0,))]
     while heap and len(order) < max_nodes:
         negp, path = heapq.heappop(heap)
         p = -negp
@@ -401,7 +402,8 @@ class RankTreePlanner:
 
     def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
         if tree.num_nodes:
-            self.policy.acceptance.update(tree.shape, path)
+            # the tree this planner drafted: its shape is a TreeShape
+            self.policy.acceptance.update(cast(TreeShape, tree.shape), path)
 
     def settle(self, length: int) -> None:
         self.drafter.settle(length)

@@ -42,26 +42,54 @@ drafted nodes fed.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from forerun.protocol.decoder import Decoder
-from forerun.decoding.drafter import Drafter
-from forerun.errors import ConfigError
-from forerun.decoding.sampling import TokenSampler
-from forerun.decoding.stats import GenerationStats
 from forerun.decoding.base import DraftAndVerify
-from forerun.decoding.draft_length import MAX_DRAFT_LENGTH, ChainPlanner
+from forerun.decoding.draft_length import MAX_DRAFT_LENGTH, ChainPlanner, VerifyCosts
 from forerun.decoding.draft_tree import DraftTree
+from forerun.decoding.drafter import Drafter
 from forerun.decoding.finite import finite
 from forerun.decoding.prefill import prefill
-from forerun.decoding.tree_acceptance import accept_tree_greedy, accept_tree_sampled, accept_tree_typical
+from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.decoding.tree_acceptance import (
+    accept_tree_greedy,
+    accept_tree_sampled,
+    accept_tree_typical,
+)
+from forerun.errors import ConfigError
+from forerun.protocol.decoder import Decoder, ForwardOutput
 
 if TYPE_CHECKING:
+    from forerun.decoding.rank_tree_planner import RankDrafter
     from forerun.machine.calibration import CalibrationStore
 
-__all__ = ["MAX_DRAFT_LENGTH", "Planner", "SpeculativeDecoding"]
+__all__ = ["MAX_DRAFT_LENGTH", "CostedPolicy", "Planner", "SpeculativeDecoding"]
+
+
+class _SlotCompaction(Protocol):
+    """What a decoder with ``capabilities.slot_compaction`` adds to :class:`Decoder`."""
+
+    def keep_slots(self, slots: Sequence[int] | torch.Tensor, start: int) -> None:
+        ...
+
+
+def _hidden(out: ForwardOutput, row: int) -> torch.Tensor:
+    """Row ``row`` of the hidden states of a forward fed with ``return_hidden``."""
+    assert out.hidden is not None   # the Decoder contract of return_hidden=True
+    return out.hidden[row]
+
+
+class CostedPolicy(Protocol):
+    """A planner's policy: what it knows of the target's verification costs."""
+
+    @property
+    def costs(self) -> VerifyCosts:
+        """The measured costs of verifying 1, 2, ... positions, kept per machine."""
+        ...
 
 
 class Planner(Protocol):
@@ -73,9 +101,11 @@ class Planner(Protocol):
     needs_hidden: bool
     #: whether it drafts trees (else only chains)
     drafts_trees: bool
-    #: the policy; its ``costs`` (a
-    #: :class:`~forerun.decoding.draft_length.VerifyCosts`) are kept per machine
-    policy: object
+
+    @property
+    def policy(self) -> CostedPolicy:
+        """The policy; its ``costs`` are kept per machine."""
+        ...
 
     def needs_calibration(self) -> bool:
         """Whether the policy chooses sizes from measured costs."""
@@ -136,7 +166,8 @@ class SpeculativeDecoding(DraftAndVerify):
                               f"take; use the torch engine, or draft a chain")
         self.target = target
         self.planner = planner
-        self.drafter = drafter
+        # (a subclass whose planner wraps another kind of drafter keeps that one)
+        self.drafter: Drafter | RankDrafter | None = drafter
         self.policy = planner.policy
         self.name = name or planner.name
         self.lossy_typical = lossy_typical
@@ -152,7 +183,7 @@ class SpeculativeDecoding(DraftAndVerify):
         self._use_stored_or_measure(lambda: self.planner.calibrate(self.target, token))
 
     def run(self, prompt_ids: list[int], sampler: TokenSampler,
-            stats: GenerationStats) -> Iterator[list[int]]:
+            stats: GenerationStats) -> Generator[list[int], None, None]:
         target, planner = self.target, self.planner
         want_hidden = bool(planner.needs_hidden)
         planner.begin(prompt_ids)
@@ -162,7 +193,7 @@ class SpeculativeDecoding(DraftAndVerify):
         # with other kernels than a verification), and its logits give the
         # first token.
         out = prefill(target, sequence, return_hidden=want_hidden)
-        hidden = out.hidden[-1] if want_hidden else None
+        hidden = _hidden(out, -1) if want_hidden else None
         self._calibrate(sequence[-1])
         stats.prefill_seconds = time.perf_counter() - start
         stats.verify_group = target.verify_group
@@ -193,15 +224,15 @@ class SpeculativeDecoding(DraftAndVerify):
             n = len(path)
             if rows == list(range(n)):
                 target.rollback(base + n)        # a prefix of the fed slots
-                hidden = out.hidden[rows[-1]] if want_hidden else None
+                hidden = _hidden(out, rows[-1]) if want_hidden else None
             elif target.capabilities.slot_compaction:
-                target.keep_slots(torch.tensor([base + r for r in rows], dtype=torch.long),
-                                  base)
-                hidden = out.hidden[rows[-1]] if want_hidden else None
+                cast(_SlotCompaction, target).keep_slots(
+                    torch.tensor([base + r for r in rows], dtype=torch.long), base)
+                hidden = _hidden(out, rows[-1]) if want_hidden else None
             else:
                 target.rollback(base)
                 again = target.feed([tree.tokens[i] for i in path], return_hidden=want_hidden)
-                hidden = again.hidden[-1] if want_hidden else None
+                hidden = _hidden(again, -1) if want_hidden else None
             committed = [tree.tokens[i] for i in path[1:]] + [int(extra)]
             sequence.extend(committed)
             planner.learn(sequence, tree, path)

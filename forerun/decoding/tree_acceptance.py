@@ -40,7 +40,7 @@ nodes the walk reaches.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

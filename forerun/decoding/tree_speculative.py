@@ -10,11 +10,16 @@ drafter's measured accuracy per depth and rank
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from forerun.protocol.decoder import Decoder
+from forerun.decoding.rank_tree_planner import (
+    MAX_TREE_NODES,
+    RankDrafter,
+    RankTreePlanner,
+    TreeShape,
+)
 from forerun.decoding.speculative import SpeculativeDecoding
-from forerun.decoding.rank_tree_planner import MAX_TREE_NODES, RankDrafter, RankTreePlanner, TreeShape
+from forerun.protocol.decoder import Decoder
 
 __all__ = ["MAX_TREE_NODES", "RankDrafter", "TreeSpeculativeDecoding"]
 
@@ -39,4 +44,4 @@ class TreeSpeculativeDecoding(SpeculativeDecoding):
         super().__init__(target, name=name, planner=planner, lossy_typical=lossy_typical,
                          typical_threshold=typical_threshold, typical_alpha=typical_alpha,
                          cost_store=cost_store)
-        self.drafter = drafter
+        self.drafter: RankDrafter = drafter

@@ -44,16 +44,23 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import cast
 
 import torch
 
-from forerun.protocol.decoder import Decoder
 from forerun.decoding.draft_length import refine_seconds
-from forerun.errors import CacheStateError, ConfigError, DrafterError
-from forerun.decoding.sampling import SamplingParams, TokenSampler, make_generator, probabilities, sample_token
 from forerun.decoding.drafter import Draft
+from forerun.decoding.sampling import (
+    SamplingParams,
+    TokenSampler,
+    make_generator,
+    probabilities,
+    sample_token,
+)
+from forerun.errors import CacheStateError, ConfigError, DrafterError
+from forerun.protocol.decoder import Decoder
 
 # Context hashes: a polynomial hash modulo the Mersenne prime 2**61 - 1.  Two
 # different contexts of the same length collide with probability ~1e-18.
@@ -268,7 +275,8 @@ class AsyncDraftModelDrafter:
             # mean, not its floor, is what a drafted token costs.
             self._wait_ema = (per_token if self._wait_ema is None
                               else 0.8 * self._wait_ema + 0.2 * per_token)
-        probs = None if sampler.greedy else torch.stack(rows)
+        # Sampling, every proposal carries the draft's distribution.
+        probs = None if sampler.greedy else torch.stack(cast(list[torch.Tensor], rows))
         return Draft(tokens, probs)
 
     def observe(self, sequence: Sequence[int], accepted: int) -> None:
@@ -293,7 +301,7 @@ class AsyncDraftModelDrafter:
         """Stop the drafter thread (it finishes its current draft step at
         most) and join it.  Does nothing when no thread runs."""
         thread, channel = self._thread, self._channel
-        if thread is None:
+        if thread is None or channel is None:   # (begin() sets both)
             return
         with channel.cond:
             channel.stop = True
@@ -358,7 +366,7 @@ class AsyncDraftModelDrafter:
             return
         for t in new:
             self._posted_hash = extend_hash(self._posted_hash, t)
-        channel = self._channel
+        channel = self._require_channel()
         with channel.cond:
             channel.feedback.append((self._posted, new, drafted))
             channel.cond.notify_all()

@@ -29,15 +29,21 @@ around the loop:
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Iterator
 
-from forerun.protocol.decoder import Decoder
-from forerun.drafters.async_draft import AsyncDraftModelDrafter
-from forerun.decoding.stats import GenerationStats
+from forerun.decoding.draft_length import (
+    AdaptiveDraftLength,
+    ChainPlanner,
+    VerifyCosts,
+    best_draft_length,
+    expected_tokens,
+)
 from forerun.decoding.sampling import TokenSampler
-from forerun.decoding.draft_length import VerifyCosts, best_draft_length, expected_tokens
 from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.decoding.stats import GenerationStats
+from forerun.drafters.async_draft import AsyncDraftModelDrafter
+from forerun.protocol.decoder import Decoder
 
 
 @dataclass
@@ -75,8 +81,11 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
                  k: int | None = None, target_threads: int | None = None,
                  verify_group: int | None = None, max_k: int = 8, cost_store=None,
                  reference_store=None) -> None:
-        super().__init__(target, drafter, k=k, max_k=max_k, name="draft-async",
+        planner = ChainPlanner(drafter, k=k, max_k=max_k)
+        super().__init__(target, drafter, planner=planner, name="draft-async",
                          cost_store=cost_store)
+        self.drafter: AsyncDraftModelDrafter = drafter
+        self.policy: AdaptiveDraftLength = planner.policy
         self.target_threads = target_threads
         self.verify_group = verify_group
         self.reference: SyncReference | None = None
@@ -84,7 +93,7 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
         self.reference_store = reference_store
 
     def run(self, prompt_ids: list[int], sampler: TokenSampler,
-            stats: GenerationStats) -> Iterator[list[int]]:
+            stats: GenerationStats) -> Generator[list[int], None, None]:
         target, drafter = self.target, self.drafter
         if self.reference is None:
             self.measure_reference(prompt_ids[-1])

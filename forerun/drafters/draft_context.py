@@ -23,10 +23,10 @@ strongly to them (attention sinks, Xiao et al. 2023).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from forerun.protocol.decoder import Decoder
 from forerun.errors import ConfigError
+from forerun.protocol.decoder import Decoder
 from forerun.protocol.token_sequences import common_prefix
 
 #: tokens of a long prompt's start a window keeps

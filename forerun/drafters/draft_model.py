@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from forerun.protocol.decoder import Decoder
 from forerun.decoding.draft_length import refine_seconds
-from forerun.decoding.sampling import TokenSampler
 from forerun.decoding.drafter import Draft
+from forerun.decoding.sampling import TokenSampler
 from forerun.drafters.draft_context import DraftContext
+from forerun.protocol.decoder import Decoder
 
 #: committed tokens fed without a timed draft step after which a one-token
 #: proposal that starts with a catch-up splits it, to time its step (see
@@ -70,7 +70,7 @@ class DraftModelDrafter:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         step_seconds = []
-        for i in range(k):
+        for _ in range(k):
             start = time.perf_counter()
             logits = self.decoder.feed(todo, last_only=True).logits[-1]
             fed.extend(todo)

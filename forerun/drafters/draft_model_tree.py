@@ -34,18 +34,18 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-from forerun.protocol.decoder import Decoder
 from forerun.decoding.draft_length import refine_seconds
 from forerun.decoding.draft_tree import DraftTree, topology
-from forerun.errors import ConfigError
 from forerun.decoding.sampling import TokenSampler
 from forerun.drafters.draft_context import DraftContext
 from forerun.drafters.draft_model import STALE_STEP
+from forerun.errors import ConfigError
+from forerun.protocol.decoder import Decoder
 
 
 @dataclass

@@ -33,18 +33,24 @@ chain, whatever proposed it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from forerun.protocol.decoder import Decoder
+from forerun.decoding.base import check_count
+from forerun.decoding.draft_length import (
+    MAX_DRAFT_LENGTH,
+    AcceptanceEstimate,
+    AdaptiveDraftLength,
+    best_draft_length,
+    expected_tokens,
+)
+from forerun.decoding.draft_tree import DraftTree
+from forerun.decoding.sampling import TokenSampler
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.ngram import NgramDrafter
-from forerun.decoding.sampling import TokenSampler
+from forerun.protocol.decoder import Decoder
 from forerun.protocol.token_sequences import common_prefix
-from forerun.decoding.base import check_count
-from forerun.decoding.draft_length import MAX_DRAFT_LENGTH, AcceptanceEstimate, AdaptiveDraftLength, best_draft_length, expected_tokens
-from forerun.decoding.draft_tree import DraftTree
 
 #: the most prompt tokens the draft model reads beside prompt lookup
 #: (:class:`~forerun.drafters.draft_context.DraftContext`): the lookup

@@ -40,17 +40,18 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from forerun.decoding.draft_length import refine_seconds
+from forerun.decoding.sampling import TokenSampler
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
 from forerun.machine.json_files import read_json_object
-from forerun.decoding.sampling import TokenSampler
+from forerun.machine.output_files import check_output_file, written_whole
 
 FORMAT = "forerun-medusa/1"
 ORIGINAL_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -81,10 +82,10 @@ class MedusaHeads:
             raise ModelFormatError("Medusa heads need at least one head of at least one block")
         h = self.hidden_size
         for i, head in enumerate(self.blocks):
-            for l, (w, b) in enumerate(head):
+            for j, (w, b) in enumerate(head):
                 if tuple(w.shape) != (h, h) or tuple(b.shape) != (h,):
                     raise ModelFormatError(
-                        f"Medusa head {i} block {l} has weight {tuple(w.shape)} and bias "
+                        f"Medusa head {i} block {j} has weight {tuple(w.shape)} and bias "
                         f"{tuple(b.shape)}; expected ({h}, {h}) and ({h},)")
         if self.lm_heads is not None:
             if len(self.lm_heads) != len(self.blocks):
@@ -130,7 +131,7 @@ class MedusaHeads:
 
     # -- use -----------------------------------------------------------------
     def to(self, device: torch.device | str | None = None,
-           dtype: torch.dtype | None = None) -> "MedusaHeads":
+           dtype: torch.dtype | None = None) -> MedusaHeads:
         """A copy on ``device`` in ``dtype`` (the vocabulary stays int64)."""
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=device, dtype=dtype or t.dtype)
@@ -190,9 +191,9 @@ class MedusaHeads:
         """Tensors in the Medusa naming (plus ``vocab``), in ``dtype``."""
         out: dict[str, torch.Tensor] = {}
         for i, head in enumerate(self.blocks):
-            for l, (w, b) in enumerate(head):
-                out[f"medusa_head.{i}.{l}.linear.weight"] = w.detach().to("cpu", dtype).contiguous()
-                out[f"medusa_head.{i}.{l}.linear.bias"] = b.detach().to("cpu", dtype).contiguous()
+            for j, (w, b) in enumerate(head):
+                out[f"medusa_head.{i}.{j}.linear.weight"] = w.detach().to("cpu", dtype).contiguous()
+                out[f"medusa_head.{i}.{j}.linear.bias"] = b.detach().to("cpu", dtype).contiguous()
             if self.lm_heads is not None:
                 out[f"medusa_head.{i}.{len(head)}.weight"] = \
                     self.lm_heads[i].detach().to("cpu", dtype).contiguous()
@@ -211,12 +212,12 @@ class MedusaHeads:
             meta["vocab_size"] = str(self.vocab_size)
         for key, value in self.info.items():
             meta[key] = value if isinstance(value, str) else json.dumps(value)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(self.state_dict(dtype), str(path), metadata=meta)
+        path = check_output_file(path, "the heads' path")
+        with written_whole(path) as tmp:
+            save_file(self.state_dict(dtype), str(tmp), metadata=meta)
 
     @classmethod
-    def load(cls, path: str | Path) -> "MedusaHeads":
+    def load(cls, path: str | Path) -> MedusaHeads:
         """Read forerun's format or the original Medusa layout (a folder with
         ``config.json``, or a ``medusa_lm_head.safetensors``/``.pt`` file)."""
         path = Path(path).expanduser()
@@ -297,16 +298,16 @@ def _assemble(heads, file: Path, num_heads: int | None, num_layers: int | None,
     blocks, lm_heads = [], []
     for i in range(n):
         layers = heads[i]
-        res = sorted(l for l, d in layers.items() if "linear.weight" in d)
+        res = sorted(j for j, d in layers.items() if "linear.weight" in d)
         L = num_layers if num_layers is not None else len(res)
         if res[:L] != list(range(L)) or L == 0:
             raise ModelFormatError(
                 f"Medusa head {i} in {file} has residual blocks {res}, expected 0..{L - 1}")
         head = []
-        for l in range(L):
-            d = layers[l]
+        for j in range(L):
+            d = layers[j]
             if "linear.bias" not in d:
-                raise ModelFormatError(f"Medusa head {i} block {l} in {file} lacks its bias")
+                raise ModelFormatError(f"Medusa head {i} block {j} in {file} lacks its bias")
             head.append((d["linear.weight"], d["linear.bias"]))
         blocks.append(head)
         lm = layers.get(L, {}).get("weight")
@@ -382,9 +383,11 @@ class MedusaDrafter:
         self.heads = heads
         if heads.lm_heads is None and base_lm_head is None:
             raise ConfigError("these Medusa heads share the base model's LM head: pass it")
-        if heads.vocab is not None and heads.lm_heads is None and not rows_selected:
+        if (heads.vocab is not None and heads.lm_heads is None and base_lm_head is not None
+                and not rows_selected):
             # Keep only the rows of the candidate vocabulary (a copy of V' rows).
-            self._lm_rows = base_lm_head.index_select(0, heads.vocab.to(base_lm_head.device))
+            self._lm_rows: torch.Tensor | None = base_lm_head.index_select(
+                0, heads.vocab.to(base_lm_head.device))
         else:
             self._lm_rows = base_lm_head
         self.max_depth = heads.num_heads
@@ -393,7 +396,7 @@ class MedusaDrafter:
 
     @classmethod
     def for_decoder(cls, heads: MedusaHeads, decoder, name: str = "the model",
-                    **kwargs) -> "MedusaDrafter":
+                    **kwargs) -> MedusaDrafter:
         """A drafter for a decoder with hidden states and an output layer
         (``capabilities.output_layer``): checks the heads against the model
         and moves them to its device and dtype."""
@@ -431,6 +434,7 @@ class MedusaDrafter:
         if heads.lm_heads is not None:
             logits = torch.stack([F.linear(s, m) for s, m in zip(states, heads.lm_heads)])
         else:
+            assert self._lm_rows is not None   # heads without LM heads: __init__ checked
             logits = F.linear(states, self._lm_rows)
         width = min(width, logits.shape[-1])
         top = torch.topk(logits, width, dim=-1).indices
@@ -466,7 +470,7 @@ def is_medusa_spec(draft) -> bool:
     return isinstance(draft, MedusaHeads) or hasattr(draft, "candidates")
 
 
-def medusa_drafter(model, draft) -> "MedusaDrafter":
+def medusa_drafter(model, draft) -> MedusaDrafter:
     """The tree drafter for ``draft`` on a :class:`forerun.api.model.Model`:
     ``"medusa"`` takes the heads forerun ships for the model (a preset),
     ``"medusa:PATH"`` reads heads from a file or folder (either format)."""

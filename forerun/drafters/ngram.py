@@ -14,11 +14,11 @@ a passage being summarised or quoted) tends to repeat its latest version.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
-from forerun.errors import ConfigError
-from forerun.decoding.sampling import TokenSampler
 from forerun.decoding.drafter import Draft
+from forerun.decoding.sampling import TokenSampler
+from forerun.errors import ConfigError
 
 
 class NgramIndex:

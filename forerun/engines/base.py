@@ -11,7 +11,7 @@ and implements the forwards and what rolling its own memory back takes.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from forerun.protocol.cache_positions import CachePositions
 from forerun.protocol.decoder import Capabilities

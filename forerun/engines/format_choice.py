@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
-from forerun.protocol.model_config import ModelConfig
 from forerun.engines.linear import INT4_GROUP, Int4Groups, Int8Rows, Linear, make_linear
+from forerun.protocol.model_config import ModelConfig
 
 # Forwards of 1 position (plain decoding) and of 4 (a verification).
 TIMED_POSITIONS = (1, 4)
@@ -40,7 +40,7 @@ class FormatChoice:
         return {"format": self.format, "milliseconds": self.milliseconds}
 
     @classmethod
-    def from_dict(cls, d: object, candidates: tuple[str, ...]) -> "FormatChoice | None":
+    def from_dict(cls, d: object, candidates: tuple[str, ...]) -> FormatChoice | None:
         try:
             assert isinstance(d, dict) and d["format"] in candidates
             ms = d["milliseconds"]
@@ -113,7 +113,7 @@ def time_formats(config: ModelConfig, candidates: tuple[str, ...], device: torch
     return result
 
 
-def time_mlp_blocks(blocks: list[tuple[Linear, Linear]], x: torch.Tensor, repeats: int,
+def time_mlp_blocks(blocks: Sequence[tuple[Linear, Linear]], x: torch.Tensor, repeats: int,
                     turn: Iterator[int]) -> float:
     """Milliseconds of ``x`` through an MLP block (gate/up, the gated
     product, down), best of ``repeats`` runs after one that warms up.  Each

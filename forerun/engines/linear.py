@@ -87,7 +87,8 @@ class Int4Groups:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        n, k = self.q.shape
+        return n, k
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
@@ -105,7 +106,8 @@ class Int8Rows:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        n, k = self.q.shape
+        return n, k
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale[:, None]
@@ -124,9 +126,10 @@ class Int6Blocks:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        n, k = self.q.shape
+        return n, k
 
-    def rows(self, start: int, stop: int) -> "Int6Blocks":
+    def rows(self, start: int, stop: int) -> Int6Blocks:
         return Int6Blocks(self.q[start:stop], self.scale[start:stop], self.d[start:stop])
 
     def dequantize(self) -> torch.Tensor:
@@ -138,7 +141,7 @@ class Int6Blocks:
 Quantized = Int4Groups | Int8Rows | Int6Blocks
 
 
-def quantize_int8(w: "torch.Tensor | Int4Groups | Int6Blocks") -> Int8Rows:
+def quantize_int8(w: torch.Tensor | Int4Groups | Int6Blocks) -> Int8Rows:
     """Symmetric round-to-nearest int8, one scale per row, of a float
     matrix or of 4-bit or 6-bit values.  It works :data:`QUANTIZE_ROWS` rows at a
     time, so their float32 copy stays in the CPU's cache; every row is
@@ -176,7 +179,7 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> Int4Groups:
     return Int4Groups(q.reshape(n, k).to(torch.uint8), scale, zero, group)
 
 
-def as_int4(w: "torch.Tensor | Quantized") -> "torch.Tensor | Quantized":
+def as_int4(w: torch.Tensor | Quantized) -> torch.Tensor | Quantized:
     """``w`` as 4-bit groups (``q4-all``): 4-bit values as they are, others
     (float, int8) requantized from their values; a matrix whose rows are
     not whole groups is returned unchanged."""
@@ -185,7 +188,7 @@ def as_int4(w: "torch.Tensor | Quantized") -> "torch.Tensor | Quantized":
     return quantize_int4(w if isinstance(w, torch.Tensor) else w.dequantize())
 
 
-def concat_rows(parts: list) -> "Quantized | torch.Tensor":
+def concat_rows(parts: list) -> Quantized | torch.Tensor:
     """Stack matrices of one kind (all float, all int8 rows, or all int4
     groups of one size) along their output rows."""
     first = parts[0]
@@ -458,34 +461,37 @@ def restore_linear(meta: dict, tensors: dict[str, torch.Tensor], device: torch.d
                                     if k.startswith(f"{n}.")}, device)
                  for n, m in enumerate(meta["parts"])]
         return ConcatLinear(parts, bias)
+    layer: Linear
     if kind in ("float32", "bfloat16"):
-        layer = DenseLinear.__new__(DenseLinear)
-        layer.weight = tensors["weight"].to(device)
-        layer.out_features, layer.in_features = layer.weight.shape
-        layer.format = kind
+        dense = DenseLinear.__new__(DenseLinear)
+        dense.weight = tensors["weight"].to(device)
+        dense.out_features, dense.in_features = dense.weight.shape
+        dense.format = kind
+        layer = dense
     elif kind in ("q8", "q6", "q4") and meta.get("kernel") == "native":
         from forerun.engines.native_linear import NATIVE_LAYERS
         layer = NATIVE_LAYERS[kind].restore(meta, tensors)
     elif kind in ("q8", "q4"):
-        cls = Int8Linear if kind == "q8" else Int4Linear
-        layer = cls.__new__(cls)
-        layer.out_features, layer.in_features = (int(v) for v in meta["shape"])
-        layer._kernel = bool(meta["kernel"])
-        if kind == "q4":
-            layer.group = int(meta["group"])
-        held = (("weight",) if not layer._kernel else ("q", "scale") if kind == "q8"
+        cls: type[Int8Linear | Int4Linear] = Int8Linear if kind == "q8" else Int4Linear
+        torch_layer = cls.__new__(cls)
+        torch_layer.out_features, torch_layer.in_features = (int(v) for v in meta["shape"])
+        torch_layer._kernel = bool(meta["kernel"])
+        if isinstance(torch_layer, Int4Linear):
+            torch_layer.group = int(meta["group"])
+        held = (("weight",) if not torch_layer._kernel else ("q", "scale") if kind == "q8"
                 else ("packed", "scales_and_zeros"))
         for name in held:
             if name not in tensors:
                 raise ConfigError(f"stored {kind} layer lacks its tensor {name!r}")
-            setattr(layer, name, tensors[name].to(device))
+            setattr(torch_layer, name, tensors[name].to(device))
+        layer = torch_layer
     else:
         raise ConfigError(f"unknown layer kind {kind!r} in stored weights")
     layer.bias = bias
     return layer
 
 
-def make_linear(weight: "torch.Tensor | Quantized", bias: torch.Tensor | None, fmt: str,
+def make_linear(weight: torch.Tensor | Quantized, bias: torch.Tensor | None, fmt: str,
                 device: torch.device) -> Linear:
     """The layer of format ``fmt`` for ``weight`` (a float matrix, or values
     already quantized, e.g. a GGUF's own 4-bit blocks).  A float matrix is
@@ -546,8 +552,8 @@ def check_kernels(device: torch.device) -> None:
     for values in (quantize_int4(w), quantize_int8(w)):
         # torch's layers themselves: forerun's native kernels check their
         # own build when they load (forerun.kernels.native).
-        layer = (Int4Linear if isinstance(values, Int4Groups) else Int8Linear)(values, None,
-                                                                              device)
+        layer: Linear = (Int4Linear(values, None, device) if isinstance(values, Int4Groups)
+                         else Int8Linear(values, None, device))
         try:
             got = layer(x.to(device)).cpu()
         except (RuntimeError, TypeError) as exc:

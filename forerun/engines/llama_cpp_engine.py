@@ -31,7 +31,7 @@ keeps that invariance only within these bounds, which this engine holds to:
   and values have the same F16 (or F32) type, so Q8_0 values keep every
   forward on one kernel at any length and thread count (tested).  Measured
   against F16 values over 748 generated positions of the 1.5B
-  (``benchmarks/kv_cache_precision.py``): the same top token at 99.0% of
+  (``benchmarks/experiments/kv_cache_precision.py``): the same top token at 99.0% of
   positions, mean KL 0.0013 nats (Q8_0 keys instead: 98.2%, 0.0022).
   ``cache_type_v="f16"`` gives llama.cpp's default precision back; it is
   exact at any length only with ``n_threads=1``.
@@ -45,17 +45,27 @@ consecutive positions.  Hidden states are not exposed.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
 
+from forerun.engines.base import EngineDecoder
+from forerun.errors import (
+    CacheStateError,
+    ConfigError,
+    EngineError,
+    EngineUnavailableError,
+    InvalidTokenError,
+    ModelFormatError,
+    ModelNotFoundError,
+    UnsupportedOperationError,
+)
 from forerun.machine.cpu import cpu_flags
 from forerun.protocol.cache_positions import CachePositions
 from forerun.protocol.decoder import Capabilities, EngineSettings, ForwardOutput
-from forerun.errors import CacheStateError, ConfigError, EngineError, EngineUnavailableError, InvalidTokenError, ModelFormatError, ModelNotFoundError, UnsupportedOperationError
-from forerun.engines.base import EngineDecoder
 
 INSTALL_HINT = "pip install 'forerun[llama]'"
 DEFAULT_BATCH = 512
@@ -70,6 +80,19 @@ DEFAULT_CACHE_TYPE_V = "q8_0"
 # What forerun.load(..., engine="llama.cpp", engine_options={...}) passes on.
 ENGINE_OPTIONS = ("n_threads", "n_threads_batch", "n_batch", "n_ubatch", "flash_attn",
                   "cache_type_k", "cache_type_v", "extra_buffers", "verbose")
+
+
+class _Options(TypedDict):
+    """A decoder's engine options (what :meth:`LlamaCppDecoder.fork` passes on)."""
+
+    n_threads: int
+    n_threads_batch: int
+    n_batch: int
+    n_ubatch: int
+    flash_attn: bool
+    cache_type_k: str
+    cache_type_v: str
+    verbose: bool
 
 
 def cache_type_id(option: str, name: str) -> int:
@@ -205,7 +228,7 @@ class LlamaCppDecoder(EngineDecoder):
                  cache_type_v: str = DEFAULT_CACHE_TYPE_V, extra_buffers: bool | None = None,
                  verbose: bool = False, _model: _LlamaModel | None = None) -> None:
         self._ctx = None
-        self._batch = None
+        self._batch: Any = None   # a llama_batch of the bindings, None once closed
         self._model: _LlamaModel | None = None
         if n_threads is None:
             n_threads = torch.get_num_threads()
@@ -234,10 +257,10 @@ class LlamaCppDecoder(EngineDecoder):
         _model.users += 1
         if context_length is None:
             context_length = min(_model.n_ctx_train, 4096)
-        self.options = dict(n_threads=n_threads, n_threads_batch=n_threads_batch,
-                            n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=bool(flash_attn),
-                            cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                            verbose=verbose)
+        self.options = _Options(n_threads=n_threads, n_threads_batch=n_threads_batch,
+                                n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=bool(flash_attn),
+                                cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                                verbose=verbose)
         self.path = path
         # The most positions one llama_decode computes when every position's
         # logits are returned; measured per machine by
@@ -248,6 +271,9 @@ class LlamaCppDecoder(EngineDecoder):
         self._eos = tuple(int(e) for e in eos_token_ids)
         self._n_batch = min(n_batch, context_length)
         self._n_ubatch = min(n_ubatch, self._n_batch)
+        # A prompt is prefilled in blocks of ``n_batch`` positions, aligned to
+        # its multiples: the batches llama.cpp itself splits a prompt into.
+        self.prefill_block = self._n_batch
         self._vocab = _model.n_vocab
 
         params = lc.llama_context_default_params()
@@ -280,7 +306,7 @@ class LlamaCppDecoder(EngineDecoder):
             b.seq_id[i][0] = 0
 
     # -- lifetime ----------------------------------------------------------
-    def fork(self) -> "LlamaCppDecoder":
+    def fork(self) -> LlamaCppDecoder:
         """A second decoder over the same loaded model with its own context
         and an empty cache (a model drafting for itself)."""
         self._check_open()
@@ -310,7 +336,7 @@ class LlamaCppDecoder(EngineDecoder):
         except Exception:   # interpreter shutdown: the bindings may be gone
             pass
 
-    def __enter__(self) -> "LlamaCppDecoder":
+    def __enter__(self) -> LlamaCppDecoder:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -333,6 +359,7 @@ class LlamaCppDecoder(EngineDecoder):
         quantization."""
         self._check_open()
         options = {k: v for k, v in self.options.items() if k != "verbose"}
+        assert self._model is not None   # open: closing drops the model with the context
         return EngineSettings(
             engine=self.engine, device=str(self.device), threads=self.options["n_threads"],
             extra=(("extra_buffers", self._model.extra_buffers),
@@ -353,7 +380,7 @@ class LlamaCppDecoder(EngineDecoder):
             raise ConfigError(f"a thread count must be a positive integer, got {n!r}")
         self._check_open()
         self._lc.llama_set_n_threads(self._ctx, n, n)
-        self.options.update(n_threads=n, n_threads_batch=n)
+        self.options["n_threads"] = self.options["n_threads_batch"] = n
 
     # -- forward -----------------------------------------------------------
     def _tokens(self, tokens: Sequence[int] | torch.Tensor) -> np.ndarray:
@@ -377,7 +404,8 @@ class LlamaCppDecoder(EngineDecoder):
         if return_hidden:
             raise UnsupportedOperationError(
                 "the llama.cpp engine does not expose hidden states "
-                "(capabilities.hidden_states is False); use the torch engine for methods that need them")
+                "(capabilities.hidden_states is False); use the torch engine for methods "
+                "that need them")
 
     def _decode(self, ids: np.ndarray, last_only: bool) -> torch.Tensor:
         lc, ctx, vocab = self._lc, self._ctx, self._vocab
@@ -467,12 +495,7 @@ class LlamaCppDecoder(EngineDecoder):
         self._positions.reset()
 
     # -- exact prefix reuse: forerun.protocol.prefix_reuse.PrefixReuse ----------------
-    @property
-    def prefill_block(self) -> int:
-        """A prompt is prefilled in blocks of ``n_batch`` positions, aligned
-        to its multiples: the batches llama.cpp itself splits a prompt into."""
-        return self._n_batch
-
+    # (prefill_block is set in __init__.)
     def keep_prefix(self, length: int) -> None:
         self._check_open()
         old = self._positions.length

@@ -17,6 +17,8 @@ and returns None otherwise, so the caller falls back to torch's kernels.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 
 from forerun.engines.kernel_choice import product_kernels
@@ -46,8 +48,10 @@ from forerun.kernels.native import unavailable_reason
 
 KERNEL = "native"
 
+_Layer = TypeVar("_Layer", bound="_NativeLinear")
 
-def native_layer(values: "Int4Groups | Int6Blocks | Int8Rows", bias: torch.Tensor | None,
+
+def native_layer(values: Int4Groups | Int6Blocks | Int8Rows, bias: torch.Tensor | None,
                  device: torch.device) -> Linear | None:
     """The native layer for ``values`` on ``device``, or None where the
     kernels don't run (another device, no kernels here) or the values
@@ -86,7 +90,7 @@ class _NativeLinear(Linear):
                 "shape": [self.out_features, self.in_features], "rows": self.rows}
 
     @classmethod
-    def _empty(cls, shape: tuple[int, int], rows: int) -> tuple["_NativeLinear", int]:
+    def _empty(cls: type[_Layer], shape: tuple[int, int], rows: int) -> tuple[_Layer, int]:
         """A layer of ``shape`` ``[N, K]`` in row groups of ``rows`` to fill,
         and the zero columns its input is padded with (to whole blocks of
         256)."""
@@ -112,7 +116,8 @@ class _NativeLinear(Linear):
         return rows_of_groups(v, index, self._blocks, self.rows)
 
     @classmethod
-    def _restored(cls, meta: dict, tensors: dict[str, torch.Tensor], names: tuple[str, ...]):
+    def _restored(cls: type[_Layer], meta: dict, tensors: dict[str, torch.Tensor],
+                  names: tuple[str, ...]) -> _Layer:
         layer = cls.__new__(cls)
         layer.out_features, layer.in_features = (int(v) for v in meta["shape"])
         layer.rows = int(meta.get("rows", 0))
@@ -123,7 +128,7 @@ class _NativeLinear(Linear):
         layer._kernels()
         return layer._checked()
 
-    def _checked(self) -> "_NativeLinear":
+    def _checked(self: _Layer) -> _Layer:
         """The layer, once its arrays are checked to be what the kernels read
         (:func:`~forerun.kernels.layouts.check_matrix`): once here, not per
         product.  Raises ConfigError."""
@@ -144,10 +149,13 @@ class NativeInt4Linear(_NativeLinear):
 
     format = "q4"
     group = GROUP
+    q: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
 
     @classmethod
     def build(cls, values: Int4Groups, bias: torch.Tensor | None, rows: int
-              ) -> "NativeInt4Linear | None":
+              ) -> NativeInt4Linear | None:
         scale = values.scale.float()
         minimum = values.zero.float() - 8 * scale
         scale16, minimum16 = scale.half(), minimum.half()
@@ -178,7 +186,7 @@ class NativeInt4Linear(_NativeLinear):
                 self._bias_state({"q": self.q, "scale": self.scale, "minimum": self.minimum}))
 
     @classmethod
-    def restore(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> "NativeInt4Linear":
+    def restore(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> NativeInt4Linear:
         return cls._restored(meta, tensors, ("q", "scale", "minimum"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,10 +201,14 @@ class NativeInt6Linear(_NativeLinear):
     values exactly, in 6.6 bits a weight where int8 rows took 8."""
 
     format = "q6"
+    low: torch.Tensor
+    high: torch.Tensor
+    scale: torch.Tensor
+    d: torch.Tensor
 
     @classmethod
     def build(cls, values: Int6Blocks, bias: torch.Tensor | None, rows: int
-              ) -> "NativeInt6Linear":
+              ) -> NativeInt6Linear:
         layer, pad = cls._empty(values.shape, rows)
         q = torch.nn.functional.pad(values.q.cpu(), (0, pad))
         layer.low = layer._grouped(pack_nibbles(q & 15))
@@ -228,7 +240,7 @@ class NativeInt6Linear(_NativeLinear):
             {"low": self.low, "high": self.high, "scale": self.scale, "d": self.d})
 
     @classmethod
-    def restore(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> "NativeInt6Linear":
+    def restore(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> NativeInt6Linear:
         return cls._restored(meta, tensors, ("low", "high", "scale", "d"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,10 +255,12 @@ class NativeInt8Linear(_NativeLinear):
     kernel."""
 
     format = "q8"
+    q: torch.Tensor
+    scale: torch.Tensor
 
     @classmethod
     def build(cls, values: Int8Rows, bias: torch.Tensor | None, rows: int
-              ) -> "NativeInt8Linear":
+              ) -> NativeInt8Linear:
         layer, pad = cls._empty(values.shape, rows)
         layer.q = layer._grouped(to_chunks(
             torch.nn.functional.pad(values.q.cpu(), (0, pad))))
@@ -268,7 +282,7 @@ class NativeInt8Linear(_NativeLinear):
         return self._shape_meta(), self._bias_state({"q": self.q, "scale": self.scale})
 
     @classmethod
-    def restore(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> "NativeInt8Linear":
+    def restore(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> NativeInt8Linear:
         return cls._restored(meta, tensors, ("q", "scale"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -278,4 +292,5 @@ class NativeInt8Linear(_NativeLinear):
 
 
 #: the native layer of each stored kind (:func:`~.linear.restore_linear`)
-NATIVE_LAYERS = {"q4": NativeInt4Linear, "q6": NativeInt6Linear, "q8": NativeInt8Linear}
+NATIVE_LAYERS: dict[str, type[NativeInt4Linear | NativeInt6Linear | NativeInt8Linear]] = {
+    "q4": NativeInt4Linear, "q6": NativeInt6Linear, "q8": NativeInt8Linear}

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from forerun.protocol.model_config import ModelConfig
-from forerun.engines.format_choice import random_weights, block_copies, time_mlp_blocks
-from forerun.protocol.grouping_probe import MAX_GROUP
+from forerun.engines.format_choice import block_copies, random_weights, time_mlp_blocks
 from forerun.engines.linear import Int8Linear
+from forerun.protocol.grouping_probe import MAX_GROUP
+from forerun.protocol.model_config import ModelConfig
 
 PREFILL_KERNELS = ("int8", "float32-gemm")
 # Rows per timed product: a whole prefill block (TorchDecoder.prefill_block).
@@ -61,7 +61,7 @@ class PrefillChoice:
         return {"kernel": self.kernel, "milliseconds": self.milliseconds}
 
     @classmethod
-    def from_dict(cls, d: object) -> "PrefillChoice | None":
+    def from_dict(cls, d: object) -> PrefillChoice | None:
         try:
             assert isinstance(d, dict) and d["kernel"] in PREFILL_KERNELS
             ms = d["milliseconds"]
@@ -110,7 +110,7 @@ def choose_prefill_kernel(name: str, config: ModelConfig, device: torch.device
 
     def measure() -> PrefillChoice:
         ms = time_prefill_kernels(config, device)
-        return PrefillChoice(min(ms, key=ms.get), ms)
+        return PrefillChoice(min(ms, key=ms.__getitem__), ms)
 
     return store.load_or_measure(PrefillChoice.from_dict, measure,
                                  f"the fastest prefill kernel for {name}", PrefillChoice.to_dict)

@@ -16,11 +16,12 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (
         torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    kind = rope_scaling_type(config.rope_scaling)
+    scaling = config.rope_scaling or {}
+    kind = rope_scaling_type(scaling)
     if kind == "linear":
-        inv_freq = inv_freq / float(config.rope_scaling["factor"])
+        inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":
-        inv_freq = _llama3_scaling(inv_freq, config.rope_scaling)
+        inv_freq = _llama3_scaling(inv_freq, scaling)
     return inv_freq
 
 

@@ -4,17 +4,17 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from forerun.protocol.decoder import Capabilities, EngineSettings, ForwardOutput
-from forerun.errors import CacheStateError, ConfigError, ContextLengthError, InvalidTokenError
-from forerun.engines.kernel_choice import product_kernels
-from forerun.protocol.kv_cache import KVCache
 from forerun.engines.base import EngineDecoder
+from forerun.engines.kernel_choice import product_kernels
 from forerun.engines.prefill_kernel import GEMM_ROWS
 from forerun.engines.transformer import Transformer
+from forerun.errors import CacheStateError, ConfigError, ContextLengthError, InvalidTokenError
+from forerun.protocol.decoder import Capabilities, EngineSettings, ForwardOutput
+from forerun.protocol.kv_cache import KVCache
 
 # Positions per prefill block (see forerun.protocol.prefix_reuse): large enough that a
 # block runs the matrix kernels at full speed, small enough that a chat turn
@@ -78,7 +78,7 @@ class TorchDecoder(EngineDecoder):
         self._eos = tuple(int(e) for e in eos_token_ids)
         self.verify_group: int | None = None
 
-    def fork(self) -> "TorchDecoder":
+    def fork(self) -> TorchDecoder:
         """A second decoder over the same weights with its own, empty cache
         (a model drafting for itself, or a second conversation)."""
         fork = TorchDecoder(self.model, self.context_length, self._eos)
@@ -102,15 +102,18 @@ class TorchDecoder(EngineDecoder):
         the instruction their products sum with), prefill kernel, thread
         count and torch's version."""
         kernels = self.model.matrix_kernels
+        # Native layers exist only where product_kernels() is not None (it is
+        # decided once and kept).
+        native = product_kernels() if kernels == "native" else None
         return EngineSettings(
             engine=self.engine, device=str(self.device), threads=torch.get_num_threads(),
             weights=self.model.weights_format, kernels=kernels,
-            instruction=product_kernels().instruction if kernels == "native" else None,
+            instruction=None if native is None else native.instruction,
             dtype=str(self.model.dtype).removeprefix("torch."),
             prefill=self.model.prefill_kernel, extra=(("torch", torch.__version__),))
 
     @property
-    def output_layer(self) -> "_OutputLayer":
+    def output_layer(self) -> _OutputLayer:
         """The network's LM head (:class:`~forerun.protocol.decoder.OutputLayer`)."""
         return _OutputLayer(self.model)
 

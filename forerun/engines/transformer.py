@@ -10,19 +10,30 @@ the :class:`~forerun.protocol.kv_cache.KVCache` it is handed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F
 
-from forerun.protocol.model_config import ModelConfig
-from forerun.errors import ConfigError, ModelFormatError
-from forerun.protocol.kv_cache import KVCache
-from forerun.kernels import native
-from forerun.engines.linear import QUANTIZED_FORMATS, WEIGHT_FORMATS, DenseLinear, Int8Linear, Int8Rows, Linear, check_kernels, fuse_linear, int8_layer, quantize_int8, restore_linear
+from forerun.engines.linear import (
+    QUANTIZED_FORMATS,
+    WEIGHT_FORMATS,
+    DenseLinear,
+    Int8Linear,
+    Int8Rows,
+    Linear,
+    check_kernels,
+    fuse_linear,
+    int8_layer,
+    quantize_int8,
+    restore_linear,
+)
 from forerun.engines.rope import RotaryEmbedding, apply_rotary
-
+from forerun.errors import ConfigError, ModelFormatError
+from forerun.kernels import native
+from forerun.protocol.kv_cache import KVCache
+from forerun.protocol.model_config import ModelConfig
 
 #: Off the CPU, every forward of up to this many positions runs its row-wise
 #: operations (the matrix products, norms, gating and the LM head) at
@@ -63,8 +74,12 @@ class Embedding:
     one copy of the weights, read in the head's layout)."""
 
     head: Linear | None = None
+    # The float table, or the int8 rows and their scales (both or neither).
+    table: torch.Tensor | None
+    q: torch.Tensor | None
+    scale: torch.Tensor | None
 
-    def __init__(self, table: "torch.Tensor | Int8Rows", device: torch.device) -> None:
+    def __init__(self, table: torch.Tensor | Int8Rows, device: torch.device) -> None:
         if isinstance(table, Int8Rows):
             self.q = table.q.to(device).contiguous()
             self.scale = table.scale.to(device=device, dtype=torch.bfloat16)
@@ -74,7 +89,7 @@ class Embedding:
             self.q = self.scale = None
 
     @classmethod
-    def sharing(cls, head: Linear) -> "Embedding":
+    def sharing(cls, head: Linear) -> Embedding:
         """The embedding whose rows are the tied native ``head``'s weights."""
         self = cls.__new__(cls)
         self.q = self.scale = self.table = None
@@ -87,6 +102,7 @@ class Embedding:
         if self.head is not None:
             rows = self.head.weight_rows(tokens.reshape(-1))
             return rows.reshape(*tokens.shape, rows.shape[-1])
+        assert self.q is not None and self.scale is not None   # neither table nor head: int8
         return self.q[tokens].float() * self.scale[tokens].float()[..., None]
 
 
@@ -146,8 +162,9 @@ class Transformer:
         else:
             dense = embed if isinstance(embed, torch.Tensor) else embed.dequantize()
             self.embed = Embedding(dense.to(self.dtype), self.device)
-            self.lm_head = (DenseLinear(self.embed.table, None, self.embed.table.dtype,
-                                        self.device) if tied
+            table = self.embed.table
+            assert table is not None   # a float embedding
+            self.lm_head = (DenseLinear(table, None, table.dtype, self.device) if tied
                             else linear([("lm_head.weight", (c.vocab_size, h))]))
         self.norm = vector("model.norm.weight", (h,))
 
@@ -181,7 +198,8 @@ class Transformer:
         fmt = self.weights_format = weights_format
         # Activations: float32, except the dense bfloat16 format of old
         # (dtype=torch.bfloat16), which runs everything in bfloat16.
-        self.dtype = dtype if fmt in ("float32", "bfloat16") and dtype != torch.float32 else torch.float32
+        self.dtype = (dtype if fmt in ("float32", "bfloat16") and dtype != torch.float32
+                      else torch.float32)
         if fmt in QUANTIZED_FORMATS:
             check_kernels(self.device)
         # forerun's native layer operations, where they run (float32 on a
@@ -209,7 +227,7 @@ class Transformer:
 
         if self.embed.table is not None:
             tensors["embed.table"] = self.embed.table
-        elif self.embed.head is None:
+        elif self.embed.q is not None and self.embed.scale is not None:   # (not the head's rows)
             tensors["embed.q"], tensors["embed.scale"] = self.embed.q, self.embed.scale
         # A tied LM head that reads the embedding's rows is stored once.
         tied = (getattr(self.lm_head, "q", None) is self.embed.q is not None
@@ -220,20 +238,21 @@ class Transformer:
             tensors[p + ".attn_norm"], tensors[p + ".mlp_norm"] = layer.attn_norm, layer.mlp_norm
             layers.append({name: add(f"{p}.{name}", getattr(layer, name))
                            for name in ("qkv", "o", "gate_up", "down")})
-        meta = {"weights_format": self.weights_format, "dtype": str(self.dtype),
-                "lm_head": head, "layers": layers}
+        meta: dict[str, object] = {"weights_format": self.weights_format,
+                                   "dtype": str(self.dtype), "lm_head": head, "layers": layers}
         if self.embed.head is not None:
             meta["embed_from_head"] = True
         return meta, {k: t.contiguous() for k, t in tensors.items()}
 
     @classmethod
     def from_state(cls, config: ModelConfig, meta: dict, tensors: Mapping[str, torch.Tensor],
-                   *, device: torch.device | str = "cpu") -> "Transformer":
+                   *, device: torch.device | str = "cpu") -> Transformer:
         """The network :meth:`state` described, holding ``tensors``.  Raises
         ModelFormatError when they don't fit ``config``."""
         self = cls.__new__(cls)
-        dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16}.get(
-            meta.get("dtype"))
+        dtypes: dict[object, torch.dtype] = {"torch.float32": torch.float32,
+                                             "torch.bfloat16": torch.bfloat16}
+        dtype = dtypes.get(meta.get("dtype"))
         if (dtype is None or meta.get("weights_format") not in WEIGHT_FORMATS
                 or not isinstance(meta.get("layers"), list)
                 or len(meta["layers"]) != config.num_layers):
@@ -260,9 +279,11 @@ class Transformer:
             elif self.embed.table is not None:
                 self.lm_head = DenseLinear(self.embed.table, None, self.embed.table.dtype, dev)
             else:
+                q, scale = self.embed.q, self.embed.scale
+                assert q is not None and scale is not None   # int8 rows: neither table nor head
                 self.lm_head = restore_linear(
-                    {"kind": "q8", "kernel": True, "shape": list(self.embed.q.shape)},
-                    {"q": self.embed.q, "scale": self.embed.scale}, dev)
+                    {"kind": "q8", "kernel": True, "shape": list(q.shape)},
+                    {"q": q, "scale": scale}, dev)
             self.norm = tensors["norm"].to(dev)
             self.layers = []
             for n, metas in enumerate(meta["layers"]):
@@ -278,7 +299,7 @@ class Transformer:
         return self
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    seen: "torch.Tensor | int") -> torch.Tensor:
+                    seen: torch.Tensor | int) -> torch.Tensor:
         """Attention of one query over the slots it sees (a causal prefix's
         end, or the slots a tree mask allows, gathered in order), computed
         exactly as a one-position forward computes it."""
@@ -334,8 +355,8 @@ class Transformer:
     @property
     def weight_bytes(self) -> int:
         """Bytes of matrix weights read per forward (layers and LM head)."""
-        layers = sum(l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes
-                     for l in self.layers)
+        layers = sum(layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes
+                     + layer.down.nbytes for layer in self.layers)
         return layers + self.lm_head.nbytes
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -378,7 +399,7 @@ class Transformer:
         ops = self.layer_ops
         native_ops = ops is not None and (t == 1 or rowwise)
         padded = not native_ops and self.padded_rows is not None and t <= self.padded_rows
-        if native_ops:
+        if native_ops and ops is not None:
             # Every position on its own, as a one-position forward computes it.
             rows = None if mask is None else mask.to(torch.uint8).contiguous()
             cos, sin = cos.contiguous(), sin.contiguous()
@@ -390,7 +411,7 @@ class Transformer:
                 h = ops.rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
                 x = x + layer.down(ops.silu_mul(layer.gate_up(h)))
         else:
-            if padded:
+            if padded and self.padded_rows is not None:
                 x = F.pad(x, (0, 0, 0, self.padded_rows - t))
             x = self._layers_in_torch(x, t, cos, sin, cache, start, mask, rowwise)
         cache.advance(t)

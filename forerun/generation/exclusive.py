@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 import itertools
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 from forerun.errors import ModelBusyError
 
@@ -87,7 +87,7 @@ class Holds:
         self._locks = sorted(unique.values(), key=lambda lock: lock.order)
         self._tokens: list[tuple[GenerationLock, int]] = []
 
-    def __enter__(self) -> "Holds":
+    def __enter__(self) -> Holds:
         try:
             for lock in self._locks:
                 self._tokens.append((lock, lock.acquire()))

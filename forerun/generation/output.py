@@ -7,7 +7,7 @@ exactly the same token whatever the method.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from forerun.generation.stop import StopStrings
 
@@ -82,7 +82,9 @@ class Output:
         return self._take()
 
     def _take(self) -> str:
-        end = len(self._text) if self.finished else len(self._text) - self.stops.holdback(self._text)
+        end = len(self._text)
+        if not self.finished:
+            end -= self.stops.holdback(self._text)
         if end <= self._emitted:
             return ""
         delta = self._text[self._emitted:end]

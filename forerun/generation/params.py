@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from forerun.errors import GenerationConfigError
 from forerun.decoding.sampling import SamplingParams
+from forerun.errors import GenerationConfigError
 
 #: the largest seed: a signed 64-bit integer (larger ones overflow some of
 #: torch's generators)
@@ -44,7 +44,8 @@ class GenerationParams:
                 f"{seed!r}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s
                                                    for s in self.stop):
-            raise GenerationConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
+            raise GenerationConfigError(
+                f"stop strings must be non-empty strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, tuple):
             raise GenerationConfigError(
                 f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")

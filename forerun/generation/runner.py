@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import numbers
 import time
-from typing import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 from forerun.decoding.base import DecodingMethod
-from forerun.errors import ContextLengthError, GenerationConfigError
 from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.stats import GenerationStats
+from forerun.errors import ContextLengthError, GenerationConfigError
 from forerun.generation.output import Output
 from forerun.generation.params import GenerationParams
-from forerun.decoding.stats import GenerationStats
 from forerun.generation.result import GenerationResult
 
 CancelCheck = Callable[[], bool]
@@ -67,11 +67,12 @@ def token_ids(values, vocab_size: int, what: str = "prompt_ids") -> list[int]:
     for t in values:
         if not isinstance(t, numbers.Integral) or isinstance(t, bool):
             raise GenerationConfigError(f"{what} must hold integers, got {t!r}")
-        if not 0 <= t < vocab_size:
+        n = int(t)
+        if not 0 <= n < vocab_size:
             raise GenerationConfigError(
                 f"{what} holds {t}, which is not a token of this model (ids are "
                 f"0..{vocab_size - 1})")
-        ids.append(int(t))
+        ids.append(n)
     return ids
 
 

@@ -8,6 +8,8 @@ order, and rows in row groups of a build's
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 # Input lengths are padded to a multiple of this (8 groups of 32).
@@ -37,7 +39,7 @@ LAYOUTS = {
 }
 
 
-def check_matrix(kind: str, n: int, kp: int, arrays: dict[str, torch.Tensor],
+def check_matrix(kind: str, n: int, kp: int, arrays: Mapping[str, torch.Tensor | None],
                  group: int) -> None:
     """Raise ValueError unless ``arrays`` are a ``kind`` matrix (``q4``,
     ``q6``, ``q8``) of ``n`` rows and ``kp`` padded columns as kernels of

@@ -171,9 +171,11 @@ def check_same_products(dot: NativeKernels, avx2: NativeKernels) -> None:
     for t in range(1, 10):
         x = torch.randn(t, k, generator=gen) * 3
         x[0, :64] = 100                      # whole groups at +127
-        for name, run in (("4-bit", lambda lib: lib.q4_linear(x, *packed[lib.row_group][0])),
-                          ("6-bit", lambda lib: lib.q6_linear(x, *packed[lib.row_group][1])),
-                          ("8-bit", lambda lib: lib.q8_linear(x, *packed[lib.row_group][2]))):
+        # Each lambda runs within its own iteration, but binding x keeps that
+        # true should they ever outlive it.
+        for name, run in (("4-bit", lambda lib, x=x: lib.q4_linear(x, *packed[lib.row_group][0])),
+                          ("6-bit", lambda lib, x=x: lib.q6_linear(x, *packed[lib.row_group][1])),
+                          ("8-bit", lambda lib, x=x: lib.q8_linear(x, *packed[lib.row_group][2]))):
             if not torch.equal(run(dot), run(avx2)):
                 raise Unavailable(f"its {name} products of {t} rows differ from the AVX2 "
                                   f"build's")

@@ -34,10 +34,10 @@ import secrets
 import shutil
 import socket
 import sys
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
 
 from forerun.errors import CacheError, ForerunError
 
@@ -372,7 +372,7 @@ def ensure(entry: CacheEntry, build: Build, *, progress: bool = False) -> Path:
                else f"delete {entry.path}" if damaged
                else f"make {entry.path.parent} writable")
         raise CacheError(
-            f"{entry.what} is {'damaged: ' + problem if damaged else 'not in the cache'} and "
+            f"{entry.what} is {f'damaged: {problem}' if damaged else 'not in the cache'} and "
             f"can't be written to {entry.path.parent} ({exc.strerror or exc}); {fix}, or set "
             f"FORERUN_CACHE to a writable directory") from exc
     return entry.path

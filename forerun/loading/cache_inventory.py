@@ -20,11 +20,19 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-from forerun.loading.cache_entry import MANIFEST_NAME, TMP_MARK, CacheEntry, check, read_manifest, remove_path, stale_temporaries
+from forerun.loading.cache_entry import (
+    MANIFEST_NAME,
+    TMP_MARK,
+    CacheEntry,
+    check,
+    read_manifest,
+    remove_path,
+    stale_temporaries,
+)
 
 #: kinds of entries, by the cache subfolder that holds them
 ENTRY_FOLDERS = ("models", "converted", "gguf-header", "packed")

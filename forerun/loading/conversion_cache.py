@@ -23,8 +23,8 @@ CONVERTER_VERSION = "2"
 def converted_entry(gguf_path: Path, digest: str | None = None) -> CacheEntry:
     """The cache entry of ``gguf_path``'s conversion; ``digest``: the file's
     SHA-256 when it is already known (a preset's)."""
-    from forerun.machine.paths import cache_dir
     from forerun.loading.content_key import file_digest
+    from forerun.machine.paths import cache_dir
 
     digest = digest or file_digest(gguf_path)
     return CacheEntry(cache_dir() / "converted" / digest[:32],

@@ -8,15 +8,27 @@ query/key row permutation that llama.cpp's converter applies to Llama models.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
-from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, naming, positive_int, real
-from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError, UnsupportedArchitectureError
+from forerun.errors import (
+    ConfigError,
+    ModelFormatError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+)
 from forerun.loading.dequantize import dequantize
 from forerun.loading.gguf_reader import GGUFHeader
+from forerun.protocol.model_config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    naming,
+    positive_int,
+    real,
+)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -13,18 +13,24 @@ their 5 to 8 bits hold; float tensors (norms, biases) stay float32.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as GGMLType
 
-from forerun.protocol.model_config import ModelConfig
-from forerun.engines.linear import Int4Groups, Int6Blocks, Int8Rows, quantize_int8
+from forerun.engines.linear import Int4Groups, Int6Blocks, Int8Rows, Quantized, quantize_int8
 from forerun.errors import ModelFormatError
-from forerun.loading.dequantize import _f16_field, _k4_scales_and_mins, _nibbles, dequantize, q6_k_fields
+from forerun.loading.dequantize import (
+    _f16_field,
+    _k4_scales_and_mins,
+    _nibbles,
+    dequantize,
+    q6_k_fields,
+)
 from forerun.loading.gguf_file import GGUFFile, hf_tensor_name, unpermute_rows
+from forerun.protocol.model_config import ModelConfig
 
 _INT4_NATIVE = {GGMLType.Q4_K: (256, 144), GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20)}
 
@@ -102,6 +108,7 @@ class GGUFQuantizedWeights(Mapping):
     def __getitem__(self, name: str):
         t = self._tensors[name]
         shape = t.shape
+        values: torch.Tensor | Quantized
         try:
             if t.tensor_type in _INT4_NATIVE and len(shape) == 2:
                 values = int4_groups(t.data, t.tensor_type, shape)

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from forerun.protocol.model_config import ModelConfig
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
-from forerun.machine.json_files import read_json_object
 from forerun.loading.presets import PRESETS, resolve_preset
 from forerun.loading.weights import SafetensorsWeights, safetensors_files
+from forerun.machine.json_files import read_json_object
+from forerun.protocol.model_config import ModelConfig
 
 
 @dataclass
@@ -27,7 +28,9 @@ class ModelFiles:
 
     name: str
     config: ModelConfig
-    weights: Mapping[str, torch.Tensor]
+    # None: a GGUF whose quantized network the torch engine builds from the
+    # file itself (forerun.api.loader)
+    weights: Mapping[str, torch.Tensor] | None
     tokenizer: Any  # forerun.tokenizer.Tokenizer
     gguf_path: Path | None = None
 
@@ -139,11 +142,11 @@ def _gguf_header(path: Path, digest: str | None = None) -> tuple[ModelConfig, An
     import warnings
 
     from forerun.errors import CacheError
-    from forerun.machine.paths import cache_dir
-    from forerun.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
     from forerun.loading.cache_entry import CacheEntry, ensure
     from forerun.loading.content_key import file_digest
     from forerun.loading.gguf_file import GGUFFile
+    from forerun.machine.paths import cache_dir
+    from forerun.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
 
     parsed: list = []
 

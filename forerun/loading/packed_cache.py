@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from forerun.protocol.model_config import ModelConfig
 from forerun.engines.transformer import Transformer
 from forerun.errors import CacheError, ModelFormatError
 from forerun.loading.cache_entry import CacheEntry, ensure, remove_path
+from forerun.protocol.model_config import ModelConfig
 
 PACKED_VERSION = "4"
 FILE_NAME = "network.safetensors"
@@ -39,10 +39,9 @@ FILE_NAME = "network.safetensors"
 def packed_entry(digest: str, fmt: str, device: torch.device) -> CacheEntry:
     """The cache entry of the ``fmt`` network of the GGUF whose SHA-256 is
     ``digest``, built for ``device``."""
-    from forerun.machine.paths import cache_dir
-
     from forerun.engines.kernel_choice import product_kernels
     from forerun.kernels.binding import ABI_VERSION
+    from forerun.machine.paths import cache_dir
 
     # The layers' layout depends on whether forerun's native kernels run
     # here, and on the row groups of the build that does.

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forerun.errors import CacheError, ModelFormatError, ModelNotFoundError, PresetNotInstalledError
-from forerun.machine.paths import cache_dir
 from forerun.loading.cache_entry import CacheEntry, check, ensure
+from forerun.machine.paths import cache_dir
 
 
 @dataclass(frozen=True)

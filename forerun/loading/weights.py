@@ -7,8 +7,8 @@ peak memory stays near the model's own size instead of twice it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import torch
 

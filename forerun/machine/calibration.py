@@ -20,9 +20,10 @@ import logging
 import os
 import platform
 import warnings
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from forerun.machine.cpu import cpu_info
 
@@ -90,7 +91,8 @@ class CalibrationStore:
                     **{name: provider() for name, provider in _KEY_PARTS.items()}, **key}
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode())
         safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in label)[:80]
-        name = f"{safe}-{digest.hexdigest()[:16]}.json" if safe else f"{digest.hexdigest()[:16]}.json"
+        stem = digest.hexdigest()[:16]
+        name = f"{safe}-{stem}.json" if safe else f"{stem}.json"
         self._kind = kind
         self._name = name
         self._cache_dir = cache_dir

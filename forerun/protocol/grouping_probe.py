@@ -25,8 +25,8 @@ another count, and then no group, not even one position, is exact.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -56,7 +56,7 @@ class GroupingResult:
                 "contexts": list(self.contexts)}
 
     @classmethod
-    def from_dict(cls, d: object) -> "GroupingResult | None":
+    def from_dict(cls, d: object) -> GroupingResult | None:
         """The result stored by :meth:`to_dict`, or ``None`` if ``d`` is not
         a valid one."""
         try:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from forerun.protocol.cache_positions import CachePositions
 from forerun.errors import CacheStateError, ContextLengthError
+from forerun.protocol.cache_positions import CachePositions
 
 PAYLOAD_FORMAT = "forerun-kv-cache/1"
 

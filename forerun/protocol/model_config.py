@@ -7,8 +7,9 @@ paths end in the same :class:`ModelConfig`, and a missing key is a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from forerun.errors import ConfigError, UnsupportedArchitectureError
 
@@ -59,8 +60,9 @@ class ModelConfig:
             raise ConfigError(
                 f"rope_scaling type {kind!r} is not supported; forerun supports "
                 f"'linear' and 'llama3'")
-        for key in ROPE_SCALING_KEYS.get(kind, ()):
-            value = self.rope_scaling.get(key)
+        # (kind is None where rope_scaling is None or empty.)
+        for key in ROPE_SCALING_KEYS.get(kind, ()) if kind is not None else ():
+            value = (self.rope_scaling or {}).get(key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"rope_scaling of type {kind!r} needs a positive number "
                                   f"{key!r}, got {value!r}")
@@ -78,7 +80,7 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
@@ -88,7 +90,7 @@ class ModelConfig:
             raise ConfigError(f"invalid forerun model config: {exc}") from exc
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict."""
         model_type = hf.get("model_type")
         if model_type is None:

@@ -31,8 +31,9 @@ restore bit-identical caches into the same engine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from forerun.protocol.token_sequences import common_prefix
 

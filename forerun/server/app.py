@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,7 +28,14 @@ from starlette.routing import Route
 
 from forerun.errors import ForerunError
 from forerun.server import responses
-from forerun.server.errors import APIError, from_forerun_error, internal, not_found, unauthorized, unavailable
+from forerun.server.errors import (
+    APIError,
+    from_forerun_error,
+    internal,
+    not_found,
+    unauthorized,
+    unavailable,
+)
 from forerun.server.metrics import Metrics
 from forerun.server.schemas import ChatCompletionRequest, CompletionRequest, parse
 from forerun.server.translate import GenerationSpec, Translator
@@ -70,7 +77,11 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
         Route("/v1/chat/completions", routes.chat, methods=["POST"]),
         Route("/v1/completions", routes.completions, methods=["POST"]),
-    ], exception_handlers={HTTPException: _http_error, Exception: _unexpected},
+    ],
+        # Starlette calls a handler only with exceptions of its key's class,
+        # which its handler type (any Exception) can't say.
+        exception_handlers={HTTPException: _http_error,  # type: ignore[dict-item]
+                            Exception: _unexpected},
         lifespan=lifespan)
     return app
 
@@ -128,8 +139,8 @@ class _Routes:
         except APIError as err:
             response = JSONResponse(err.body(), status_code=err.status)
         except ForerunError as exc:
-            err = from_forerun_error(exc)
-            response = JSONResponse(err.body(), status_code=err.status)
+            api_err = from_forerun_error(exc)
+            response = JSONResponse(api_err.body(), status_code=api_err.status)
         self.s.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 

@@ -10,15 +10,21 @@ Each server has a registry of its own.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
-                               Histogram, generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from forerun.generation.result import GenerationResult
 from forerun.decoding.stats import acceptance_rate
+from forerun.generation.result import GenerationResult
 
 
 class Metrics:
@@ -76,7 +82,7 @@ class Metrics:
             self.accepted.inc(s.accepted)
             self._drafted += s.drafted
             self._accepted += s.accepted
-            self.acceptance_rate.set(acceptance_rate(self._accepted, self._drafted))
+            self.acceptance_rate.set(acceptance_rate(self._accepted, self._drafted) or 0.0)
         if ttft is not None:
             self.ttft.observe(ttft)
 

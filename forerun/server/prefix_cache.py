@@ -9,8 +9,9 @@ Two levels, both exact by construction (:mod:`forerun.protocol.prefix_reuse`):
   live cache (a request from another conversation), they are saved as a
   payload (the keys and values as stored), and a later request that shares
   more with a saved prefix than with the live cache gets it restored first,
-  in O(payload); it is the live cache then, and leaves the saved ones.  Saved payloads are bounded by ``limit_bytes``: the least
-  recently used go first, and a payload larger than the bound is not kept.
+  in O(payload); it is the live cache then, and leaves the saved ones.  Saved
+  payloads are bounded by ``limit_bytes``: the least recently used go first,
+  and a payload larger than the bound is not kept.
 
 Only the worker thread calls :meth:`PrefixCache.prepare`; the counters may
 be read from any thread.

@@ -11,7 +11,7 @@ exits at once.
 from __future__ import annotations
 
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 import uvicorn
 

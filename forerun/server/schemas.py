@@ -10,7 +10,7 @@ ignored, as OpenAI-compatible servers do; forerun's own fields are
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -91,7 +91,7 @@ class ChatCompletionRequest(_Generation):
 class CompletionRequest(_Generation):
     """``POST /v1/completions``."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None

@@ -11,13 +11,20 @@ implement (several choices, log-probabilities, penalties, tools, ...) get a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from forerun.errors import ForerunError
-from forerun.speculation.config import (BUILTIN_DRAFTS, NO_DRAFT, PLAIN, SERVER,
-                                        SpeculativeConfig, SpeculativeConfigError, resolve)
 from forerun.server.errors import APIError, bad_request, from_forerun_error, not_found
 from forerun.server.schemas import ChatCompletionRequest, CompletionRequest, _Generation
+from forerun.speculation.config import (
+    BUILTIN_DRAFTS,
+    NO_DRAFT,
+    PLAIN,
+    SERVER,
+    SpeculativeConfig,
+    SpeculativeConfigError,
+    resolve,
+)
 
 MAX_STOP_STRINGS = 16
 
@@ -94,7 +101,8 @@ class Translator:
             ids = self._encode(prompt=prompt)
             echo = prompt if req.echo else ""
         else:
-            ids = [int(t) for t in prompt]
+            # Token ids: text and lists of prompts were handled above.
+            ids = [int(t) for t in cast(list[int], prompt)]
             vocab = self.model.decoder.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise bad_request(f"prompt token ids must lie in 0..{vocab - 1}",

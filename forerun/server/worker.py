@@ -17,8 +17,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from forerun.errors import ForerunError
 from forerun.generation.result import GenerationResult

@@ -26,8 +26,9 @@ it spends seconds loading anything.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from forerun.errors import GenerationConfigError
 

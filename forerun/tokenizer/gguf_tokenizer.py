@@ -10,8 +10,9 @@ regex silently produces different token ids.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
@@ -66,7 +67,8 @@ _PRE_TOKENIZERS: dict[str, _PreSpec] = {
     # Qwen2's tokenizer.json also has an NFC normalizer.
     "qwen2": _PreSpec(_split_then_bytes(QWEN2_SPLIT, nfc=True)),
     "smollm": _PreSpec(_smollm),
-    "llama-bpe": _PreSpec(_split_then_bytes(LLAMA3_SPLIT), ignore_merges=True, default_add_bos=True),
+    "llama-bpe": _PreSpec(_split_then_bytes(LLAMA3_SPLIT), ignore_merges=True,
+                          default_add_bos=True),
     "llama3": _PreSpec(_split_then_bytes(LLAMA3_SPLIT), ignore_merges=True, default_add_bos=True),
     "llama-v3": _PreSpec(_split_then_bytes(LLAMA3_SPLIT), ignore_merges=True, default_add_bos=True),
     "gpt2": _PreSpec(_gpt2),

@@ -72,7 +72,8 @@ def tokenizer_from_hf_folder(path: str | Path) -> Tokenizer:
         hint = ""
         if (folder / "tokenizer.model").is_file() or (folder / "vocab.json").is_file():
             hint = (" (it has a slow-tokenizer file; re-save the tokenizer with transformers' "
-                    "AutoTokenizer.from_pretrained(...).save_pretrained(...) to create tokenizer.json)")
+                    "AutoTokenizer.from_pretrained(...).save_pretrained(...) to create "
+                    "tokenizer.json)")
         raise ModelNotFoundError(
             f"{folder} has no tokenizer.json; forerun needs the fast-tokenizer file{hint}")
     try:
@@ -91,7 +92,8 @@ def tokenizer_from_hf_folder(path: str | Path) -> Tokenizer:
             return None
         i = backend.token_to_id(content)
         if i is None:
-            raise TokenizerError(f"{folder}: {name} {content!r} is not in tokenizer.json's vocabulary")
+            raise TokenizerError(
+                f"{folder}: {name} {content!r} is not in tokenizer.json's vocabulary")
         return int(i)
 
     bos, eos = special_id("bos_token"), special_id("eos_token")

@@ -12,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import tokenizers
 
@@ -151,7 +152,8 @@ class Tokenizer:
         if id_list and (min(id_list) < 0 or max(id_list) >= self._vocab_size):
             bad = next(i for i in id_list if not 0 <= i < self._vocab_size)
             raise InvalidTokenError(
-                f"token id {bad} is outside the vocabulary (valid ids are 0..{self._vocab_size - 1})")
+                f"token id {bad} is outside the vocabulary "
+                f"(valid ids are 0..{self._vocab_size - 1})")
         return self._backend.decode(id_list, skip_special_tokens=skip_special_tokens)
 
     # ----------------------------------------------------------- chat template
@@ -208,7 +210,7 @@ class Tokenizer:
                                       encoding="utf-8")
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Tokenizer":
+    def load(cls, directory: str | Path) -> Tokenizer:
         """The tokenizer :meth:`save` wrote into ``directory``."""
         d = Path(directory)
         tok_path, extra_path = d / TOKENIZER_FILE, d / FORERUN_FILE
@@ -260,6 +262,10 @@ class Tokenizer:
 # ---------------------------------------------------------------- helpers
 
 
+#: The roles a chat message may have; the server's request schema takes the same.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _validate_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, (list, tuple)):
         raise TokenizerError(
@@ -278,6 +284,9 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
             if not isinstance(m[key], str):
                 raise TokenizerError(
                     f"chat message {i}: {key!r} must be a string, not {type(m[key]).__name__}")
+        if m["role"] not in CHAT_ROLES:
+            raise TokenizerError(f"chat message {i}: role {m['role']!r} is not one of "
+                                 f"{', '.join(map(repr, CHAT_ROLES))}")
         out.append(dict(m))
     return out
 
@@ -288,6 +297,7 @@ def _compile_template(source: str) -> Any:
     import jinja2
     import jinja2.ext
     import jinja2.nodes
+    import jinja2.parser
     import jinja2.utils
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -296,12 +306,13 @@ def _compile_template(source: str) -> Any:
         # rendering it just outputs its body.
         tags = {"generation"}
 
-        def parse(self, parser):  # type: ignore[no-untyped-def]
+        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+            call = jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body)
+            return call.set_lineno(lineno)
 
-        def _render(self, caller):  # type: ignore[no-untyped-def]
+        def _render(self, caller: Callable[[], str]) -> str:
             return caller()
 
     def raise_exception(message: str) -> None:
@@ -338,7 +349,8 @@ def _compile_template(source: str) -> Any:
         def _check(name: Any) -> None:
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot set underscore-prefixed namespace attributes ({name!r})")
+                    "chat templates cannot set underscore-prefixed namespace attributes "
+                    f"({name!r})")
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True,

@@ -34,9 +34,9 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -525,9 +525,12 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
                  log: Callable[[str], None] | None = print) -> TrainResult:
     """The whole pipeline: corpus, cached teacher data, training, held-out
     accuracy, and the heads written to ``out`` (forerun's format)."""
+    from forerun.machine.output_files import check_output_file
     from forerun.machine.paths import cache_dir
 
     settings = settings or TrainSettings()
+    if out is not None:   # before the corpus, the teacher and the training
+        out = check_output_file(out, "out")
     if settings.heads < 1:
         raise ConfigError(f"--heads must be at least 1, got {settings.heads}")
     if settings.epochs < 1:

@@ -210,3 +210,20 @@ def test_a_first_run_says_what_it_measures_and_a_second_run_does_not(tmp_path, m
         assert f"forerun: measuring {what}" in err
     assert main(argv) == 0
     assert "measuring" not in capsys.readouterr().err
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
+    """bench --out a file and medusa train --out a folder fail at once,
+    before a model is even looked for, not after minutes of work."""
+    existing = tmp_path / "existing"
+    existing.write_text("keep me")
+    assert main(["bench", "--model", "/nonexistent", "--out", str(existing)]) == 1
+    err = capsys.readouterr().err
+    assert "is a file" in err and "Traceback" not in err and "/nonexistent" not in err
+    assert existing.read_text() == "keep me"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("text " * 100)
+    assert main(["medusa", "train", "--model", "/nonexistent", "--corpus", str(corpus),
+                 "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "is a folder" in err and "Traceback" not in err and "/nonexistent" not in err

@@ -158,3 +158,18 @@ def test_save_load_roundtrip_real(name, tmp_path):
         assert back.decode(ids) == tok.decode(ids)
     for conv in CONVERSATIONS:
         assert back.apply_chat_template(conv) == tok.apply_chat_template(conv)
+
+
+def test_a_message_role_outside_the_servers_roles_is_refused():
+    """The API takes the roles the server's schema takes, and no other."""
+    from typing import get_args
+
+    from forerun.errors import TokenizerError
+    from forerun.server.schemas import ChatMessage
+    from forerun.tokenizer.tokenizer import CHAT_ROLES, _validate_messages
+
+    assert get_args(ChatMessage.model_fields["role"].annotation) == CHAT_ROLES
+    for role in CHAT_ROLES:
+        assert _validate_messages([{"role": role, "content": "x"}])[0]["role"] == role
+    with pytest.raises(TokenizerError, match="role 'alien' is not one of"):
+        _validate_messages([{"role": "alien", "content": "x"}])
