@@ -68,7 +68,15 @@ class ForerunMethod(BenchMethod):
         """Asynchronous drafting: in how many generations it paid by its own
         estimate (:attr:`GenerationStats.async_pays`)."""
         turns = [t for r in rows for t in r["turns"] if "sync_tokens_per_second" in t]
+        # Generations that drafted nothing have no verdict (GenerationStats.async_pays).
+        idle = 0
+        if self.config is not None and self.config.method == "draft-async":
+            idle = sum(not t.get("drafted") for r in rows for t in r["turns"])
+        no_verdict = (f"no verdict on {idle} generation{'' if idle == 1 else 's'}: "
+                      f"{'it' if idle == 1 else 'they'} drafted nothing")
         if not turns:
+            if idle:
+                self.note = f"asynchronous drafting: {no_verdict}"
             return
         paid = sum(t["async_tokens_per_second"] > t["sync_tokens_per_second"] for t in turns)
         mean_async = sum(t["async_tokens_per_second"] for t in turns) / len(turns)
@@ -77,6 +85,7 @@ class ForerunMethod(BenchMethod):
                      f"own estimate: {mean_async:.2f} tokens/s over waiting and verifying "
                      f"(mean), against {mean_sync:.2f} estimated for synchronous drafting "
                      f"from this machine's measured costs"
+                     + (f"; {no_verdict}" if idle else "")
                      + ("" if paid else "; it does not pay here"))
 
 

@@ -1,6 +1,7 @@
 """``forerun cache``: see what forerun's cache holds and reclaim its space.
 
-* ``forerun cache list``: every entry with its size, last use and state;
+* ``forerun cache list``: every entry (presets, converted and packed models,
+  GGUF headers, compiled kernels) with its size, last use and state;
 * ``forerun cache size``: the total, and per kind;
 * ``forerun cache prune``: delete stale temporaries, unheld lock files and
   entries that are damaged, incomplete or from another version

@@ -250,6 +250,8 @@ def _async_lines(s) -> list[str]:
                      f"{s.async_tokens_per_second:.2f} tokens/s over waiting and verifying, "
                      f"against {s.sync_tokens_per_second:.2f} estimated for {plan} from "
                      f"this machine's measured costs")
+    elif s.drafted < 1:
+        lines.append("asynchronous drafting: no verdict: it drafted nothing")
     return lines
 
 

@@ -113,8 +113,11 @@ class GenerationStats:
     @property
     def async_pays(self) -> bool | None:
         """Whether asynchronous drafting beat the synchronous estimate
-        (``None``: not asynchronous, or nothing measured)."""
+        (``None``: not asynchronous, nothing measured, or nothing drafted:
+        a drafter that drafted nothing neither paid nor failed to)."""
         if self.async_tokens_per_second is None or self.sync_tokens_per_second is None:
+            return None
+        if self.drafted < 1:
             return None
         return self.async_tokens_per_second > self.sync_tokens_per_second
 

@@ -143,7 +143,9 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
         stats.overlap_seconds = max(0.0, stats.drafter_seconds - stats.wait_seconds)
         stats.discarded += counters.discarded
         busy = stats.wait_seconds + stats.verify_seconds
-        if stats.rounds and busy > 0 and self.reference is not None:
+        # No verdict on a generation that drafted nothing: it measured no
+        # drafting (GenerationStats.async_pays).
+        if stats.drafted and stats.rounds and busy > 0 and self.reference is not None:
             stats.async_tokens_per_second = (stats.accepted + stats.rounds) / busy
             k, rate = self.reference.best(self.policy.max_k, self.policy.acceptance.rate)
             stats.sync_draft_length, stats.sync_tokens_per_second = k, rate

@@ -16,15 +16,19 @@ int8 in groups of 32 and sum products in integers, as llama.cpp does; see
 the C file for the layout and why every row's result is independent of the
 rows beside it.
 
-The library is built once per source, compiler and flags, loaded, and
-checked against float64 results on random values before any layer uses it.
+The library is built once per source, compiler and flags, checked against
+its manifest before it is loaded (a damaged one is rebuilt, see
+:mod:`~forerun.kernels.build`), and checked against float64 results on
+random values before any layer uses it.
 Its products are used only where they are faster than torch's own on the
 machine in hand: the caller that decides by timing passes a :class:`Timing`
 to :func:`native_kernels` (``FORERUN_NATIVE_KERNELS=1`` skips the timing and
 uses them).  Where they can't be had or lost (no AVX2, no C compiler, a
 failed build or check, torch's kernels faster, ``FORERUN_NATIVE_KERNELS=0``),
 :func:`native_kernels` returns None, :func:`unavailable_reason` says why,
-and the layers run torch's kernels.
+and the layers run torch's kernels.  A cached library that is damaged where
+the cache can't be written to rebuild it is not worked around: both
+functions raise :class:`~forerun.errors.CacheError` naming the file.
 
 Where the CPU has a dot-product instruction (AVX512-VNNI or AVX-VNNI's
 ``vpdpbusd``), the products are also built with it
@@ -45,7 +49,6 @@ Calibration records are keyed by :func:`calibration_key` (registered with
 
 from __future__ import annotations
 
-import ctypes
 import os
 import platform
 import threading
@@ -54,12 +57,12 @@ from dataclasses import dataclass
 
 import torch
 
-from forerun.kernels.binding import ABI_VERSION, NativeKernels
+from forerun.kernels.binding import NativeKernels
 from forerun.kernels.build import (
     Unavailable,
-    compile_library,
     dot_build,
     find_compiler,
+    load_library,
     source_digest,
     sources,
 )
@@ -222,17 +225,12 @@ def _load() -> NativeKernels:
 
 def build_library(extra_flags: tuple[str, ...] = ()) -> NativeKernels:
     """The library built with :data:`~forerun.kernels.build.FLAGS` and
-    ``extra_flags`` (cached by source, compiler and flags), loaded and
-    checked against float64 sums; raises Unavailable."""
-    compiler = find_compiler()
-    path = compile_library(compiler, extra_flags)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:
-        path.unlink(missing_ok=True)          # a damaged file: build it once more
-        lib = ctypes.CDLL(str(compile_library(compiler, extra_flags)))
-    if lib.fr_abi_version() != ABI_VERSION:
-        raise Unavailable(f"{path} is of another version; remove it")
+    ``extra_flags`` (cached by source, compiler and flags, checked against
+    its manifest before it is loaded, rebuilt where damaged), loaded and
+    checked against float64 sums; raises Unavailable, or
+    :class:`~forerun.errors.CacheError` where the cached library is damaged
+    and the cache can't be written to rebuild it."""
+    lib, path = load_library(find_compiler(), extra_flags)
     kernels = NativeKernels(lib, path)
     check_products(kernels)
     return kernels

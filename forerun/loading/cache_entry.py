@@ -26,13 +26,7 @@ kind of entry goes through :func:`ensure`:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
-import secrets
-import shutil
-import socket
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -41,16 +35,27 @@ from pathlib import Path
 
 from forerun.errors import CacheError, ForerunError
 
-MANIFEST_FORMAT = 1
-MANIFEST_NAME = "manifest.json"
+# The manifest, the temporaries and the digest are those of every cache
+# entry, the compiled kernels' too (forerun.machine.cache_files).
+from forerun.machine.cache_files import MANIFEST_NAME as MANIFEST_NAME
+from forerun.machine.cache_files import OWN_TEMPORARIES as _OWN_TEMPORARIES
+from forerun.machine.cache_files import TMP_MARK as TMP_MARK
+from forerun.machine.cache_files import (
+    file_manifest_path,
+    new_manifest,
+    notice_rebuild,
+    read_manifest_file,
+    remove_path,
+    sweep_temporaries,
+    temporary_path,
+    write_json_atomically,
+)
+from forerun.machine.cache_files import stale_temporaries as stale_temporaries
+from forerun.machine.file_digest import describe_file, sha256_of
+from forerun.machine.file_digest import file_stamp as _stamp
+
 #: files up to this size are checksummed at every load
 SMALL_FILE_BYTES = 64 << 20
-TMP_MARK = ".tmp-"
-# Temporaries of forerun versions before the manifest: "<name>.tmp<pid>".
-_LEGACY_TMP = re.compile(r"\.tmp(\d+)$")
-_HOST = socket.gethostname().replace("-", "_") or "host"
-# Temporaries this process is writing right now (never swept).
-_OWN_TEMPORARIES: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ class CacheEntry:
     def manifest_path(self) -> Path:
         if self.is_dir:
             return self.path / MANIFEST_NAME
-        return self.path.with_name(self.path.name + "." + MANIFEST_NAME)
+        return file_manifest_path(self.path)
 
     @property
     def root(self) -> Path:
@@ -89,60 +94,18 @@ class CacheEntry:
 
 # -- checksums and manifests ------------------------------------------------
 
-def sha256_of(path: Path) -> str:
-    """The SHA-256 of a file's bytes, read in 8 MiB chunks."""
-    digest = hashlib.sha256()
-    buffer = bytearray(8 << 20)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
-
-
-def _stamp(st: os.stat_result) -> list[int]:
-    return [st.st_mtime_ns, st.st_ino]
-
-
 def describe_files(root: Path, names: list[str] | None = None) -> dict[str, dict]:
     """Size, SHA-256 and stamp of each file under ``root`` (every file, in
     subfolders too, when ``names`` is None), the manifest is left out."""
     if names is None:
         names = sorted(str(p.relative_to(root)) for p in root.rglob("*")
                        if p.is_file() and p.name != MANIFEST_NAME)
-    files = {}
-    for name in names:
-        p = root / name
-        st = p.stat()
-        files[name] = {"size": st.st_size, "sha256": sha256_of(p), "stamp": _stamp(st)}
-    return files
-
-
-def write_json_atomically(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` through a temporary and a rename, so a
-    reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}{TMP_MARK}{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    return {name: describe_file(root / name) for name in names}
 
 
 def read_manifest(entry: CacheEntry) -> dict | None:
     """The entry's manifest, or None when it is missing or not a manifest."""
-    try:
-        data = json.loads(entry.manifest_path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not (isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT
-            and isinstance(data.get("files"), dict) and data["files"]):
-        return None
-    for info in data["files"].values():
-        if not (isinstance(info, dict) and isinstance(info.get("size"), int)
-                and isinstance(info.get("sha256"), str)):
-            return None
-    return data
+    return read_manifest_file(entry.manifest_path)
 
 
 def check(entry: CacheEntry, *, checksums: str = "changed") -> str | None:
@@ -210,77 +173,16 @@ def _adopt(entry: CacheEntry) -> str | None:
 
 
 def _manifest(entry: CacheEntry, files: dict[str, dict], meta: Mapping) -> dict:
-    return {"format": MANIFEST_FORMAT, "version": entry.version, "what": entry.what,
-            "meta": dict(meta), "files": files}
+    return new_manifest(entry.version, entry.what, files, meta)
 
 
 # -- temporaries --------------------------------------------------------------
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
-def stale_temporaries(folder: Path) -> list[Path]:
-    """Temporaries in ``folder`` whose writing process is gone: from this
-    host with a dead pid, or this process's own pid but not one it is
-    writing (a pid reused after a crash)."""
-    stale = []
-    try:
-        children = list(folder.iterdir())
-    except OSError:
-        return []
-    for p in children:
-        name = p.name
-        if TMP_MARK in name and name.startswith("."):
-            host, _, rest = name.rsplit(TMP_MARK, 1)[1].partition("-")
-            pid_text = rest.split("-", 1)[0]
-            if host != _HOST or not pid_text.isdigit():
-                continue
-            pid = int(pid_text)
-            if str(p) in _OWN_TEMPORARIES:
-                continue
-            if pid == os.getpid() or not _pid_alive(pid):
-                stale.append(p)
-        else:
-            m = _LEGACY_TMP.search(name)
-            if m and not _pid_alive(int(m.group(1))):
-                stale.append(p)
-    return stale
-
-
-def remove_path(p: Path) -> None:
-    """Delete a file or folder; a missing one is fine."""
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p, ignore_errors=True)
-    else:
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
-
-
-def sweep_temporaries(folder: Path) -> list[Path]:
-    """Delete the stale temporaries in ``folder``; return them."""
-    stale = stale_temporaries(folder)
-    for p in stale:
-        remove_path(p)
-    return stale
-
 
 @contextmanager
 def temporary(entry: CacheEntry) -> Iterator[Path]:
     """A fresh temporary path beside the entry (a folder for a folder
     entry), removed on the way out unless it was published."""
-    tmp = entry.path.with_name(
-        f".{entry.path.name}{TMP_MARK}{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = temporary_path(entry.path)
     _OWN_TEMPORARIES.add(str(tmp))
     try:
         if entry.is_dir:
@@ -358,9 +260,8 @@ def ensure(entry: CacheEntry, build: Build, *, progress: bool = False) -> Path:
             problem = check(entry)       # another process may have built it meanwhile
             if problem is None:
                 return entry.path
-            if problem != "missing" and progress:
-                print(f"forerun: rebuilding {entry.what} at {entry.path}: {problem}",
-                      file=sys.stderr, flush=True)
+            if problem != "missing":     # damage is never silent, progress or not
+                notice_rebuild(entry.what, entry.path, problem)
             with temporary(entry) as tmp:
                 meta = build(tmp)
                 publish(entry, tmp, meta if isinstance(meta, Mapping) else None)

@@ -8,6 +8,9 @@ The cache (:func:`~forerun.machine.paths.cache_dir`) holds:
 * ``gguf-header/<key>/``: parsed GGUF headers for the llama.cpp engine;
 * ``packed/<key>/``: GGUF models built in the torch engine's quantized formats
   (q4, q8, q4-all);
+* ``kernels/<name>.so``: forerun's native kernels as compiled here (file
+  entries, with a ``.manifest.json`` beside each; checksummed even in a
+  listing, since they are small);
 * ``digests/``: remembered SHA-256 digests of model files (the keys above);
 * anything else (calibrations, Medusa training caches), listed as ``other``.
 
@@ -35,15 +38,17 @@ from forerun.loading.cache_entry import (
 )
 
 #: kinds of entries, by the cache subfolder that holds them
-ENTRY_FOLDERS = ("models", "converted", "gguf-header", "packed")
+ENTRY_FOLDERS = ("models", "converted", "gguf-header", "packed", "kernels")
+#: the folders whose entries are files, each with its manifest beside it
+FILE_ENTRY_FOLDERS = ("models", "kernels")
 
 
 @dataclass
 class Item:
     """One thing in the cache.
 
-    ``kind``: ``preset``, ``converted``, ``gguf-header``, ``packed``, ``temporary``,
-    ``lock``, ``digests`` or ``other``.  ``state``: ``ok``, or what is wrong
+    ``kind``: ``preset``, ``converted``, ``gguf-header``, ``packed``, ``kernels``,
+    ``temporary``, ``lock``, ``digests`` or ``other``.  ``state``: ``ok``, or what is wrong
     (``stale``: left by a process that is gone; ``in use``: a temporary of
     a running process; ``damaged: ...``, ``incomplete ...``, ``written by
     another version ...``).  ``last_used``: seconds since the epoch."""
@@ -95,6 +100,11 @@ def entry_at(kind: str, path: Path) -> CacheEntry:
         from forerun.loading.packed_cache import PACKED_VERSION
 
         return CacheEntry(path, f"the packed weights {path.name}", version=PACKED_VERSION)
+    if kind == "kernels":
+        from forerun.kernels.build import LIBRARY_VERSION
+
+        return CacheEntry(path, f"the native kernel library {path.name}",
+                          version=LIBRARY_VERSION, is_dir=False)
     from forerun.loading.load import GGUF_HEADER_VERSION
 
     return CacheEntry(path, f"the parsed GGUF header {path.name}", version=GGUF_HEADER_VERSION)
@@ -119,7 +129,10 @@ def scan(root: Path, *, checksums: str = "none") -> list[Item]:
 
 def _scan_entries(folder: Path, checksums: str) -> Iterator[Item]:
     kind = folder.name
+    if kind == "kernels":
+        checksums = "all"       # a few small libraries, which can't be opened unchecked
     stale = {p.name for p in stale_temporaries(folder)}
+    names = {p.name for p in folder.iterdir()}
     for p in sorted(folder.iterdir()):
         name = p.name
         if name.startswith(".") and name.endswith(".lock"):
@@ -129,8 +142,11 @@ def _scan_entries(folder: Path, checksums: str) -> Iterator[Item]:
             yield Item("temporary", p, name, size_of(p), _mtime(p),
                        "stale" if name in stale else "in use")
             continue
-        if kind == "models" and name.endswith("." + MANIFEST_NAME):
-            continue   # counted with its GGUF
+        if kind in FILE_ENTRY_FOLDERS and name.endswith("." + MANIFEST_NAME):
+            if name.removesuffix("." + MANIFEST_NAME) in names:
+                continue   # counted with its file
+            p = p.with_name(name.removesuffix("." + MANIFEST_NAME))   # its file is missing
+            name = p.name
         entry = entry_at(kind, p)
         problem = check(entry, checksums=checksums)
         manifest = read_manifest(entry)

@@ -16,7 +16,12 @@ import os
 import re
 from pathlib import Path
 
-from forerun.loading.cache_entry import sha256_of, sweep_temporaries, write_json_atomically
+from forerun.loading.cache_entry import (
+    notice_rebuild,
+    sha256_of,
+    sweep_temporaries,
+    write_json_atomically,
+)
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -35,13 +40,20 @@ def file_digest(path: Path) -> str:
     path = path.resolve()
     st = path.stat()
     memo = _memo_path(path, st)
+    damaged = False
     try:
         data = json.loads(memo.read_text())
         if (data.get("path") == str(path) and data.get("size") == st.st_size
                 and _HEX64.fullmatch(str(data.get("sha256")))):
             return data["sha256"]
-    except (OSError, ValueError, AttributeError):
+        damaged = True
+    except FileNotFoundError:
         pass
+    except (OSError, ValueError, AttributeError):
+        damaged = True
+    if damaged:
+        notice_rebuild(f"the SHA-256 digest of {path.name}", memo,
+                       "damaged (not a digest record of this file)")
     digest = sha256_of(path)
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)

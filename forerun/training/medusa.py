@@ -22,7 +22,7 @@ inference (it stores it with the heads), so training and use agree.  The
 residual blocks start at zero (each head starts as the base model's own
 next-token head), as in Medusa.
 
-Held-out text (whole files, never trained on) measures each head's top-1 and
+Held-out text (the first files' first tokens, never trained on) measures each head's top-1 and
 top-5 agreement with the base model's argmax, and the hit rate of each rank
 (stored with the heads: the tree policy's prior).
 """
@@ -124,44 +124,101 @@ def _chunks(tokens: list[int], seq_len: int) -> list[list[int]]:
 def build_corpus(files: Sequence[Path], encode: Callable[[str], list[int]], *,
                  seq_len: int = 512, max_tokens: int | None = None,
                  held_out_tokens: int | None = None, seed: int = 0) -> Corpus:
-    """Tokenize ``files`` in a seeded shuffled order: the first files go to
-    the held-out set until it has ``held_out_tokens`` (default: a tenth of
-    the budget, at least one file), the rest to training until it has
-    ``max_tokens`` (default: everything)."""
+    """Tokenize ``files`` in a seeded shuffled order: the first files give
+    the held-out set its ``held_out_tokens`` (default: a tenth of the
+    budget), each from its start, and the rest of those files and the other
+    files go to training until it has ``max_tokens`` (default: everything).
+    A corpus smaller than the default held-out set is split a tenth to
+    held-out, the rest to training."""
     if seq_len < MIN_CHUNK:
         raise ConfigError(f"seq_len must be at least {MIN_CHUNK}, got {seq_len}")
+    if max_tokens is not None and max_tokens < MIN_CHUNK:
+        raise ConfigError(f"--max-tokens must be at least {MIN_CHUNK}, got {max_tokens}")
+    if held_out_tokens is not None and held_out_tokens < MIN_CHUNK:
+        raise ConfigError(f"--held-out-tokens must be at least {MIN_CHUNK}, "
+                          f"got {held_out_tokens}")
     order = sorted(files, key=lambda f: hashlib.sha256(f"{seed}:{f.name}:{f}".encode())
                    .hexdigest())
+    given = held_out_tokens is not None
     if held_out_tokens is None:
         held_out_tokens = max(MIN_CHUNK, (max_tokens or 100_000) // 10)
     # With a token budget, no file may take more than a sixteenth of it (a
     # window at a seeded random place), so a small budget still sees many files.
     cap = None if max_tokens is None else max(seq_len, max_tokens // 16)
+    with_text = 0
+
+    def token_lists() -> Iterable[list[int]]:
+        nonlocal with_text
+        for f in order:
+            text = _read_text(f)
+            if not text or not text.strip():
+                continue
+            with_text += 1
+            yield [int(t) for t in encode(text)]
+
+    corpus, whole = _split(token_lists(), seq_len=seq_len, max_tokens=max_tokens,
+                           held_out_tokens=held_out_tokens, cap=cap, seed=seed)
+    if not corpus.train and not given and whole:
+        # Every file went whole to the default held-out set: the corpus is
+        # smaller than it; hold out a tenth of the corpus instead.
+        total = sum(len(t) for t in whole)
+        corpus, _ = _split(whole, seq_len=seq_len, max_tokens=max_tokens,
+                           held_out_tokens=max(MIN_CHUNK, total // 10), cap=cap, seed=seed)
+    if corpus.train and corpus.held_out:
+        return corpus
+    total = sum(len(t) for t in whole) if whole else corpus.held_out_tokens
+    if with_text == 0:
+        raise ConfigError(f"the corpus has no text: its {len(files)} files are empty or "
+                          f"binary; give text files")
+    if given and not corpus.train:
+        raise ConfigError(
+            f"all {with_text} files with text ({total} tokens) went to the held-out set "
+            f"of {held_out_tokens} tokens, leaving nothing to train on; give more files "
+            f"or a smaller held-out set (--held-out-tokens {max(MIN_CHUNK, total // 10)})")
+    raise ConfigError(
+        f"the corpus is too small: {with_text} files with text give "
+        f"{corpus.train_tokens + corpus.held_out_tokens} usable tokens (chunks of at "
+        f"least {MIN_CHUNK}), and training needs at least {2 * MIN_CHUNK}: "
+        f"{MIN_CHUNK} held-out and {MIN_CHUNK} training; give more text")
+
+
+def _split(token_lists: Iterable[list[int]], *, seq_len: int, max_tokens: int | None,
+           held_out_tokens: int, cap: int | None,
+           seed: int) -> tuple[Corpus, list[list[int]]]:
+    """The corpus from files' tokens, and the files that went whole to the
+    held-out set.  The held-out set takes from each file's start only what
+    it still needs (at most ``cap``); the rest of the file goes to training."""
     rng = random.Random(seed)
     corpus = Corpus([], [])
+    whole: list[list[int]] = []         # files the held-out set took entirely
     leftovers: list[list[int]] = []     # what the cap cut from training files
-    for f in order:
-        text = _read_text(f)
-        if not text or not text.strip():
-            continue
-        tokens = [int(t) for t in encode(text)]
+    for tokens in token_lists:
+        if corpus.held_out_tokens < held_out_tokens:
+            take = max(held_out_tokens - corpus.held_out_tokens, MIN_CHUNK)
+            if cap is not None:
+                take = min(take, cap)
+            chunks = _chunks(tokens[:take], seq_len)
+            if chunks:
+                corpus.held_out += chunks
+                corpus.held_out_files += 1
+            if len(tokens) - take < MIN_CHUNK:
+                whole.append(tokens)
+                continue
+            tokens = tokens[take:]
         cut: list[list[int]] = []
         if cap is not None and len(tokens) > cap:
             start = rng.randrange(0, len(tokens) - cap + 1)
             cut = [tokens[:start], tokens[start + cap:]]
             tokens = tokens[start:start + cap]
-        if corpus.held_out_tokens < held_out_tokens:
-            room = held_out_tokens - corpus.held_out_tokens
-            corpus.held_out += _chunks(tokens[:max(room, MIN_CHUNK)], seq_len)
-            corpus.held_out_files += 1
-            continue
         if max_tokens is not None:
             room = max_tokens - corpus.train_tokens
             if room < MIN_CHUNK:
                 break
             tokens = tokens[:room]
-        corpus.train += _chunks(tokens, seq_len)
-        corpus.train_files += 1
+        chunks = _chunks(tokens, seq_len)
+        if chunks:
+            corpus.train += chunks
+            corpus.train_files += 1
         leftovers += cut
     # A corpus of few files did not fill the budget under the cap: use the
     # rest of its training files.
@@ -170,12 +227,7 @@ def build_corpus(files: Sequence[Path], encode: Callable[[str], list[int]], *,
         if room < MIN_CHUNK:
             break
         corpus.train += _chunks(part[:room], seq_len)
-    if not corpus.train or not corpus.held_out:
-        raise ConfigError(
-            f"the corpus is too small: {corpus.train_tokens} training and "
-            f"{corpus.held_out_tokens} held-out tokens from {len(files)} files; give "
-            f"more text (at least two files)")
-    return corpus
+    return corpus, whole
 
 
 # -- the teacher: the base model's hidden states and predictions -------------

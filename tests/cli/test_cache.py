@@ -11,6 +11,7 @@ import pytest
 from forerun.cli.main import main
 from forerun.loading import cache_entry
 from forerun.loading.conversion_cache import convert_gguf, converted_entry
+from forerun.machine import cache_files
 from tiny_gguf import write_tiny_gguf
 
 
@@ -27,7 +28,7 @@ def dead_pid() -> int:
 
 
 def stale_temporary(folder):
-    tmp = folder / f".x{cache_entry.TMP_MARK}{cache_entry._HOST}-{dead_pid()}-ab12"
+    tmp = folder / f".x{cache_entry.TMP_MARK}{cache_files.HOST}-{dead_pid()}-ab12"
     tmp.mkdir(parents=True)
     (tmp / "model.safetensors").write_bytes(b"0" * 5000)
     return tmp
@@ -84,3 +85,79 @@ def test_cache_that_is_a_file_is_a_clean_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FORERUN_CACHE", str(blocker))
     assert main(["cache", "list"]) == 1
     assert "is not a directory" in capsys.readouterr().err
+
+
+# -- the compiled kernels (issue 42, row 1) ------------------------------------------
+
+@pytest.fixture(scope="module")
+def kernel_library(tmp_path_factory):
+    """A kernel library and its manifest, built once per module (not opened:
+    the tests damage copies of it in place)."""
+    import shutil
+
+    from forerun.kernels import build
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FORERUN_CACHE", str(tmp_path_factory.mktemp("kernels") / "cache"))
+        return build.compile_library(compiler)
+
+
+def _row(out: str, name: str) -> str:
+    """The row of ``forerun cache list`` that lists the kernel library ``name``."""
+    rows = [line for line in out.splitlines() if line.startswith("kernels ") and name in line]
+    assert len(rows) == 1, out
+    return rows[0]
+
+
+@pytest.mark.builds
+@pytest.mark.parametrize("how", ["foreign", "truncated", "flipped"])
+def test_list_verify_and_prune_see_a_damaged_kernel_library(cache, kernel_library, capsys, how):
+    """A library damaged in place (its mtime kept) is listed as damaged,
+    found by verify and deleted by prune, its manifest with it."""
+    import shutil
+
+    from kernels.test_library_cache import damage
+
+    shutil.copytree(kernel_library.parent, cache / "kernels")
+    library = cache / "kernels" / kernel_library.name
+    manifest = cache_files.file_manifest_path(library)
+    assert main(["cache", "list"]) == 0
+    assert _row(capsys.readouterr().out, library.name).endswith(" ok")
+    assert main(["cache", "verify"]) == 0
+    capsys.readouterr()
+
+    damage(library, how)
+    assert main(["cache", "list"]) == 0
+    row = _row(capsys.readouterr().out, library.name)
+    assert not row.endswith(" ok")
+    assert ("is damaged" if how == "flipped" else "bytes, expected") in row
+    assert main(["cache", "verify"]) == 1
+    assert f"{library}: " in capsys.readouterr().out
+    assert main(["cache", "prune"]) == 0
+    assert f"deleting kernels {library}" in capsys.readouterr().out
+    assert not library.exists() and not manifest.exists()
+    assert main(["cache", "verify"]) == 0
+
+
+def test_prune_removes_foreign_files_and_orphan_manifests_among_the_kernels(cache, capsys):
+    """A library without a manifest (a foreign file, an old forerun's build)
+    can't be verified: listed as such, and pruned; so is a manifest whose
+    library is gone."""
+    kernels = cache / "kernels"
+    kernels.mkdir(parents=True)
+    foreign = kernels / "avx2_int_products-0123456789abcdef.so"
+    foreign.write_bytes(b"\x7fELF not ours")
+    orphan = kernels / "avx2_int_products-fedcba9876543210.so.manifest.json"
+    orphan.write_text('{"format": 1, "version": "1", "what": "x", "meta": {}, '
+                      '"files": {"avx2_int_products-fedcba9876543210.so": '
+                      '{"size": 10, "sha256": "00"}}}')
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "incomplete (no valid manifest)" in _row(out, foreign.name)
+    assert "missing" in _row(out, "fedcba9876543210")
+    assert main(["cache", "verify"]) == 1
+    assert main(["cache", "prune"]) == 0
+    assert not foreign.exists() and not orphan.exists()

@@ -32,3 +32,29 @@ def test_plain_decoding_reports_no_speculation_fields():
     d = s.to_dict()
     assert d["tokens_per_second"] == 5.0
     assert "acceptance_rate" not in d and "drafted" not in d
+
+
+def _async_stats(*, drafted: int) -> GenerationStats:
+    """An asynchronous generation whose figures favour asynchronous drafting."""
+    s = GenerationStats(new_tokens=8, decode_seconds=1.0, method="speculative",
+                        draft_threads=1, target_threads=1, async_tokens_per_second=9.0,
+                        sync_tokens_per_second=8.0, sync_draft_length=0)
+    for _ in range(8):
+        s.record_round(drafted=drafted, accepted=0, draft_seconds=0.0, verify_seconds=0.1)
+    return s
+
+
+def test_a_drafter_that_drafted_nothing_gets_no_verdict():
+    """Issue 42: ``--draft-async`` said 'asynchronous drafting pays' after
+    drafting 0 tokens.  Nothing drafted, nothing measured: no verdict."""
+    from forerun.cli.main import _async_lines
+
+    idle = _async_stats(drafted=0)
+    assert idle.drafted == 0 and idle.async_pays is None
+    assert idle.to_dict()["async_pays"] is None
+    text = "\n".join(_async_lines(idle))
+    assert "no verdict: it drafted nothing" in text and "pays" not in text
+    # The twin that drafted gets its verdict.
+    busy = _async_stats(drafted=2)
+    assert busy.async_pays is True
+    assert "asynchronous drafting pays" in "\n".join(_async_lines(busy))

@@ -13,13 +13,12 @@ import forerun
 from forerun.cli.main import main as cli_main
 from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.rank_tree_planner import TreeShape
+from forerun.decoding.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.medusa import MedusaDrafter, MedusaHeads, shipped_heads_path
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
-from forerun.decoding.stats import GenerationStats
-from forerun.decoding.sampling import SamplingParams, TokenSampler
-from forerun.training.medusa import TrainSettings, train_medusa
-
+from forerun.training.medusa import TrainSettings, build_corpus, corpus_files, train_medusa
 from method_runs import greedy_tokens
 from tiny_models import VOCAB, forerun_decoder, hf_model
 
@@ -383,3 +382,55 @@ def test_cli_train_and_info(tmp_path, monkeypatch, capsys):
 
 def test_shipped_heads_lookup():
     assert shipped_heads_path("no-such-model") is None
+
+
+def _corpus_of(tmp_path, sizes):
+    """Files of ``sizes`` bytes (one token per byte with ``_bytes``)."""
+    folder = tmp_path / "split-corpus"
+    folder.mkdir(exist_ok=True)
+    for i, n in enumerate(sizes):
+        (folder / f"f{i}.txt").write_text(("abcdefghij" * (n // 10 + 1))[:n])
+    return corpus_files([folder])
+
+
+def _bytes(text):
+    return list(text.encode())
+
+
+def test_a_two_file_corpus_under_a_budget_leaves_tokens_to_train_on(tmp_path):
+    """Issue 42: 47k tokens in 2 files with a budget went all to held-out
+    (the per-file cap fell below the held-out size) and the error said the
+    corpus was too small.  The held-out set takes only what it needs from a
+    file; the rest trains."""
+    files = _corpus_of(tmp_path, [5_000, 42_000])
+    corpus = build_corpus(files, _bytes, seq_len=512, max_tokens=47_000)
+    assert corpus.train_tokens > 20_000 and corpus.held_out_tokens >= 4_700
+    assert corpus.train_files >= 1 and corpus.held_out_files >= 1
+    assert corpus.train_tokens + corpus.held_out_tokens <= 47_000 + 4_700
+    # Without a budget too, whichever file comes first.
+    for seed in range(4):
+        corpus = build_corpus(files, _bytes, seq_len=512, seed=seed)
+        assert corpus.held_out_tokens == 10_000, seed
+        assert corpus.train_tokens + corpus.held_out_tokens > 46_000, seed
+
+
+def test_a_corpus_smaller_than_the_default_held_out_set_still_trains(tmp_path):
+    files = _corpus_of(tmp_path, [3_000, 3_000])
+    corpus = build_corpus(files, _bytes, seq_len=512)
+    assert 600 <= corpus.held_out_tokens < 1_200 and corpus.train_tokens > 4_000
+
+
+def test_the_corpus_split_message_says_what_is_wrong(tmp_path):
+    files = _corpus_of(tmp_path, [3_000, 3_000])
+    with pytest.raises(ConfigError) as err:
+        build_corpus(files, _bytes, seq_len=512, held_out_tokens=10_000)
+    text = str(err.value)
+    assert "all 2 files" in text and "held-out" in text and "6000 tokens" in text
+    assert "--held-out-tokens 600" in text and "too small" not in text
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(b"\0\1\2")
+    with pytest.raises(ConfigError, match="no text"):
+        build_corpus([binary], _bytes)
+    (tmp_path / "tiny").mkdir()
+    with pytest.raises(ConfigError, match="too small: 1 files with text give 0"):
+        build_corpus(_corpus_of(tmp_path / "tiny", [10]), _bytes)

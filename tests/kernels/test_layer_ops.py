@@ -216,7 +216,7 @@ def test_they_run_where_torchs_matrix_kernels_won(fresh_cache, monkeypatch):
                                                     "torch": [10.0, 20.0]})
     assert kernel_choice.product_kernels() is None
     assert native.layer_ops() is not None
-    assert getattr(make_linear(torch.randn(32, 64), None, "q4", CPU), "kernel") == "torch"
+    assert make_linear(torch.randn(32, 64), None, "q4", CPU).kernel == "torch"
 
 
 def test_turned_off_by_the_switch_with_the_products(monkeypatch):

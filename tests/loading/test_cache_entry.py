@@ -13,8 +13,15 @@ import pytest
 
 from forerun.errors import CacheError, ModelFormatError
 from forerun.loading import cache_entry
-from forerun.loading.cache_entry import (TMP_MARK, CacheEntry, check, ensure,
-                                         stale_temporaries, sweep_temporaries)
+from forerun.loading.cache_entry import (
+    TMP_MARK,
+    CacheEntry,
+    check,
+    ensure,
+    stale_temporaries,
+    sweep_temporaries,
+)
+from forerun.machine import cache_files
 
 
 def temporaries(root):
@@ -129,10 +136,11 @@ def test_a_build_that_fails_leaves_nothing(tmp_path):
 def test_stale_temporaries_of_dead_processes_are_swept(tmp_path):
     folder = tmp_path / "converted"
     folder.mkdir()
-    host = cache_entry._HOST
+    host = cache_files.HOST
     dead, alive = dead_pid(), os.getppid()
     stale = [folder / f".x{TMP_MARK}{host}-{dead}-abcd", folder / f"old-abc.tmp{dead}"]
-    live = [folder / f".y{TMP_MARK}{host}-{alive}-abcd", folder / f".z{TMP_MARK}otherhost-{dead}-ab"]
+    live = [folder / f".y{TMP_MARK}{host}-{alive}-abcd",
+            folder / f".z{TMP_MARK}otherhost-{dead}-ab"]
     for p in stale + live:
         p.mkdir()
         (p / "big.bin").write_bytes(b"0" * 100)
@@ -210,3 +218,15 @@ def test_a_cache_directory_made_by_another_process_meanwhile_is_used(tmp_path, m
 
     monkeypatch.setattr(Path, "is_dir", is_dir_then_made)
     assert cache_dir() == root and raced
+
+
+def test_a_rebuilt_entry_says_so_even_without_progress(tmp_path, capsys):
+    """Issue 42: a damaged entry built with ``progress=False`` (the GGUF
+    header cache, a quiet load) was rebuilt silently."""
+    entry = CacheEntry(tmp_path / "e", "test entry")
+    ensure(entry, write_two_files)
+    assert capsys.readouterr().err == ""
+    (entry.path / "a.bin").write_bytes(b"b" * 1000)
+    ensure(entry, write_two_files, progress=False)
+    err = capsys.readouterr().err
+    assert f"forerun: rebuilding test entry at {entry.path}: a.bin is damaged" in err

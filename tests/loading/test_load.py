@@ -9,8 +9,13 @@ import pytest
 import torch
 
 import forerun
-from forerun.errors import (ConfigError, ContextLengthError, ModelFormatError,
-                            ModelNotFoundError, UnsupportedArchitectureError)
+from forerun.errors import (
+    ConfigError,
+    ContextLengthError,
+    ModelFormatError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+)
 from tiny_models import VOCAB, hf_model, tiny_tokenizer_json
 
 
@@ -173,3 +178,29 @@ def test_gguf_missing_metadata_key(tmp_path):
     write_gguf(tmp_path / "m.gguf", drop_key="block_count")
     with pytest.raises(ConfigError, match="llama.block_count"):
         GGUFFile(tmp_path / "m.gguf").config()
+
+
+def test_rebuilt_header_and_digest_entries_say_so(gguf_path, tmp_path, monkeypatch, capsys):
+    """Issue 42: damaged ``gguf-header`` entries were rebuilt without the
+    notice every other entry gives.  A damaged digest memo is recomputed
+    with the same notice; an entry built the first time, or found whole,
+    says nothing."""
+    from forerun.loading.load import load_gguf_files
+
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    expected = load_gguf_files(gguf_path, progress=False).config
+    load_gguf_files(gguf_path, progress=False)
+    assert "rebuilding" not in capsys.readouterr().err
+    (entry,) = [p for p in (tmp_path / "gguf-header").iterdir() if not p.name.startswith(".")]
+    config = entry / "config.json"
+    config.write_text(config.read_text().replace("64", "65", 1))
+    assert load_gguf_files(gguf_path, progress=False).config == expected
+    err = capsys.readouterr().err
+    assert f"forerun: rebuilding the parsed header of {gguf_path.name}" in err
+    assert "config.json is damaged" in err
+    (memo,) = (tmp_path / "digests").glob("*.json")
+    memo.write_text("{not json")
+    assert load_gguf_files(gguf_path, progress=False).config == expected
+    assert f"forerun: rebuilding the SHA-256 digest of {gguf_path.name}" in capsys.readouterr().err
+    load_gguf_files(gguf_path, progress=False)
+    assert "rebuilding" not in capsys.readouterr().err

@@ -5,15 +5,18 @@ unwritable cache costs a warning, not the load."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 import forerun
+import forerun.loading.cache_entry as cache_entry
 import forerun.loading.gguf_quantized as gguf_quantized
+import forerun.loading.packed_cache as packed_cache
 from forerun.loading.cache_entry import check
 from forerun.loading.content_key import file_digest
-from forerun.loading.packed_cache import FILE_NAME, packed_entry
+from forerun.loading.packed_cache import FAST_DIGEST, FILE_NAME, packed_entry
 
 CPU = torch.device("cpu")
 
@@ -75,6 +78,7 @@ def test_a_damaged_entry_is_rebuilt(gguf_path, cache, damage):
 def test_a_network_of_another_layout_is_rebuilt(gguf_path, cache):
     """A whole file that does not describe this model (a forerun that laid
     the network out differently) is rebuilt, with a warning."""
+    import xxhash
     from safetensors.torch import load_file, save_file
 
     from forerun.loading.cache_entry import describe_files, write_json_atomically
@@ -86,6 +90,7 @@ def test_a_network_of_another_layout_is_rebuilt(gguf_path, cache):
     save_file(tensors, str(target), metadata={"forerun": json.dumps({"layers": []})})
     manifest = json.loads(e.manifest_path.read_text())
     manifest["files"] = describe_files(e.path, [FILE_NAME])
+    manifest["meta"][FAST_DIGEST] = xxhash.xxh3_128(target.read_bytes()).hexdigest()
     write_json_atomically(e.manifest_path, manifest)
     assert check(e) is None
     with pytest.warns(UserWarning, match="rebuilding"):
@@ -101,4 +106,69 @@ def test_an_unwritable_cache_costs_a_warning(gguf_path, cache, monkeypatch):
         raise forerun.errors.CacheError("the cache is read-only")
     monkeypatch.setattr(packed_cache, "ensure", unwritable)
     with pytest.warns(UserWarning, match="packed-weight cache is not used"):
+        assert torch.equal(logits(gguf_path, "q4"), first)
+
+
+def rot(path, count: int = 192) -> None:
+    """Flip ``count`` bytes in the middle of ``path`` in place, keeping its
+    size, modification time and inode, as disk corruption does."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        data = f.read(count)
+        f.seek(st.st_size // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+        st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@pytest.fixture()
+def large_files(monkeypatch):
+    """Every file is "large" to the entry's check (re-read only when its
+    stamp changed), as the 121 MB network of the report was."""
+    monkeypatch.setattr(cache_entry, "SMALL_FILE_BYTES", 0)
+
+
+def test_bit_rot_that_keeps_the_stamp_is_rebuilt(gguf_path, cache, large_files, capsys):
+    """Issue 42, row 2: 192 bytes flipped in a packed network, its mtime kept,
+    gave different text from then on.  Every load checks the whole file."""
+    first = logits(gguf_path, "q4")
+    e = entry(gguf_path, "q4")
+    rot(e.path / FILE_NAME)
+    assert check(e) is None                       # the stamp shortcut can't see it
+    capsys.readouterr()
+    assert torch.equal(logits(gguf_path, "q4"), first)
+    assert "damaged (its xxh3_128 differs" in capsys.readouterr().err
+    assert check(e, checksums="all") is None      # the rebuilt entry is whole
+
+
+@pytest.mark.parametrize("damage", [False, True])
+def test_an_entry_without_the_digest_is_checked_by_its_sha256(gguf_path, cache, large_files,
+                                                             forbid_gguf_reads, capsys, damage):
+    """An entry built before the fast digest was recorded is checked against
+    its manifest's SHA-256 and, whole, gets the digest; damaged, is rebuilt."""
+    first = logits(gguf_path, "q4")
+    e = entry(gguf_path, "q4")
+    manifest = json.loads(e.manifest_path.read_text())
+    digest = manifest["meta"].pop(FAST_DIGEST)
+    e.manifest_path.write_text(json.dumps(manifest))
+    if damage:
+        rot(e.path / FILE_NAME)
+    else:
+        forbid_gguf_reads()
+    capsys.readouterr()
+    assert torch.equal(logits(gguf_path, "q4"), first)
+    assert ("rebuilding" in capsys.readouterr().err) == damage
+    assert json.loads(e.manifest_path.read_text())["meta"][FAST_DIGEST] == digest
+
+
+def test_bit_rot_in_a_cache_that_cant_be_written(gguf_path, cache, large_files, monkeypatch):
+    """A damaged network that can't be deleted is not used: built from the
+    GGUF, with a warning naming what to delete."""
+    first = logits(gguf_path, "q4")
+    rot(entry(gguf_path, "q4").path / FILE_NAME)
+    monkeypatch.setattr(packed_cache, "remove_path", lambda p: None)
+    with pytest.warns(UserWarning, match="packed-weight cache is not used.*damaged"):
         assert torch.equal(logits(gguf_path, "q4"), first)
