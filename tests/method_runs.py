@@ -3,10 +3,10 @@ the runner does: take the tokens its rounds yield, stop, settle."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from forerun.decoding.stats import GenerationStats
 from forerun.decoding.sampling import SamplingParams, TokenSampler
+from forerun.decoding.stats import GenerationStats
 
 
 def run_method(method, prompt: Sequence[int], n: int, sampler: TokenSampler,

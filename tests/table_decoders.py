@@ -12,14 +12,14 @@ reproduce it.
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
 
-from forerun.protocol.decoder import Capabilities, EngineSettings, ForwardOutput
-from forerun.errors import CacheStateError, ContextLengthError, InvalidTokenError
 from forerun.decoding.sampling import SamplingParams, probabilities
+from forerun.errors import CacheStateError, ContextLengthError, InvalidTokenError
+from forerun.protocol.decoder import Capabilities, EngineSettings, ForwardOutput
 
 PERIOD = 3
 

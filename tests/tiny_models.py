@@ -7,9 +7,9 @@ import json
 
 import torch
 
-from forerun.protocol.model_config import ModelConfig
 from forerun.engines.torch_engine import TorchDecoder
 from forerun.engines.transformer import Transformer
+from forerun.protocol.model_config import ModelConfig
 
 VOCAB = 300
 

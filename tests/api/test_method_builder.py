@@ -10,8 +10,8 @@ import pytest
 
 import forerun
 from forerun.api.method_builder import check_draft_model, draft_weights, load_draft_model
-from forerun.speculation import resolve
 from forerun.errors import ConfigError, GenerationConfigError, TokenizerError
+from forerun.speculation import resolve
 from tiny_models import hf_folders
 
 

@@ -8,8 +8,17 @@ import sys
 
 import pytest
 
-from forerun.bench import (BenchError, BenchMethod, BenchSettings, ForerunMethod, load_prompts,
-                           print_report, run_bench, select_prompts, write_reports)
+from forerun.bench import (
+    BenchError,
+    BenchMethod,
+    BenchSettings,
+    ForerunMethod,
+    load_prompts,
+    print_report,
+    run_bench,
+    select_prompts,
+    write_reports,
+)
 from forerun.bench.prompts import DEFAULT_PROMPTS
 from forerun.cli.main import main
 from forerun.errors import ForerunError

@@ -17,7 +17,8 @@ def run_cli(*args):
 def test_missing_model_is_a_clean_error():
     proc = run_cli("generate", "--model", "/nonexistent/x.gguf", "hi")
     assert proc.returncode == 1
-    assert "forerun: error:" in proc.stderr and "neither a preset nor an existing path" in proc.stderr
+    assert "forerun: error:" in proc.stderr
+    assert "neither a preset nor an existing path" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -115,7 +116,8 @@ def test_prompt_longer_than_context_is_a_clean_error(preset_gguf):
     (["--draft", "x", "--target-threads", "2"], "--target-threads applies to asynchronous"),
     (["--draft", "ngram", "--draft-async"], "--draft-async needs a draft model"),
     (["--draft", "none", "--draft-async"], "--draft-async needs a draft model"),
-    (["--draft", "x", "--draft-async", "--draft-threads", "0"], "--draft-threads must be a positive"),
+    (["--draft", "x", "--draft-async", "--draft-threads", "0"],
+     "--draft-threads must be a positive"),
     (["--draft", "ngram", "--draft-lookup"], "for prompt lookup alone"),
     (["--draft", "none", "--draft-lookup"], "adds prompt lookup to a draft model"),
     (["--draft", "x", "--draft-lookup", "--draft-k", "3"], "drop --draft-k"),

@@ -7,10 +7,8 @@ import numpy as np
 import torch
 
 from forerun.decoding.acceptance import accept_greedy, accept_sampled
-
 from quick import draws
 from table_decoders import chi_square_pvalue, single_thread  # noqa: F401 (autouse fixture)
-
 
 
 def one_hot_logits(choices: list[int], vocab: int = 8) -> torch.Tensor:

@@ -11,9 +11,13 @@ import pytest
 import torch
 
 from forerun.decoding import draft_length
-from forerun.decoding.draft_length import (AcceptanceEstimate, AdaptiveDraftLength,
-                                           VerifyCosts, best_draft_length, expected_tokens)
-
+from forerun.decoding.draft_length import (
+    AcceptanceEstimate,
+    AdaptiveDraftLength,
+    VerifyCosts,
+    best_draft_length,
+    expected_tokens,
+)
 from table_decoders import ClockedWrapper, TableDecoder, single_thread  # noqa: F401 (autouse fixture)
 
 

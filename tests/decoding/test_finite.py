@@ -12,17 +12,17 @@ import pytest
 import torch
 
 import forerun
-from forerun.protocol.decoder import ForwardOutput
 from forerun.decoding.finite import finite
 from forerun.decoding.plain import PlainDecoding
-from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.decoding.rank_tree_planner import TreeShape
+from forerun.decoding.sampling import SamplingParams, TokenSampler
+from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.decoding.stats import GenerationStats
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.ngram import NgramDrafter
 from forerun.errors import ForerunError, NonFiniteLogitsError
-from forerun.decoding.stats import GenerationStats
-from forerun.decoding.sampling import SamplingParams, TokenSampler
+from forerun.protocol.decoder import ForwardOutput
 from tiny_models import forerun_decoder, hf_model, tiny_tokenizer_json
 
 PROMPT = [5, 17, 42, 99, 5, 17]
@@ -83,7 +83,7 @@ class RandomTreeDrafter:
         return 0.0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny(seed: int):
     return hf_model("qwen2", seed=seed)
 

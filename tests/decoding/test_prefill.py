@@ -6,19 +6,19 @@ import pytest
 import torch
 
 import forerun
+from decoding.test_rank_tree_planner import OracleTreeDrafter
 from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.prefill import prefill
-from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.decoding.rank_tree_planner import TreeShape
+from forerun.decoding.sampling import SamplingParams, TokenSampler
+from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.decoding.stats import GenerationStats
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.ngram import NgramDrafter
 from forerun.errors import CacheStateError
-from forerun.decoding.stats import GenerationStats
 from forerun.protocol.prefix_reuse import PrefixReuse, reusable_length
-from forerun.decoding.sampling import SamplingParams, TokenSampler
 from method_runs import FeedLog, run_method
 from tiny_models import forerun_decoder, hf_model
-from decoding.test_rank_tree_planner import OracleTreeDrafter
 
 BLOCK = 8
 
@@ -238,7 +238,7 @@ def test_llama_cpp_multi_turn_greedy_is_the_same_warm_and_cold(smollm_llama):
     model = smollm_llama
     messages = [{"role": "system", "content": "You are a helpful assistant. " * 8},
                 {"role": "user", "content": "Name three fruits."}]
-    for turn in range(2):
+    for _turn in range(2):
         model.decoder.reset()
         cold = model.generate(messages=messages, max_new_tokens=16, temperature=0)
         model.decoder.reset()

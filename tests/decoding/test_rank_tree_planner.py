@@ -7,18 +7,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forerun.decoding.plain import PlainDecoding
-from forerun.decoding.rank_tree_planner import (RankAcceptance, TreePolicy, TreeShape, grow_tree,
-                                   tree_shape)
 from forerun.decoding.draft_tree import DraftTree
+from forerun.decoding.plain import PlainDecoding
+from forerun.decoding.rank_tree_planner import (
+    RankAcceptance,
+    TreePolicy,
+    TreeShape,
+    grow_tree,
+    tree_shape,
+)
+from forerun.decoding.stats import GenerationStats
 from forerun.decoding.tree_acceptance import accept_tree_greedy
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.errors import ConfigError
-from forerun.decoding.stats import GenerationStats
-
 from method_runs import FeedLog, greedy_tokens
 from tiny_models import VOCAB, forerun_decoder, hf_model
-
 
 # -- shapes ----------------------------------------------------------------------
 

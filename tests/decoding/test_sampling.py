@@ -6,14 +6,18 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-
-from forerun.errors import GenerationConfigError
-from forerun.decoding.sampling import (SamplingParams, greedy_token, make_generator,
-                              probabilities, sample_token)
-
 import scipy.stats as scipy_stats  # noqa: E402
+import torch
 import transformers.generation.logits_process as logits_process  # noqa: E402
+
+from forerun.decoding.sampling import (
+    SamplingParams,
+    greedy_token,
+    make_generator,
+    probabilities,
+    sample_token,
+)
+from forerun.errors import GenerationConfigError
 
 
 def reference_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -9,15 +9,13 @@ import pytest
 import torch
 
 from forerun.decoding.plain import PlainDecoding
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.decoding.stats import GenerationStats
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.errors import ContextLengthError
-from forerun.decoding.stats import GenerationStats
-from forerun.decoding.sampling import SamplingParams, TokenSampler
-
 from method_runs import FeedLog
 from table_decoders import single_thread  # noqa: F401 (autouse fixture)
-
 from tiny_models import VOCAB, forerun_decoder, hf_model  # noqa: E402
 
 ARCHS = ["qwen2", "llama"]

@@ -17,19 +17,20 @@ import pytest
 import torch
 
 from forerun.decoding import speculative as speculative_module
-from forerun.decoding.plain import PlainDecoding
-from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.decoding.drafter import Draft
-from forerun.drafters.draft_model import DraftModelDrafter
-from forerun.decoding.stats import GenerationStats
+from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.sampling import SamplingParams, TokenSampler
-
+from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.decoding.stats import GenerationStats
+from forerun.drafters.draft_model import DraftModelDrafter
 from method_runs import run_method
-from table_decoders import (TableDecoder, chi_square_pvalue, joint_distribution,
-                            single_thread)  # noqa: F401 (single_thread: autouse fixture)
-
-
 from quick import draws  # noqa: E402
+from table_decoders import (
+    TableDecoder,
+    chi_square_pvalue,
+    joint_distribution,
+    single_thread,  # noqa: F401 (single_thread: autouse fixture)
+)
 
 V = 6
 N_TOKENS = 3
@@ -102,13 +103,15 @@ def check_stats(stats: GenerationStats, count: int) -> None:
 def assert_exact(counts, params, prompt, label=""):
     expected = joint_distribution(TARGET, params, prompt, N_TOKENS)
     p_value, detail = chi_square_pvalue(counts, expected)
-    assert p_value > PASS_P, f"{label}: output differs from the target's distribution ({detail}, p={p_value:.3g})"
+    assert p_value > PASS_P, \
+        f"{label}: output differs from the target's distribution ({detail}, p={p_value:.3g})"
 
 
 def assert_detected(counts, params, prompt, label=""):
     expected = joint_distribution(TARGET, params, prompt, N_TOKENS)
     p_value, detail = chi_square_pvalue(counts, expected)
-    assert p_value < REJECT_P, f"{label}: the broken rule went unnoticed ({detail}, p={p_value:.3g})"
+    assert p_value < REJECT_P, \
+        f"{label}: the broken rule went unnoticed ({detail}, p={p_value:.3g})"
 
 
 # -- plain decoding: the reference itself ------------------------------------
@@ -133,7 +136,8 @@ EXACT_CASES = [
 
 
 @pytest.mark.parametrize("draft,params,prompt", EXACT_CASES,
-                         ids=[f"{d}-{p.temperature}-{p.top_k}-{p.top_p}" for d, p, _ in EXACT_CASES])
+                         ids=[f"{d}-{p.temperature}-{p.top_k}-{p.top_p}"
+                              for d, p, _ in EXACT_CASES])
 def test_speculative_sampling_is_exact(draft, params, prompt):
     method = speculative(DRAFTS[draft], k=4)
     counts, stats = draw_counts(method, params, prompt, N_SEQUENCES, seed=1)
@@ -378,8 +382,8 @@ def test_lookup_or_draft_broken_twin_is_detected(monkeypatch, rule):
 # -- the test doubles themselves ---------------------------------------------------
 
 def test_table_decoder_follows_the_decoder_contract():
-    from forerun.protocol.decoder import Decoder
     from forerun.errors import CacheStateError, ContextLengthError, InvalidTokenError
+    from forerun.protocol.decoder import Decoder
 
     d = TableDecoder(TARGET, context_length=6)
     assert isinstance(d, Decoder)

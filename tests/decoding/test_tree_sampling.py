@@ -16,18 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from forerun.protocol.decoder import Capabilities
 from forerun.decoding import speculative as loop_module
 from forerun.decoding.rank_tree_planner import TreeShape
-from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
-from forerun.decoding.stats import GenerationStats
 from forerun.decoding.sampling import SamplingParams, TokenSampler
-
+from forerun.decoding.stats import GenerationStats
+from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
+from forerun.protocol.decoder import Capabilities
 from method_runs import run_method
-from table_decoders import TableDecoder, chi_square_pvalue, joint_distribution
-
-
 from quick import draws  # noqa: E402
+from table_decoders import TableDecoder, chi_square_pvalue, joint_distribution
 
 V = 6
 N_TOKENS = 3

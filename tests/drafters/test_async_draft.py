@@ -10,17 +10,15 @@ import threading
 import pytest
 import torch
 
-from forerun.drafters.async_speculative import AsyncSpeculativeDecoding
 from forerun.decoding.plain import PlainDecoding
-from forerun.drafters.async_draft import AsyncDraftModelDrafter
-from forerun.errors import DrafterError
-from forerun.decoding.stats import GenerationStats
 from forerun.decoding.sampling import SamplingParams, TokenSampler
-
+from forerun.decoding.stats import GenerationStats
+from forerun.drafters.async_draft import AsyncDraftModelDrafter
+from forerun.drafters.async_speculative import AsyncSpeculativeDecoding
+from forerun.errors import DrafterError
 from method_runs import greedy_tokens, run_method
 from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)
-from thread_decoders import (ContextDraft, DelayedDecoder, FailingDecoder, FeedRecorder,
-                             GatedDecoder)
+from thread_decoders import ContextDraft, DelayedDecoder, FailingDecoder, FeedRecorder, GatedDecoder
 
 V = 16
 WAIT = 30.0     # seconds before a wait counts as a hang

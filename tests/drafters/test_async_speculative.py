@@ -25,16 +25,23 @@ import pytest
 import torch
 
 import forerun
-from forerun.drafters.async_speculative import AsyncSpeculativeDecoding
+from decoding.test_speculative_greedy import N_NEW, PROMPTS, decoder, generate, reference
+from decoding.test_speculative_sampling import (
+    DRAFTS,
+    TARGET,
+    TEMPERATURE,
+    TOP_P,
+    _partial_support_draft,
+    assert_detected,
+    assert_exact,
+    check_stats,
+    draw_counts,
+)
+from forerun.decoding.stats import GenerationStats
 from forerun.drafters import async_draft as async_module
 from forerun.drafters.async_draft import AsyncDraftModelDrafter
+from forerun.drafters.async_speculative import AsyncSpeculativeDecoding
 from forerun.errors import DrafterError
-from forerun.decoding.stats import GenerationStats
-
-from decoding.test_speculative_greedy import PROMPTS, N_NEW, decoder, generate, reference
-from decoding.test_speculative_sampling import (DRAFTS, TARGET, TEMPERATURE, TOP_P,
-                                                _partial_support_draft, assert_detected,
-                                                assert_exact, check_stats, draw_counts)
 from quick import draws
 from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)
 from thread_decoders import DelayedDecoder, FailingDecoder
@@ -287,9 +294,9 @@ def test_the_model_keeps_its_threads_where_another_count_changes_its_logits(
     grouping probe finds that count gives the same logits: else an explicit
     target_threads is refused, and the default split leaves the model its
     own threads; a smaller exact group on that count caps verifications."""
+    from forerun.errors import ConfigError
     from forerun.protocol import grouping_probe
     from forerun.protocol.grouping_probe import GroupingResult
-    from forerun.errors import ConfigError
 
     target, draft = models
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))

@@ -7,14 +7,13 @@ import pytest
 import torch
 
 from forerun.decoding.plain import PlainDecoding
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.decoding.stats import GenerationStats
 from forerun.drafters.draft_context import SINK_TOKENS, DraftContext
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.draft_model_tree import DraftModelTreeDrafter
 from forerun.errors import ConfigError
-from forerun.decoding.sampling import SamplingParams, TokenSampler
-from forerun.decoding.stats import GenerationStats
-
 from method_runs import greedy_tokens
 from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)
 

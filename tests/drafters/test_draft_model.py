@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forerun.decoding.speculative import SpeculativeDecoding
-from forerun.drafters.draft_model import DraftModelDrafter
-from forerun.decoding.stats import GenerationStats
 from forerun.decoding.sampling import SamplingParams, TokenSampler
-
+from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.decoding.stats import GenerationStats
+from forerun.drafters.draft_model import DraftModelDrafter
 from table_decoders import ClockedWrapper, CountingDecoder, TableDecoder, single_thread  # noqa: F401 (autouse)
 
 V = 7

@@ -11,21 +11,29 @@ import numpy as np
 import pytest
 import torch
 
-from forerun.protocol.decoder import Capabilities
+from decoding.test_speculative_greedy import decoder
+from decoding.test_tree_sampling import (
+    COMBINED,
+    DRAFT,
+    PASS_P,
+    REJECT_P,
+    TARGET,
+    TEMPERATURE,
+    KeepSlotsTable,
+    check_stats,
+    draw_counts,
+    p_value,
+)
 from forerun.decoding import tree_acceptance
 from forerun.decoding.draft_tree_planner import DraftTreePlanner, NodeBudgetPolicy
 from forerun.decoding.plain import PlainDecoding
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.decoding.stats import GenerationStats
 from forerun.drafters.draft_model import STALE_STEP, DraftModelDrafter
 from forerun.drafters.draft_model_tree import DraftedNodes, DraftModelTreeDrafter
 from forerun.errors import ConfigError
-from forerun.decoding.sampling import SamplingParams, TokenSampler
-from forerun.decoding.stats import GenerationStats
-
-from decoding.test_speculative_greedy import decoder
-from decoding.test_tree_sampling import (COMBINED, DRAFT, PASS_P, REJECT_P, TARGET,
-                                         TEMPERATURE, KeepSlotsTable, check_stats, draw_counts,
-                                         p_value)
+from forerun.protocol.decoder import Capabilities
 from method_runs import greedy_tokens
 from quick import draws
 from table_decoders import ClockedWrapper, TableDecoder, single_thread  # noqa: F401 (autouse fixture)

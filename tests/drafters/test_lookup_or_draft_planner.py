@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from forerun.decoding.draft_tree import DraftTree
-from forerun.drafters.lookup_or_draft_planner import LookupOrDraftPlanner
-from forerun.decoding.plain import PlainDecoding
-from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.decoding.drafter import Draft
-from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.sampling import SamplingParams, TokenSampler
+from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.decoding.stats import GenerationStats
-
+from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.drafters.lookup_or_draft_planner import LookupOrDraftPlanner
 from method_runs import greedy_tokens
 from table_decoders import ClockedWrapper, single_thread  # noqa: F401 (autouse fixture)
 from tiny_models import VOCAB, forerun_decoder, hf_model

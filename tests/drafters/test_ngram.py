@@ -1,13 +1,13 @@
 """Prompt-lookup drafting: the incremental index against a brute-force
 search, and the drafter's behaviour."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import pytest
 
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.drafters.ngram import NgramDrafter, NgramIndex
 from forerun.errors import ConfigError
-from forerun.decoding.sampling import SamplingParams, TokenSampler
 
 
 def brute_force(seq, k, min_n, max_n):

@@ -34,9 +34,9 @@ import pytest
 import torch
 
 import forerun
-from forerun.protocol.grouping_probe import MAX_GROUP
 from forerun.engines.linear import QUANTIZED_FORMATS, quantize_int4, quantize_int8
 from forerun.engines.transformer import PADDED_ROWS
+from forerun.protocol.grouping_probe import MAX_GROUP
 from tiny_models import VOCAB, hf_model, tiny_tokenizer_json  # noqa: F401 (VOCAB: see tiny)
 
 ON_CPU_VARIABLE = "FORERUN_TEST_CUDA_ON_CPU"

@@ -9,10 +9,15 @@ import torch
 import forerun
 import forerun.engines.format_choice as format_choice
 from forerun.api.loader import choose_weights
-from forerun.protocol.model_config import ModelConfig
-from forerun.engines.format_choice import (TIMED_POSITIONS, FormatChoice, random_weights,
-                                           choose_format, time_formats)
+from forerun.engines.format_choice import (
+    TIMED_POSITIONS,
+    FormatChoice,
+    choose_format,
+    random_weights,
+    time_formats,
+)
 from forerun.engines.linear import Int4Groups, Int8Rows
+from forerun.protocol.model_config import ModelConfig
 from tiny_gguf import write_tiny_gguf
 
 CPU = torch.device("cpu")

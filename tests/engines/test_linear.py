@@ -6,24 +6,34 @@ models with the float32 reference, exact verification groups per format
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as GGMLType
 
-from forerun.api.engine_policy import probe_tokens
 import forerun
-from forerun.protocol.grouping_probe import MAX_GROUP, exact_group_size
-from forerun.engines.linear import (QUANTIZE_ROWS, WEIGHT_FORMATS, ConcatLinear, Int4Groups,
-                                    check_kernels, concat_rows, fuse_linear, make_linear,
-                                    quantize_int4, quantize_int8, restore_linear)
+from forerun.api.engine_policy import probe_tokens
+from forerun.engines.linear import (
+    QUANTIZE_ROWS,
+    WEIGHT_FORMATS,
+    ConcatLinear,
+    Int4Groups,
+    check_kernels,
+    concat_rows,
+    fuse_linear,
+    make_linear,
+    quantize_int4,
+    quantize_int8,
+    restore_linear,
+)
 from forerun.engines.torch_engine import PER_POSITION_FEED, TorchDecoder
 from forerun.engines.transformer import PADDED_ROWS, Transformer
 from forerun.errors import ConfigError, EngineError
 from forerun.kernels import layouts, native
 from forerun.loading.dequantize import dequantize
 from forerun.loading.gguf_quantized import int4_groups, int6_blocks
-
+from forerun.protocol.grouping_probe import MAX_GROUP, exact_group_size
 from tiny_models import VOCAB, hf_model
 
 CPU = torch.device("cpu")

@@ -13,11 +13,17 @@ import sys
 import pytest
 import torch
 
-from forerun.api.engine_policy import probe_tokens
 import forerun
-from forerun.errors import (CacheStateError, ConfigError, ContextLengthError,
-                            EngineUnavailableError, InvalidTokenError, ModelFormatError,
-                            UnsupportedOperationError)
+from forerun.api.engine_policy import probe_tokens
+from forerun.errors import (
+    CacheStateError,
+    ConfigError,
+    ContextLengthError,
+    EngineUnavailableError,
+    InvalidTokenError,
+    ModelFormatError,
+    UnsupportedOperationError,
+)
 
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 if not HAVE_LLAMA_CPP and os.environ.get("CI"):
@@ -255,8 +261,8 @@ def test_grouping_probe_is_stored_per_machine_and_settings(llama_model, tmp_path
     """The probe runs once per machine and engine settings: a second model
     with the same settings reads it back, other thread counts measure anew,
     and a damaged record is measured again."""
-    from forerun.protocol import grouping_probe
     from forerun.engines.llama_cpp_engine import LlamaCppDecoder
+    from forerun.protocol import grouping_probe
 
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
     monkeypatch.setattr(LlamaCppDecoder, "probe_context", 200)   # what is stored, not how long
@@ -449,7 +455,8 @@ def test_closed_decoder(smollm):
 TOKENIZER_TEXTS = [
     "Hello world",
     " leading space and trailing space ",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    "    return fibonacci(n - 1) + fibonacci(n - 2)\n",
     "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }",
     "x = {'a': [1, 2, 3], \"b\": None}  # comment",
     "Numbers: 1234567890 3.14159 -42 1e-9 0x1F",

@@ -11,17 +11,21 @@ import torch
 
 import forerun
 import forerun.engines.prefill_kernel as prefill_kernel
-from forerun.protocol.grouping_probe import MAX_GROUP
+from engines.test_format_choice import config
+from engines.test_linear import _network
 from forerun.engines.linear import DEQUANT_SLICE, Int8Linear, Int8Rows, quantize_int8
-from forerun.engines.prefill_kernel import (GEMM_ROWS, PREFILL_KERNELS, PrefillChoice,
-                                            choose_prefill_kernel, time_prefill_kernels)
-from forerun.protocol.model_config import ModelConfig
+from forerun.engines.prefill_kernel import (
+    GEMM_ROWS,
+    PREFILL_KERNELS,
+    PrefillChoice,
+    choose_prefill_kernel,
+    time_prefill_kernels,
+)
 from forerun.engines.torch_engine import TorchDecoder
 from forerun.engines.transformer import Transformer
 from forerun.errors import ConfigError
-
-from engines.test_format_choice import config
-from engines.test_linear import _network
+from forerun.protocol.grouping_probe import MAX_GROUP
+from forerun.protocol.model_config import ModelConfig
 from tiny_gguf import write_tiny_gguf
 from tiny_models import hf_model
 

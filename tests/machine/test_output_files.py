@@ -6,8 +6,12 @@ import os
 
 import pytest
 
-from forerun.machine.output_files import (OutputPathError, check_output_dir,
-                                          check_output_file, written_whole)
+from forerun.machine.output_files import (
+    OutputPathError,
+    check_output_dir,
+    check_output_file,
+    written_whole,
+)
 
 
 def test_a_folder_given_for_a_file_and_a_file_given_for_a_folder_are_refused(tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from forerun.protocol.grouping_probe import GroupingResult, exact_group_size
-
 from table_decoders import TableDecoder
 
 V = 8

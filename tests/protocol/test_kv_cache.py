@@ -7,8 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,
-                                 precondition, rule)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from forerun.errors import CacheStateError, ContextLengthError, ModelNotFoundError
 from forerun.protocol.kv_cache import KVCache

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from forerun.protocol.model_config import ModelConfig
 from forerun.errors import ConfigError
+from forerun.protocol.model_config import ModelConfig
 
 BASE = {"model_type": "qwen2", "vocab_size": 300, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -22,11 +22,10 @@ import tempfile
 import threading
 import time
 
-import pytest
-
 # The test extra installs these: a missing one is an error, not a skip.
 import openai  # noqa: E402
 import prometheus_client  # noqa: E402,F401
+import pytest
 import starlette  # noqa: E402,F401
 import uvicorn  # noqa: E402,F401
 

@@ -5,11 +5,10 @@ the same tokens with and without the cache."""
 import pytest
 import torch
 
+from conftest import PREFIX_CACHE_MB, greedy, text_of
 from forerun.decoding.prefill import prefill
 from forerun.server.prefix_cache import PrefixCache, Reuse
 from tiny_models import forerun_decoder, hf_model
-
-from conftest import PREFIX_CACHE_MB, greedy, text_of
 
 BLOCK = 8
 
@@ -143,7 +142,7 @@ def test_saved_prefixes_serve_interleaved_conversations(server, cold_server):
     turns = {name: [{"role": "system", "content": f"Conversation {name}. " + SYSTEM}]
              for name in ("north", "south")}
     for question in ("What is rain?", "Why is the sky blue?"):
-        for name, messages in turns.items():
+        for _name, messages in turns.items():
             messages.append({"role": "user", "content": question})
             warm = greedy(server.client(), messages, max_tokens=8)
             cold = greedy(cold_server.client(), messages, max_tokens=8)

@@ -16,9 +16,18 @@ from forerun.drafters.ngram import NgramDrafter
 from forerun.errors import GenerationConfigError
 from forerun.server.schemas import ChatCompletionRequest, parse
 from forerun.server.translate import Translator
-from forerun.speculation.config import (API, CLI, PLAIN, SERVER, SpeculativeConfig,
-                                        SpeculativeConfigError, default_draft, draft_kind,
-                                        resolve, resolve_for_preset)
+from forerun.speculation.config import (
+    API,
+    CLI,
+    PLAIN,
+    SERVER,
+    SpeculativeConfig,
+    SpeculativeConfigError,
+    default_draft,
+    draft_kind,
+    resolve,
+    resolve_for_preset,
+)
 
 
 @pytest.mark.parametrize("value, kind", [

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import unicodedata
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +28,7 @@ def real_model_param(name: str) -> Any:
                         marks=[pytest.mark.needs_preset(name)])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gguf_metadata(name: str) -> dict[str, Any]:
     try:
         from forerun.loading.gguf_file import GGUFFile
@@ -41,14 +40,14 @@ def gguf_metadata(name: str) -> dict[str, Any]:
     return GGUFFile(MODELS_DIR / name).metadata
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def forerun_tokenizer(name: str):
     from forerun.tokenizer import tokenizer_from_gguf_metadata
 
     return tokenizer_from_gguf_metadata(gguf_metadata(name))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_tokenizer(name: str):
     """transformers' tokenizer for the GGUF, exactly as it loads it."""
     from transformers import AutoTokenizer
@@ -58,7 +57,7 @@ def hf_tokenizer(name: str):
         return AutoTokenizer.from_pretrained(str(MODELS_DIR), gguf_file=name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_backend(name: str):
     """transformers' tokenizer for the GGUF with the two places where its GGUF
     conversion departs from the model's original tokenizer.json put back:

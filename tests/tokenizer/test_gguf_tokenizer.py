@@ -10,8 +10,16 @@ from forerun.errors import TokenizerError
 from forerun.tokenizer import SUPPORTED_PRE_TOKENIZERS, tokenizer_from_gguf_metadata
 
 from .conftest import (
-    GGUF_NAMES, QWEN_05B, QWEN_15B, SMOLLM, departs_from_transformers_gguf, forerun_tokenizer,
-    gguf_metadata, hf_tokenizer, real_model_param, reference_backend,
+    GGUF_NAMES,
+    QWEN_05B,
+    QWEN_15B,
+    SMOLLM,
+    departs_from_transformers_gguf,
+    forerun_tokenizer,
+    gguf_metadata,
+    hf_tokenizer,
+    real_model_param,
+    reference_backend,
 )
 
 TEXTS = [
@@ -147,7 +155,8 @@ CONVERSATIONS = [
     [{"role": "system", "content": "You are terse."},
      {"role": "user", "content": "What is 2+2?"}],
     [{"role": "user", "content": "Write a haiku about Python."},
-     {"role": "assistant", "content": "Indented lines flow\n    whitespace carries meaning\ncolons open doors"},
+     {"role": "assistant",
+      "content": "Indented lines flow\n    whitespace carries meaning\ncolons open doors"},
      {"role": "user", "content": "Now one about Rust 🦀."}],
 ]
 
@@ -264,7 +273,8 @@ def _letters_meta(pre, **overrides):
 
 def test_other_pre_tokenizers():
     ids = lambda tok, text: [tok.id_to_token(i) for i in tok.encode(text)]  # noqa: E731
-    llama = tokenizer_from_gguf_metadata(_letters_meta("llama-bpe", **{"tokenizer.ggml.bos_token_id": 0}))
+    llama = tokenizer_from_gguf_metadata(
+        _letters_meta("llama-bpe", **{"tokenizer.ggml.bos_token_id": 0}))
     # numbers in groups of up to three; BOS by default (llama.cpp's default for this type)
     assert ids(llama, "hello hello12345") == ["hello", "Ġhello", "123", "4", "5"]
     assert llama.add_bos_token is True

@@ -33,7 +33,8 @@ def saved(request, tmp_path_factory):
         data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
         assert data["normalizer"] is None
         data["normalizer"] = {"type": "NFC"}
-        (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+        (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False),
+                                               encoding="utf-8")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reloaded = AutoTokenizer.from_pretrained(str(folder))
@@ -86,7 +87,8 @@ def test_template_sources_and_token_forms(saved, tmp_path):
     # list-of-dicts chat template form, AddedToken-dict special tokens, explicit add_bos
     config["chat_template"] = [
         {"name": "tool_use", "template": "TOOLS"},
-        {"name": "default", "template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "default",
+         "template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"},
     ]
     eos = config["eos_token"]
     config["eos_token"] = {"__type": "AddedToken", "content": eos, "lstrip": False,
@@ -103,7 +105,8 @@ def test_template_sources_and_token_forms(saved, tmp_path):
 
     # chat_template.jinja wins over tokenizer_config.json
     (f / "chat_template.jinja").write_text("J{{ messages[0].content }}")
-    assert tokenizer_from_hf_folder(f).apply_chat_template([{"role": "user", "content": "y"}]) == "Jy"
+    chat = [{"role": "user", "content": "y"}]
+    assert tokenizer_from_hf_folder(f).apply_chat_template(chat) == "Jy"
 
     # no template at all
     (f / "chat_template.jinja").unlink()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer as Backend
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as Backend
 
 from forerun.errors import InvalidTokenError
 from forerun.tokenizer import StreamDecoder, Tokenizer

@@ -48,7 +48,8 @@ def test_tiny_basics():
         tok.decode([1, 99])
     with pytest.raises(TokenizerError):
         tok.encode(b"ab")  # type: ignore[arg-type]
-    assert tiny(**{"tokenizer.ggml.add_bos_token": False}).encode("ab", add_special_tokens=True) == [4]
+    no_bos = tiny(**{"tokenizer.ggml.add_bos_token": False})
+    assert no_bos.encode("ab", add_special_tokens=True) == [4]
 
 
 def test_chat_template_rendering():
@@ -57,13 +58,16 @@ def test_chat_template_rendering():
     assert tok.apply_chat_template(msgs) == "<s>user:hi</s>assistant:"
     assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "<s>user:hi</s>"
     # extra message keys are allowed and kwargs reach the template
-    t = tiny(**{"tokenizer.chat_template": "{{ greeting }}{{ messages[0].name }}{{ tools is none }}"})
-    assert t.apply_chat_template([{"role": "user", "content": "", "name": "N"}], greeting="G") == "GNTrue"
+    t = tiny(**{"tokenizer.chat_template":
+                "{{ greeting }}{{ messages[0].name }}{{ tools is none }}"})
+    named = [{"role": "user", "content": "", "name": "N"}]
+    assert t.apply_chat_template(named, greeting="G") == "GNTrue"
 
 
 def test_chat_template_helpers_match_transformers_conventions():
     src = ("{{ messages[0].content | tojson }}|{{ {'b': 1, 'a': '<é>'} | tojson(indent=1) }}|"
-           "{{ strftime_now('%Y') | length }}|{% set ns = namespace(x=1) %}{% set ns.x = 2 %}{{ ns.x }}|"
+           "{{ strftime_now('%Y') | length }}|"
+           "{% set ns = namespace(x=1) %}{% set ns.x = 2 %}{{ ns.x }}|"
            "{% for i in range(5) %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}|"
            "{% generation %}G{% endgeneration %}\n"
            "  {% if true %}\n  x\n  {% endif %}\n")
@@ -105,7 +109,8 @@ def test_chat_template_errors():
     (["hello"], "message 0 must be a dict"),
     ([{"content": "x"}], "message 0 has no 'role'"),
     ([{"role": "user"}], "message 0 has no 'content'"),
-    ([{"role": "user", "content": "x"}, {"role": "user", "content": 5}], "message 1: 'content' must be a string"),
+    ([{"role": "user", "content": "x"}, {"role": "user", "content": 5}],
+     "message 1: 'content' must be a string"),
     ([{"role": None, "content": "x"}], "'role' must be a string"),
 ])
 def test_message_validation(messages, match):
@@ -116,13 +121,15 @@ def test_message_validation(messages, match):
 def test_save_load_roundtrip_tiny(tmp_path):
     tok = tiny()
     tok.save(tmp_path / "tok")
-    assert json.loads((tmp_path / "tok" / "forerun_tokenizer.json").read_text())["add_bos_token"] is True
+    saved = json.loads((tmp_path / "tok" / "forerun_tokenizer.json").read_text())
+    assert saved["add_bos_token"] is True
     back = Tokenizer.load(tmp_path / "tok")
     assert (back.bos_token_id, back.eos_token_id, back.add_bos_token, back.chat_template) == \
         (tok.bos_token_id, tok.eos_token_id, tok.add_bos_token, tok.chat_template)
     assert back.special_token_ids == tok.special_token_ids
     assert back.fingerprint() == tok.fingerprint()
-    assert back.encode("ab ab1<s>", add_special_tokens=True) == tok.encode("ab ab1<s>", add_special_tokens=True)
+    assert back.encode("ab ab1<s>", add_special_tokens=True) == \
+        tok.encode("ab ab1<s>", add_special_tokens=True)
     with pytest.raises(ModelNotFoundError):
         Tokenizer.load(tmp_path / "missing")
     (tmp_path / "tok" / "forerun_tokenizer.json").write_text('{"format_version": 99}')
@@ -134,7 +141,8 @@ def test_fingerprint_depends_on_vocab_and_merges():
     base = tiny().fingerprint()
     assert base == tiny(**{"tokenizer.chat_template": None}).fingerprint()
     assert base != tiny(**{"tokenizer.ggml.merges": ["a b"]}).fingerprint()
-    assert base != tiny(**{"tokenizer.ggml.tokens": ["<s>", "</s>", "a", "b", "ab", "Ġ", "2", "Ġab"]}).fingerprint()
+    tokens = ["<s>", "</s>", "a", "b", "ab", "Ġ", "2", "Ġab"]
+    assert base != tiny(**{"tokenizer.ggml.tokens": tokens}).fingerprint()
 
 
 def test_bad_special_ids():
