@@ -15,39 +15,104 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from quick import QUICK, QUICK_LEAVES_OUT  # noqa: E402
 
-if QUICK:
-    # The quick subset runs on two workers (``-n 2``, see the README): one
+if QUICK or os.environ.get("PYTEST_XDIST_WORKER"):
+    # The suite runs on two workers (``pytest -n 2``, see tests/run): one
     # torch thread each, or their OpenMP threads spin against each other on
     # a 2-core machine.  Before anything imports torch.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# The user's own forerun caches, which the suite never touches: the default
+# one (``~/.cache/forerun``) and ``FORERUN_CACHE`` where the user set one.
+# Worked out once, by the first process: xdist's workers inherit them, with
+# FORERUN_CACHE already the controller's session cache.
+_USER_CACHES_VAR = "FORERUN_TESTS_USER_CACHES"
+
+
+def _user_caches() -> tuple[Path, ...]:
+    if _USER_CACHES_VAR not in os.environ:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        paths = [Path(base) / "forerun"]
+        if os.environ.get("FORERUN_CACHE"):
+            paths.append(Path(os.environ["FORERUN_CACHE"]).expanduser())
+        os.environ[_USER_CACHES_VAR] = os.pathsep.join(
+            dict.fromkeys(str(p.resolve()) for p in paths))
+    return tuple(Path(p) for p in os.environ[_USER_CACHES_VAR].split(os.pathsep))
+
+
+USER_CACHES = _user_caches()
+
+
+def _inside_user_cache(path: Path) -> bool:
+    path = path.expanduser().resolve()
+    return any(path == user or user in path.parents for user in USER_CACHES)
+
+
+def test_cache_root() -> Path:
+    """Where the suite keeps build products between runs:
+    ``$FORERUN_TEST_CACHE``, else ``$XDG_CACHE_HOME/forerun-tests``, else
+    ``~/.cache/forerun-tests``; never a user's forerun cache."""
+    env = os.environ.get("FORERUN_TEST_CACHE")
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    root = (Path(env).expanduser() if env else Path(base) / "forerun-tests").resolve()
+    if _inside_user_cache(root) or any(root in user.parents for user in USER_CACHES):
+        raise pytest.UsageError(
+            f"the tests' cache {root} would share the user's forerun cache "
+            f"({', '.join(map(str, USER_CACHES))}); set FORERUN_TEST_CACHE to a folder "
+            f"of its own")
+    return root
+
+
+test_cache_root.__test__ = False        # a helper, not a test
+
+# Build products, keyed by their content and safe to share between runs.
+SHARED_FOLDERS = ("models", "packed", "converted", "digests", "gguf-header", "kernels")
 
 
 def _session_cache() -> Path:
     """A forerun cache of this test process's own, set as ``FORERUN_CACHE``
     before anything reads it.  Its build products, which are keyed by their
     content and safe to share (assembled presets, packed and converted
-    weights, digests, GGUF headers, compiled kernels), are the user's own
-    cache folders, linked in so the suite doesn't rebuild them; its
-    ``calibration`` folder is private.  Timings taken while tests run (two
-    workers on two cores, or one beside a loaded machine) are the kind a
-    benchmark must never trust, and a user's stored choices and costs must
-    not decide what the tests see."""
+    weights, digests, GGUF headers, compiled kernels), are the tests' own
+    cache folders (:func:`test_cache_root`), linked in so the suite doesn't
+    rebuild them on every run; its ``calibration`` folder is private.
+    Timings taken while tests run (two workers on two cores, or one beside
+    a loaded machine) are the kind a benchmark must never trust, and a
+    user's stored choices and costs must not decide what the tests see.
+    The user's own cache is never read or written."""
     import atexit
     import shutil
     import tempfile
 
-    from forerun.machine.paths import cache_dir
-
-    shared = cache_dir()
+    shared = test_cache_root()
     root = Path(tempfile.mkdtemp(prefix="forerun-test-cache-"))
-    for name in ("models", "packed", "converted", "digests", "gguf-header", "kernels"):
-        (shared / name).mkdir(exist_ok=True)
+    for name in SHARED_FOLDERS:
+        (shared / name).mkdir(parents=True, exist_ok=True)
         (root / name).symlink_to(shared / name, target_is_directory=True)
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     return root
 
 
+def _snapshot(root: Path) -> dict:
+    """Every entry under ``root`` with its size and modification time
+    (``{}`` when there is no ``root``)."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            found[path] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+# What the user's caches hold before the suite: the session's end checks that
+# the suite changed nothing in them (pytest_sessionfinish).
+_USER_CACHES_BEFORE = {user: _snapshot(user) for user in USER_CACHES}
 os.environ["FORERUN_CACHE"] = str(_session_cache())
+SESSION_CACHE = Path(os.environ["FORERUN_CACHE"])
 
 from real_presets import require_preset  # noqa: E402
 
@@ -116,6 +181,61 @@ def gguf_path(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
+def user_cache_changes(before: dict, root: Path) -> list[str]:
+    """The entries under ``root`` added, removed or changed since the
+    snapshot ``before``."""
+    after = _snapshot(root)
+    return sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+
+
+@pytest.fixture(scope="session")
+def suite_caches():
+    """``(users, shared, session)``: the user's forerun caches, which the
+    suite never touches; the tests' own shared cache; this process's cache
+    (``FORERUN_CACHE``)."""
+    return USER_CACHES, test_cache_root(), SESSION_CACHE
+
+
+@pytest.fixture(autouse=True)
+def _never_the_users_cache(request):
+    """Every test starts and ends with ``FORERUN_CACHE`` set to a cache that
+    is not the user's: a test or fixture that unsets it (so that
+    ``cache_dir()`` would fall back to ``~/.cache/forerun``) or points it
+    there fails."""
+    def check(when: str) -> None:
+        where = os.environ.get("FORERUN_CACHE")
+        if not where or _inside_user_cache(Path(where)):
+            pytest.fail(f"{when} {request.node.nodeid}, FORERUN_CACHE is "
+                        f"{where!r}: forerun would use the user's own cache; "
+                        f"the tests must keep it pointing at a cache of their own",
+                        pytrace=False)
+
+    check("before")
+    yield
+    check("after")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite changed nothing in the user's forerun cache (checked once,
+    by the controlling process when there are xdist workers)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    changed = [path for user, before in _USER_CACHES_BEFORE.items()
+               for path in user_cache_changes(before, user)]
+    if changed:
+        shown = "\n  ".join(changed[:20]) + ("\n  ..." if len(changed) > 20 else "")
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = (f"the test session changed the user's forerun cache "
+                   f"({len(changed)} entries; a forerun run outside the suite meanwhile "
+                   f"would do this too):\n  {shown}")
+        if reporter is not None:
+            reporter.write_line("")
+            reporter.write_line(message, red=True, bold=True)
+        else:
+            print(message, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 PRESET_FIXTURES = {"preset_gguf", "preset_model"}
 # Fixtures that compile the native kernels again from source, in a cache of
 # their own (tests/kernels/conftest.py): seconds a test.
@@ -128,15 +248,27 @@ def pytest_configure(config):
         "or preset names); skipped when absent, an error in CI")
 
 
+# The xdist group (``pytest -n 2 --dist loadgroup``) of the tests that use the
+# real presets: one worker runs them all, in order, so the models they load
+# are loaded once (``preset_model``, the live servers) and never twice at once
+# (the 1.5B in float32 takes 6 GB and more), while the other worker runs the
+# rest beside it.
+REAL_MODELS_GROUP = "real_models"
+
+
+@pytest.hookimpl(tryfirst=True)       # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Tests that use a real preset are marked ``real_model`` (so ``-m 'not
-    real_model'`` leaves them out without assembling anything), and tests
-    that compile the native kernels again are marked ``builds``; the quick
-    subset leaves out the ``power`` and ``builds`` tests (see :mod:`quick`)."""
+    real_model'`` leaves them out without assembling anything) and put in
+    one xdist group, and tests that compile the native kernels again are
+    marked ``builds``; the quick subset leaves out the ``power`` and
+    ``builds`` tests (see :mod:`quick`)."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("needs_preset") is not None or PRESET_FIXTURES & fixtures:
             item.add_marker(pytest.mark.real_model)
+        if item.get_closest_marker("real_model") is not None:
+            item.add_marker(pytest.mark.xdist_group(REAL_MODELS_GROUP))
         if BUILD_FIXTURES & fixtures:
             item.add_marker(pytest.mark.builds)
     if QUICK:
