@@ -248,6 +248,14 @@ def pytest_configure(config):
         "or preset names); skipped when absent, an error in CI")
 
 
+# Tests that run llama.cpp on several threads of its own, marked
+# ``exclusive_cpu``: llama.cpp's threads spin-wait for each other, and beside
+# a busy core (another xdist worker) its tests ran 20 times slower (18 s
+# alone, 420 s beside one busy core).  tests/run runs them after the others,
+# one at a time.  By module and fixture here, or marked where they are.
+EXCLUSIVE_CPU_MODULES = {"test_llama_cpp_engine.py"}
+EXCLUSIVE_CPU_FIXTURES = {"smollm_llama"}
+
 # The xdist group (``pytest -n 2 --dist loadgroup``) of the tests that use the
 # real presets: one worker runs them all, in order, so the models they load
 # are loaded once (``preset_model``, the live servers) and never twice at once
@@ -260,7 +268,8 @@ REAL_MODELS_GROUP = "real_models"
 def pytest_collection_modifyitems(config, items):
     """Tests that use a real preset are marked ``real_model`` (so ``-m 'not
     real_model'`` leaves them out without assembling anything) and put in
-    one xdist group, and tests that compile the native kernels again are
+    one xdist group, tests that run llama.cpp's threads are marked
+    ``exclusive_cpu``, and tests that compile the native kernels again are
     marked ``builds``; the quick subset leaves out the ``power`` and
     ``builds`` tests (see :mod:`quick`)."""
     for item in items:
@@ -269,6 +278,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.real_model)
         if item.get_closest_marker("real_model") is not None:
             item.add_marker(pytest.mark.xdist_group(REAL_MODELS_GROUP))
+        if item.path.name in EXCLUSIVE_CPU_MODULES or EXCLUSIVE_CPU_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.exclusive_cpu)
         if BUILD_FIXTURES & fixtures:
             item.add_marker(pytest.mark.builds)
     if QUICK:

@@ -386,6 +386,7 @@ def test_cli_errors_are_clean(prompt_file, capsys):
 # -- a real model --------------------------------------------------------------
 
 @pytest.mark.real_model
+@pytest.mark.exclusive_cpu
 def test_real_model_with_llama_cpp(preset_model, tmp_path):
     """The llama.cpp peer needs a GGUF: the smallest preset, a few tokens."""
     model = preset_model("smollm2-135m")
@@ -407,6 +408,7 @@ def test_real_model_with_llama_cpp(preset_model, tmp_path):
 
 
 @pytest.mark.real_model
+@pytest.mark.exclusive_cpu
 def test_real_model_on_the_llama_cpp_engine(tmp_path, capsys):
     """``--engine llama.cpp``: forerun's rows run on llama.cpp, the prompt-
     lookup row reproduces plain decoding's tokens on that engine, the peer

@@ -2,7 +2,7 @@
 
 A :class:`~table_decoders.TableDecoder` target has an exactly known
 distribution of its next three tokens (:func:`~table_decoders.joint_distribution`).
-Speculative decoding draws tens of thousands of 3-token continuations with
+Speculative decoding draws ten thousand 3-token continuations per test with
 draft models of every kind (uniform, skewed against the target, missing part
 of the target's support, equal to it, wider vocabulary, deterministic), and a
 chi-square test compares the empirical joint distribution with the exact one.
@@ -34,8 +34,12 @@ from table_decoders import (
 
 V = 6
 N_TOKENS = 3
-N_SEQUENCES = draws(30_000, 1_500)   # per exactness test
-N_EXTRA = draws(15_000, 1_000)       # per test of a variant (vocabulary widths, k = 2)
+# Sample sizes: every broken twin below is caught at p < 1e-19 with a quarter
+# of N_BROKEN draws (the weakest, a lookup-or-draft residual of p: chi2 190 on
+# 25 dof at 1,250 draws), so an exactness test of N_BROKEN draws or more
+# tells apart any rule as wrong as they are, with a wide margin.
+N_SEQUENCES = draws(10_000, 1_500)   # per exactness test
+N_EXTRA = draws(5_000, 1_000)        # per test of a variant (vocabulary widths, k = 2)
 N_BROKEN = 5_000           # a broken twin is caught with far fewer draws (p < 1e-100)
 PASS_P = 1e-3
 REJECT_P = 1e-6

@@ -39,7 +39,7 @@ def test_shipped_heads_fit_the_preset(model):
 
 def test_medusa_greedy_is_lossless(model):
     drafted = accepted = 0
-    for text in PROMPTS:
+    for text in PROMPTS[::2]:     # two code prompts and an explanation (CI time)
         ids = model.encode_prompt(messages=messages(text))
         plain = model.generate(prompt_ids=ids, max_new_tokens=48)
         out = model.generate(prompt_ids=ids, max_new_tokens=48, draft="medusa")

@@ -121,6 +121,7 @@ def test_a_full_queue_answers_503(cold_server):
     assert text_of(waiting["r"]) == reference
 
 
+@pytest.mark.exclusive_cpu           # a server on the llama.cpp engine
 def test_sigterm_cancels_the_request_in_flight_and_exits(preset_gguf):
     """A signal: the streamed request in flight ends with an error event
     after its text so far, a waiting one gets 503, and the process exits
