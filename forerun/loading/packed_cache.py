@@ -113,14 +113,24 @@ def packed_network(gguf_path: Path, config: ModelConfig, fmt: str, device: torch
         return {"source": str(gguf_path.resolve()), "name": f"{gguf_path.name} ({fmt})",
                 **{k: v for k, v in digests.items() if k == FAST_DIGEST}}
 
+    def ensured():
+        """The network ``build`` made (or one built in memory where the cache
+        can't be used); None when the entry was already whole, to be read."""
+        try:
+            ensure(entry, build, progress=progress)
+        except CacheError as exc:
+            warnings.warn(f"forerun: the packed-weight cache is not used: {exc}", stacklevel=4)
+            return built[0] if built else build_network()
+        return built[0] if built else None
+
     try:
         entry = packed_entry(digest or file_digest(gguf_path), fmt, device)
-        ensure(entry, build, progress=progress)
     except CacheError as exc:
         warnings.warn(f"forerun: the packed-weight cache is not used: {exc}", stacklevel=3)
-        return built[0] if built else build_network()
-    if built:
-        return built[0]
+        return build_network()
+    network = ensured()
+    if network is not None:
+        return network
     try:
         return _read(entry, config, device)
     except ModelFormatError as exc:
@@ -133,13 +143,9 @@ def packed_network(gguf_path: Path, config: ModelConfig, fmt: str, device: torch
             # forerun that laid it out differently.
             warnings.warn(f"forerun: rebuilding {entry.what}: {exc}", stacklevel=3)
         remove_path(entry.path)
-    try:
-        ensure(entry, build, progress=progress)
-    except CacheError as exc:
-        warnings.warn(f"forerun: the packed-weight cache is not used: {exc}", stacklevel=3)
-        return built[0] if built else build_network()
-    if built:
-        return built[0]
+    network = ensured()
+    if network is not None:
+        return network
     try:
         return _read(entry, config, device)
     except ModelFormatError as exc:   # still there: a cache that can't be written
