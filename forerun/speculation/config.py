@@ -126,11 +126,10 @@ def draft_kind(draft: Any) -> str:
         return "medusa" if draft == "medusa" or draft.startswith("medusa:") else "model"
     if hasattr(draft, "candidates"):   # a tree drafter: Medusa's
         return "medusa"
-    if type(draft).__name__ == "MedusaHeads":
-        from forerun.drafters.medusa import MedusaHeads
+    from forerun.drafters.medusa import MedusaHeads  # an object: torch is loaded already
 
-        if isinstance(draft, MedusaHeads):
-            return "medusa"
+    if isinstance(draft, MedusaHeads):
+        return "medusa"
     if hasattr(draft, "propose"):
         return "drafter"
     return "model"
