@@ -13,7 +13,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quick import QUICK, QUICK_LEAVES_OUT  # noqa: E402
+import forerun.machine.machine_load as machine_load  # noqa: E402
+from quick import QUICK, QUICK_LEAVES_OUT, draws  # noqa: E402
+
+# Calibrations made in the suite record the machine's load as unknown (never
+# busy): beside the other xdist worker every measurement would count as taken
+# under load, and whether a stored one is measured again would hang on what
+# that worker happens to be doing.  tests/machine/test_machine_load.py reads
+# the real /proc/stat, or a fake one.
+REAL_PROC_STAT = machine_load.PROC_STAT
+machine_load.PROC_STAT = os.devnull
 
 if QUICK or os.environ.get("PYTEST_XDIST_WORKER"):
     # The suite runs on two workers (``pytest -n 2``, see tests/run): one
@@ -67,6 +76,10 @@ test_cache_root.__test__ = False        # a helper, not a test
 
 # Build products, keyed by their content and safe to share between runs.
 SHARED_FOLDERS = ("models", "packed", "converted", "digests", "gguf-header", "kernels")
+# Calibrations that are findings, not timings: the grouping probe's largest
+# exactly-computed verification group, keyed by the model and every engine
+# setting.  Measured once (a minute for the 1.5B), then shared between runs.
+SHARED_CALIBRATIONS = ("grouping",)
 
 
 def _session_cache() -> Path:
@@ -75,7 +88,8 @@ def _session_cache() -> Path:
     content and safe to share (assembled presets, packed and converted
     weights, digests, GGUF headers, compiled kernels), are the tests' own
     cache folders (:func:`test_cache_root`), linked in so the suite doesn't
-    rebuild them on every run; its ``calibration`` folder is private.
+    rebuild them on every run; its ``calibration`` folder is private, but
+    for the grouping probe's findings (:data:`SHARED_CALIBRATIONS`).
     Timings taken while tests run (two workers on two cores, or one beside
     a loaded machine) are the kind a benchmark must never trust, and a
     user's stored choices and costs must not decide what the tests see.
@@ -89,6 +103,11 @@ def _session_cache() -> Path:
     for name in SHARED_FOLDERS:
         (shared / name).mkdir(parents=True, exist_ok=True)
         (root / name).symlink_to(shared / name, target_is_directory=True)
+    for kind in SHARED_CALIBRATIONS:
+        (shared / f"calibration-{kind}").mkdir(parents=True, exist_ok=True)
+        (root / "calibration").mkdir(exist_ok=True)
+        (root / "calibration" / kind).symlink_to(shared / f"calibration-{kind}",
+                                                 target_is_directory=True)
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     return root
 
@@ -264,14 +283,22 @@ EXCLUSIVE_CPU_FIXTURES = {"smollm_llama"}
 REAL_MODELS_GROUP = "real_models"
 
 
+# What tests/run's quick step leaves out: the real models and slow tests (by
+# its -m), and QUICK_LEAVES_OUT.  Every other test, unless its module scales
+# its sizes with quick.draws, runs there as in the full suite, and is marked
+# ``same_in_quick`` so that the full lane does not run it a second time.
+QUICK_STEP_LEAVES_OUT = ("real_model", "slow", *QUICK_LEAVES_OUT)
+
+
 @pytest.hookimpl(tryfirst=True)       # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Tests that use a real preset are marked ``real_model`` (so ``-m 'not
     real_model'`` leaves them out without assembling anything) and put in
     one xdist group, tests that run llama.cpp's threads are marked
-    ``exclusive_cpu``, and tests that compile the native kernels again are
-    marked ``builds``; the quick subset leaves out the ``power`` and
-    ``builds`` tests (see :mod:`quick`)."""
+    ``exclusive_cpu``, tests that compile the native kernels again are
+    marked ``builds``, and those tests/run's quick step runs at their full
+    size are marked ``same_in_quick``; the quick subset leaves out the
+    ``power`` and ``builds`` tests (see :mod:`quick`)."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("needs_preset") is not None or PRESET_FIXTURES & fixtures:
@@ -282,6 +309,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.exclusive_cpu)
         if BUILD_FIXTURES & fixtures:
             item.add_marker(pytest.mark.builds)
+        module = getattr(item, "module", None)
+        scaled = getattr(module, "draws", None) is draws
+        if not scaled and not any(item.get_closest_marker(name) is not None
+                                  for name in QUICK_STEP_LEAVES_OUT):
+            item.add_marker(pytest.mark.same_in_quick)
     if QUICK:
         def left(item):
             return any(item.get_closest_marker(name) is not None for name in QUICK_LEAVES_OUT)

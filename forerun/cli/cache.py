@@ -5,8 +5,9 @@
 * ``forerun cache size``: the total, and per kind;
 * ``forerun cache prune``: delete stale temporaries, unheld lock files and
   entries that are damaged, incomplete or from another version
-  (``--unused-days N``: also entries unused for N days; ``--all``: every
-  entry; ``--dry-run``: only say what would go);
+  (``--unused-days N``: also entries unused for N days; ``--calibrations``:
+  also what forerun measured on this machine, so that it is measured
+  again; ``--all``: every entry; ``--dry-run``: only say what would go);
 * ``forerun cache verify``: checksum every file of every entry;
 * ``forerun cache path``: print the cache directory.
 """
@@ -21,7 +22,7 @@ from forerun.errors import ForerunError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("cache", help="list, measure, verify or prune forerun's cache",
+    p = sub.add_parser("cache", help="list, verify or prune forerun's cache",
                        description=__doc__.split("\n\n", 1)[1],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = p.add_subparsers(dest="cache_command", required=True)
@@ -30,6 +31,10 @@ def add_parser(sub) -> None:
     prune = actions.add_parser("prune", help="delete what is stale, damaged or unused")
     prune.add_argument("--unused-days", type=float, default=None, metavar="N",
                        help="also delete entries not used for N days")
+    prune.add_argument("--calibrations", action="store_true",
+                       help="also delete what forerun measured on this machine (weight "
+                            "formats, kernels, verification costs): measured again when "
+                            "next needed, best on an idle machine")
     prune.add_argument("--all", action="store_true",
                        help="delete every entry (the cache is rebuilt as needed)")
     prune.add_argument("--dry-run", action="store_true",
@@ -98,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if args.unused_days is not None and not args.unused_days >= 0:
         raise ForerunError(f"--unused-days must be a number >= 0, got {args.unused_days}")
     doomed = [i for i in items
-              if removable(i, unused_days=args.unused_days, everything=args.all)]
+              if removable(i, unused_days=args.unused_days, everything=args.all,
+                           calibrations=args.calibrations)]
     freed = 0
     for i in doomed:
         print(f"{'would delete' if args.dry_run else 'deleting'} {i.kind} {i.path} "

@@ -12,7 +12,10 @@ The cache (:func:`~forerun.machine.paths.cache_dir`) holds:
   entries, with a ``.manifest.json`` beside each; checksummed even in a
   listing, since they are small);
 * ``digests/``: remembered SHA-256 digests of model files (the keys above);
-* anything else (calibrations, Medusa training caches), listed as ``other``.
+* ``calibration/``: what forerun measured on this machine (weight formats,
+  kernels, verification costs; :mod:`forerun.machine.calibration`), one
+  item, deleted only when asked (it is measured again when next needed);
+* anything else (Medusa training caches), listed as ``other``.
 
 :func:`scan` lists each as an :class:`Item` with its size, last use and
 state; :func:`removable` says which a prune deletes.
@@ -48,10 +51,11 @@ class Item:
     """One thing in the cache.
 
     ``kind``: ``preset``, ``converted``, ``gguf-header``, ``packed``, ``kernels``,
-    ``temporary``, ``lock``, ``digests`` or ``other``.  ``state``: ``ok``, or what is wrong
-    (``stale``: left by a process that is gone; ``in use``: a temporary of
-    a running process; ``damaged: ...``, ``incomplete ...``, ``written by
-    another version ...``).  ``last_used``: seconds since the epoch."""
+    ``temporary``, ``lock``, ``digests``, ``calibrations`` or ``other``.
+    ``state``: ``ok``, or what is wrong (``stale``: left by a process that
+    is gone; ``in use``: a temporary of a running process; ``damaged:
+    ...``, ``incomplete ...``, ``written by another version ...``).
+    ``last_used``: seconds since the epoch."""
 
     kind: str
     path: Path
@@ -122,6 +126,8 @@ def scan(root: Path, *, checksums: str = "none") -> list[Item]:
         elif top.name == "digests" and top.is_dir():
             items.append(Item("digests", top, "model file digests", size_of(top),
                               _mtime(top), "ok"))
+        elif top.name == "calibration" and top.is_dir():
+            items.append(_calibrations(top))
         else:
             items.extend(_scan_loose(top))
     return items
@@ -157,6 +163,22 @@ def _scan_entries(folder: Path, checksums: str) -> Iterator[Item]:
                    problem or "ok", entry)
 
 
+def _calibrations(folder: Path) -> Item:
+    """The calibration records, as one item named by how many there are
+    and how many were measured under load."""
+    records = [p for p in folder.rglob("*.json") if p.is_file()]
+    busy = 0
+    for p in records:
+        try:
+            busy += bool(json.loads(p.read_text(encoding="utf-8"))["conditions"]["busy"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    name = f"{len(records)} measurements of this machine"
+    if busy:
+        name += f" ({busy} taken under load, measured again when it is idle)"
+    return Item("calibrations", folder, name, size_of(folder), _mtime(folder), "ok")
+
+
 def _scan_loose(top: Path) -> Iterator[Item]:
     """A top-level file or folder that is not an entry folder: a stale
     temporary of an old forerun, or something another part of forerun keeps
@@ -170,17 +192,20 @@ def _scan_loose(top: Path) -> Iterator[Item]:
 
 
 def removable(item: Item, *, unused_days: float | None = None, everything: bool = False,
-              now: float | None = None) -> bool:
+              calibrations: bool = False, now: float | None = None) -> bool:
     """Whether a prune deletes ``item``: stale temporaries, unheld lock
     files, stale digests and entries that are not whole, always; whole
-    entries unused for ``unused_days``; with ``everything``, all but the
-    temporaries of running processes."""
+    entries unused for ``unused_days``; the calibrations with
+    ``calibrations``; with ``everything``, all but the temporaries of
+    running processes."""
     if item.kind == "temporary":
         return item.state == "stale"
     if item.kind == "lock":
         return not _lock_held(item.path)
     if everything:
         return True
+    if item.kind == "calibrations":
+        return calibrations
     if item.kind == "digests" or item.kind == "other":
         return False
     if not item.ok:

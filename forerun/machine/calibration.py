@@ -4,8 +4,15 @@ the engine and every setting that changes which kernels run, so each record
 is keyed by all of them, the CPU's identity included (a machine's cache can
 outlive its CPU model here).
 
+Each record also holds the conditions it was measured under
+(:mod:`forerun.machine.machine_load`): a measurement taken while other
+processes held a quarter of a core or more is marked busy.  It is used
+while the machine stays busy, and measured again at the first read that
+finds the machine idle, so that a timing taken under load is never kept for
+good.  ``forerun cache prune --calibrations`` drops every record.
+
 A record is a JSON file ``<cache>/calibration/<kind>/<label>-<hash>.json``
-holding its full key and its value.  Reading validates both: a record that
+holding its full key, its value and its conditions.  Reading validates both: a record that
 is unreadable, was written for another key, or fails the caller's check is
 deleted and reported as absent, so the caller measures again.  Writing is
 atomic (a temporary file, then a rename) and optional: a cache that can't be
@@ -26,8 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from forerun.machine.cpu import cpu_info
+from forerun.machine.machine_load import Conditions, LoadMeter, conditions_now
 
-STORE_VERSION = 1
+# 2: records hold the conditions they were measured under; those of version
+# 1 don't say, and may have been timed on a busy machine, so are taken again.
+STORE_VERSION = 2
 # Bumped whenever forerun's own computation of a forward changes (a record
 # measured on older code says nothing about the new one).
 ENGINE_NUMERICS_VERSION = 4
@@ -97,6 +107,9 @@ class CalibrationStore:
         self._name = name
         self._cache_dir = cache_dir
         self._warned = False
+        # What other processes took since this store last read, announced
+        # a measurement or wrote: the span a value being saved was timed in.
+        self._meter = LoadMeter()
 
     @property
     def path(self) -> Path:
@@ -122,11 +135,14 @@ class CalibrationStore:
         explained."""
         logging.getLogger("forerun.machine.calibration").info(
             "measuring %s on this machine (once; kept in %s)", what, self.path.parent.parent)
+        self._meter.restart()
 
     def load(self, validate: Callable[[Any], Any | None]) -> Any | None:
         """The stored value, passed through ``validate`` (which returns the
         value to use, or ``None`` if it is invalid), or ``None`` when there
-        is no valid record.  An invalid record is deleted."""
+        is no valid record.  An invalid record is deleted, and so is one
+        measured under load when the machine is now idle (:func:`idle_now`)."""
+        self._meter.restart()
         try:
             path = self.path
             text = path.read_text(encoding="utf-8")
@@ -138,6 +154,14 @@ class CalibrationStore:
                   and json.dumps(record.get("key"), sort_keys=True, default=str)
                   == json.dumps(self.key, sort_keys=True, default=str))
             value = validate(record["value"]) if ok else None
+            measured = record.get("conditions") if value is not None else None
+            if not isinstance(measured, dict) or not isinstance(measured.get("busy"), bool):
+                value = None
+            elif measured["busy"] and idle_now():
+                logging.getLogger("forerun.machine.calibration").info(
+                    "measuring again: %s was measured with other processes holding %s "
+                    "cores, and the machine is idle now", path.name, measured.get("other_cores"))
+                value = None
         except (ValueError, TypeError, KeyError):
             value = None
         if value is None:
@@ -147,13 +171,20 @@ class CalibrationStore:
                 pass
         return value
 
-    def save(self, value: Any) -> bool:
-        """Store ``value`` atomically; on failure warn once and return False."""
+    def save(self, value: Any, conditions: Conditions | None = None) -> bool:
+        """Store ``value`` atomically, with the ``conditions`` it was measured
+        under (default: the load other processes put on the machine since
+        this store last read, announced a measurement or wrote); on failure
+        warn once and return False."""
+        if conditions is None:
+            conditions = self._meter.conditions()
+        self._meter.restart()
         try:
             path = self.path
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"key": self.key, "value": value}, default=str),
+            tmp.write_text(json.dumps({"key": self.key, "value": value,
+                                       "conditions": conditions.to_dict()}, default=str),
                            encoding="utf-8")
             os.replace(tmp, path)
             return True
@@ -168,6 +199,25 @@ class CalibrationStore:
                               f"({exc}); it will be measured again next time",
                               RuntimeWarning, stacklevel=2)
             return False
+
+
+# How long a finding that the machine is idle (or busy) holds for the
+# records read after it: one model load reads several.
+_NOW_FOR_SECONDS = 30.0
+_now: tuple[float, bool] | None = None
+
+
+def idle_now() -> bool:
+    """Whether other processes hold less than a quarter of a core now
+    (:func:`~forerun.machine.machine_load.conditions_now`, a 0.2 s look,
+    reused for 30 s); True where the load can't be known."""
+    global _now
+    import time
+
+    t = time.monotonic()
+    if _now is None or t - _now[0] > _NOW_FOR_SECONDS:
+        _now = (t, not conditions_now().busy)
+    return _now[1]
 
 
 def valid_costs(length: int) -> Callable[[Any], list | None]:

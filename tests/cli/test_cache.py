@@ -161,3 +161,24 @@ def test_prune_removes_foreign_files_and_orphan_manifests_among_the_kernels(cach
     assert main(["cache", "verify"]) == 1
     assert main(["cache", "prune"]) == 0
     assert not foreign.exists() and not orphan.exists()
+
+
+def test_calibrations_are_listed_and_dropped_only_when_asked(cache, capsys):
+    """``forerun cache list`` says how many measurements are kept and how
+    many were taken under load; a plain prune keeps them, and ``prune
+    --calibrations`` drops them, so that they are measured again."""
+    from forerun.machine.calibration import CalibrationStore
+    from forerun.machine.machine_load import Conditions
+
+    busy = Conditions(1.0, 2.0, 1.5, 2)
+    idle = Conditions(0.0, 2.0, 0.1, 2)
+    CalibrationStore("weights", {"model": "a"}).save({"format": "q4"}, idle)
+    CalibrationStore("costs", {"model": "a"}).save([None, 0.1], busy)
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrations" in out and "2 measurements of this machine (1 taken under load" in out
+    assert main(["cache", "prune"]) == 0
+    assert (cache / "calibration").is_dir()
+    assert main(["cache", "prune", "--calibrations"]) == 0
+    assert "deleting calibrations" in capsys.readouterr().out
+    assert not (cache / "calibration").exists()

@@ -13,6 +13,7 @@ import pytest
 import forerun.machine.calibration as calibration
 import forerun.machine.cpu as cpu
 from forerun.machine.calibration import CalibrationStore, cpu_name, machine_fingerprint, valid_costs
+from forerun.machine.machine_load import Conditions
 from forerun.protocol.grouping_probe import GroupingResult
 
 
@@ -151,3 +152,140 @@ def test_registered_key_parts_key_every_store(cache, monkeypatch):
     b = CalibrationStore("costs", {"model": "m"})
     assert a.key["test_part"] == "a" and b.key["test_part"] == "b"
     assert len({before.path, a.path, b.path}) == 3
+
+
+BUSY = Conditions(other_cores=1.0, seconds=2.0, load_average=1.6, cpus=2)
+IDLE = Conditions(other_cores=0.02, seconds=2.0, load_average=0.1, cpus=2)
+
+
+@pytest.fixture()
+def machine(monkeypatch):
+    """``machine.now``: the conditions a store's measurements are taken
+    under and the machine is found in when a record is read (idle until
+    set), and ``machine.looks``: how often it was looked at."""
+    class Machine:
+        now = IDLE
+        looks = 0
+
+    class Meter:
+        def restart(self):
+            pass
+
+        def conditions(self):
+            return Machine.now
+
+    def look(seconds=0.2):
+        Machine.looks += 1
+        return Machine.now
+
+    monkeypatch.setattr(calibration, "LoadMeter", Meter)
+    monkeypatch.setattr(calibration, "conditions_now", look)
+    monkeypatch.setattr(calibration, "_now", None)
+    return Machine
+
+
+def _measure_format(machine, measured):
+    """load_or_measure of a weight-format choice, as a fresh process would."""
+    calibration._now = None            # each run looks at the machine afresh
+    store = CalibrationStore("weights", {"model": "m"}, label="m")
+
+    def measure():
+        measured.append(machine.now)
+        return {"format": "q8" if machine.now.busy else "q4"}
+
+    return store, store.load_or_measure(lambda v: v, measure, "the weight format")
+
+
+def test_a_measurement_taken_under_load_is_used_while_busy_and_taken_again_when_idle(
+        cache, machine):
+    """Issue 42 row 6: a kernel choice timed beside a busy core picked the
+    slower kernels, and the cache kept them for good.  Now the record says
+    it was busy; runs on a busy machine use it (no minutes of measuring
+    each time), and the first run on an idle machine measures again and
+    keeps that."""
+    measured: list = []
+    machine.now = BUSY
+    store, value = _measure_format(machine, measured)
+    assert value == {"format": "q8"} and measured == [BUSY]
+    record = json.loads(store.path.read_text())
+    assert record["conditions"] == {**BUSY.to_dict(), "busy": True}
+    assert record["conditions"]["other_cores"] == 1.0
+
+    _, value = _measure_format(machine, measured)          # still busy: kept
+    assert value == {"format": "q8"} and len(measured) == 1
+
+    machine.now = IDLE
+    store, value = _measure_format(machine, measured)      # idle: measured again
+    assert value == {"format": "q4"} and measured == [BUSY, IDLE]
+    assert json.loads(store.path.read_text())["conditions"]["busy"] is False
+
+    machine.now = BUSY
+    _, value = _measure_format(machine, measured)          # an idle record is kept
+    assert value == {"format": "q4"} and len(measured) == 2
+
+
+def test_an_idle_record_is_read_without_looking_at_the_machine(cache, machine):
+    """Only a busy record costs the 0.2 s look at the machine's load."""
+    measured: list = []
+    _measure_format(machine, measured)
+    _measure_format(machine, measured)
+    assert machine.looks == 0 and len(measured) == 1
+
+
+def test_one_look_at_the_machine_serves_the_records_read_after_it(cache, machine,
+                                                                  monkeypatch):
+    """A model load reads several records: the machine is looked at once
+    for all of those read within 30 s."""
+    machine.now = BUSY
+    for kind in ("weights", "grouping", "costs"):
+        CalibrationStore(kind, {"model": "m"}).save([1.0])
+    monkeypatch.setattr(calibration, "_now", None)
+    for kind in ("weights", "grouping", "costs"):
+        assert CalibrationStore(kind, {"model": "m"}).load(lambda v: v) == [1.0]
+    assert machine.looks == 1
+
+
+@pytest.mark.parametrize("conditions", [None, "busy", {"busy": "yes"}, {"other_cores": 1}])
+def test_a_record_that_does_not_say_how_it_was_measured_is_measured_again(
+        cache, machine, conditions):
+    """Records from before conditions were kept (and damaged ones) may have
+    been timed on a busy machine: they are not trusted."""
+    store = CalibrationStore("costs", {"model": "m"})
+    store.save([None, 0.1])
+    record = json.loads(store.path.read_text())
+    if conditions is None:
+        del record["conditions"]
+    else:
+        record["conditions"] = conditions
+    store.path.write_text(json.dumps(record))
+    assert store.load(valid_costs(2)) is None and not store.path.exists()
+
+
+def test_saved_costs_carry_the_load_of_the_span_they_were_timed_in(cache, monkeypatch):
+    """Costs refined during a generation are saved with the load other
+    processes put on the machine since the store last read or wrote: here
+    a fake /proc/stat says one core was busy all along."""
+    import forerun.machine.machine_load as machine_load
+
+    ticks = [1000]
+    stat = cache.parent / "stat"
+    monkeypatch.setattr(machine_load, "PROC_STAT", str(stat))
+    monkeypatch.setattr(machine_load.os, "sysconf", lambda name: 100)
+    clock = [50.0]
+    monkeypatch.setattr(machine_load.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(machine_load.time, "process_time", lambda: 0.0)
+
+    def advance(seconds, other_cores):
+        clock[0] += seconds
+        ticks[0] += int(seconds * other_cores * 100)
+        stat.write_text(f"cpu  {ticks[0]} 0 0 0 0 0 0 0 0 0\n")
+
+    advance(0, 0)
+    store = CalibrationStore("costs", {"model": "m"})
+    advance(3.0, 1.0)
+    store.save([None, 0.1])
+    assert json.loads(store.path.read_text())["conditions"]["busy"] is True
+    advance(3.0, 0.0)
+    store.save([None, 0.1])
+    saved = json.loads(store.path.read_text())["conditions"]
+    assert saved["busy"] is False and saved["other_cores"] == 0.0
