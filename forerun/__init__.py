@@ -1,6 +1,11 @@
 """forerun: faster local LLM generation with lossless speculative decoding."""
 
 from forerun.errors import ForerunError
+from forerun.machine.wait_policy import choose_wait_policy
+
+# Before anything imports torch, whose OpenMP runtime reads it once: threads
+# that sleep rather than spin while they wait, where the machine is busy.
+choose_wait_policy()
 
 __all__ = ["load", "Model", "GenerationStream", "GenerationResult", "GenerationStats",
            "ForerunError"]
