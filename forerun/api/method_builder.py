@@ -173,29 +173,35 @@ def load_draft_model(target: Model, spec: Any, *, progress: bool = False) -> Mod
     checked against it (:func:`check_draft_model`)."""
     from forerun.api.loader import load
     from forerun.api.model import Model
+    from forerun.loading.load import model_header
 
     draft = spec
     if not isinstance(spec, Model):
         decoder = target.decoder
+        # The header first: another tokenizer or too short a context is
+        # refused in a second, not after minutes of packing and measuring.
+        header = model_header(spec, progress=progress)
+        check_draft_model(target, str(spec), header.tokenizer,
+                          header.config.max_position_embeddings)
         settings = decoder.settings
         weights = draft_weights(settings.weights)
         draft = load(spec, engine=settings.engine, context_length=decoder.context_length,
                      device=decoder.device, progress=progress,
                      weights="auto" if weights is None else weights)   # (load's default)
-    check_draft_model(target, draft)
+    check_draft_model(target, draft.name, draft.tokenizer, draft.decoder.context_length)
     return draft
 
 
-def check_draft_model(target: Model, draft: Model) -> None:
-    """Refuse a draft model that can't draft for ``target``: another
-    tokenizer (:class:`TokenizerError`), or a shorter context
-    (:class:`ConfigError`)."""
-    if draft.tokenizer.fingerprint() != target.tokenizer.fingerprint():
+def check_draft_model(target: Model, name: str, tokenizer, context_length: int) -> None:
+    """Refuse a draft model ``name`` that can't draft for ``target``:
+    another ``tokenizer`` (:class:`TokenizerError`), or a ``context_length``
+    shorter than the target's (:class:`ConfigError`)."""
+    if tokenizer.fingerprint() != target.tokenizer.fingerprint():
         raise TokenizerError(
-            f"draft model {draft.name} uses a different tokenizer from {target.name}; "
+            f"draft model {name} uses a different tokenizer from {target.name}; "
             f"speculative decoding needs a draft with the same vocabulary")
-    if draft.decoder.context_length < target.decoder.context_length:
+    if context_length < target.decoder.context_length:
         raise ConfigError(
-            f"the draft's context ({draft.decoder.context_length}) is shorter than the "
+            f"the draft's context ({context_length}) is shorter than the "
             f"target's ({target.decoder.context_length}); load it with the same "
-            f"context_length")
+            f"context_length, or a target context of at most {context_length}")

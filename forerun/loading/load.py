@@ -104,6 +104,20 @@ def load_model_files(spec: str | Path, *, progress: bool = True) -> ModelFiles:
     return load_converted(converted, name, path)
 
 
+def model_header(spec: str | Path, *, progress: bool = True) -> ModelFiles:
+    """The config and tokenizer of ``spec`` alone (a GGUF's header, a
+    folder's config and tokenizer files), no weights read: what a draft
+    model is checked against its target by before it loads."""
+    path = resolve_spec(spec, progress=progress)
+    if path.is_dir():
+        return load_hf_folder(path)
+    if path.suffix.lower() != ".gguf":
+        raise ModelFormatError(
+            f"{path} is neither a .gguf file nor a model folder; forerun loads GGUF files "
+            f"and Hugging Face folders with safetensors weights")
+    return load_gguf_files(spec, engine="torch", progress=progress)
+
+
 def known_digest(spec: str | Path) -> str | None:
     """The SHA-256 of a preset's GGUF (checked when it was assembled)."""
     preset = PRESETS.get(str(spec))

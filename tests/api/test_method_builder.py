@@ -15,19 +15,19 @@ from forerun.speculation import resolve
 from tiny_models import hf_folders
 
 
-def _model(name, fingerprint, context):
-    return SimpleNamespace(name=name, tokenizer=SimpleNamespace(fingerprint=lambda: fingerprint),
-                           decoder=SimpleNamespace(context_length=context))
+def _tokenizer(fingerprint):
+    return SimpleNamespace(fingerprint=lambda: fingerprint)
 
 
 def test_check_draft_model_refuses_another_tokenizer_and_a_shorter_context():
-    target = _model("target", "abc", 64)
-    check_draft_model(target, _model("draft", "abc", 64))
-    check_draft_model(target, _model("draft", "abc", 128))
-    with pytest.raises(TokenizerError, match="different tokenizer"):
-        check_draft_model(target, _model("draft", "xyz", 64))
+    target = SimpleNamespace(name="target", tokenizer=_tokenizer("abc"),
+                             decoder=SimpleNamespace(context_length=64))
+    check_draft_model(target, "draft", _tokenizer("abc"), 64)
+    check_draft_model(target, "draft", _tokenizer("abc"), 128)
+    with pytest.raises(TokenizerError, match="draft model draft uses a different tokenizer"):
+        check_draft_model(target, "draft", _tokenizer("xyz"), 64)
     with pytest.raises(ConfigError, match=r"draft's context \(32\) is shorter.*\(64\)"):
-        check_draft_model(target, _model("draft", "abc", 32))
+        check_draft_model(target, "draft", _tokenizer("abc"), 32)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,49 @@ def tiny(tmp_path_factory):
     target = forerun.load(folders[0], context_length=64, device="cpu", weights="float32",
                           progress=False)
     return target, folders[1]
+
+
+@pytest.fixture()
+def never_loads(monkeypatch):
+    """A draft model load that fails the test if it is reached."""
+    import forerun.api.loader
+
+    def load(*args, **kwargs):
+        pytest.fail("the draft model was loaded before it was refused")
+
+    monkeypatch.setattr(forerun.api.loader, "load", load)
+
+
+def test_a_draft_with_another_tokenizer_is_refused_before_it_loads(tiny, tmp_path, never_loads):
+    """Issue 42 row 7: a draft with another tokenizer was refused only after
+    its weights were packed and measured (127 s).  Its header decides."""
+    import json
+    import shutil
+
+    target, draft_folder = tiny
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(draft_folder, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]          # two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(TokenizerError, match="different tokenizer"):
+        load_draft_model(target, other)
+
+
+def test_a_draft_with_a_shorter_context_is_refused_before_it_loads(tiny, tmp_path, never_loads):
+    import json
+    import shutil
+
+    target, draft_folder = tiny
+    short = tmp_path / "short"
+    shutil.copytree(draft_folder, short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = 32
+    (short / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"draft's context \(32\) is shorter.*\(64\)"):
+        load_draft_model(target, short)
 
 
 def test_a_draft_path_loads_like_the_target(tiny):
