@@ -605,7 +605,10 @@ def test_asynchronous_drafting_is_lossless_on_a_thread_each(llama_model):
     (the default split of two): greedy output is plain decoding's on two
     threads, and both models have their two threads back afterwards."""
     target, draft = llama_model("qwen2.5-coder-1.5b"), llama_model("qwen2.5-coder-0.5b")
-    for text in SD_PROMPTS[:2]:
+    # One prompt (CI time: each 1.5B generation on one thread takes half a
+    # minute); the asynchronous rules are checked on many more with the
+    # torch engine and the tiny models.
+    for text in SD_PROMPTS[:1]:
         ids = chat(target, text)
         plain = target.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS)
         for k in (3, None):

@@ -12,10 +12,37 @@ PROMPTS = [
 
 
 def load_reference(gguf_path):
+    """transformers' float32 model of ``gguf_path``, as transformers itself
+    dequantizes the file.  Its dequantization runs in Python and takes a
+    minute and more for the 0.5B and the 1.5B, so the first load saves the
+    result in the tests' cache (keyed by the file's digest and transformers'
+    version, written to a temporary folder and renamed when whole) and later
+    sessions read that."""
+    import shutil
+    import uuid
+
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
+    from conftest import test_cache_root
+    from forerun.loading.content_key import file_digest
+
+    folder = (test_cache_root() / "transformers-reference"
+              / f"{file_digest(gguf_path)[:24]}-{transformers.__version__}")
+    if any((folder / name).is_file()
+           for name in ("model.safetensors", "model.safetensors.index.json")):
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tmp.rename(folder)
+    except OSError:
+        pass      # another session saved it first, or no room: next time, again
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model
 
 
 @torch.no_grad()
