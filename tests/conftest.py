@@ -74,6 +74,10 @@ def test_cache_root() -> Path:
 
 test_cache_root.__test__ = False        # a helper, not a test
 
+# Where the tests' own cache is, for the helpers that keep things there
+# (tests/real/transformers_reference.py), inherited by subprocesses.
+os.environ["FORERUN_TEST_CACHE"] = str(test_cache_root())
+
 # Build products, keyed by their content and safe to share between runs.
 SHARED_FOLDERS = ("models", "packed", "converted", "digests", "gguf-header", "kernels")
 # Calibrations that are findings, not timings: the grouping probe's largest

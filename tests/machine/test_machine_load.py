@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -15,9 +14,8 @@ import pytest
 import forerun.machine.machine_load as machine_load
 from forerun.machine.machine_load import BUSY_CORES, Conditions, LoadMeter, conditions_now
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from conftest import REAL_PROC_STAT  # noqa: E402
-
+# The real file (tests/conftest.py points the module elsewhere for the suite).
+REAL_PROC_STAT = "/proc/stat"
 linux_only = pytest.mark.skipif(not Path(REAL_PROC_STAT).is_file(), reason="no /proc/stat")
 
 

@@ -2,6 +2,9 @@
 loaded from the same GGUF file in float32, its greedy continuation, and the
 prompts the parity tests use."""
 
+import os
+from pathlib import Path
+
 import torch
 
 PROMPTS = [
@@ -24,10 +27,10 @@ def load_reference(gguf_path):
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from conftest import test_cache_root
     from forerun.loading.content_key import file_digest
 
-    folder = (test_cache_root() / "transformers-reference"
+    # (tests/conftest.py sets it to the tests' cache for the session)
+    folder = (Path(os.environ["FORERUN_TEST_CACHE"]) / "transformers-reference"
               / f"{file_digest(gguf_path)[:24]}-{transformers.__version__}")
     if any((folder / name).is_file()
            for name in ("model.safetensors", "model.safetensors.index.json")):
@@ -36,7 +39,13 @@ def load_reference(gguf_path):
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
     tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        # (save_pretrained refuses a model loaded from a GGUF: its weights
+        # and config, which are plain float32 once loaded, are saved as such)
+        from safetensors.torch import save_model
+
+        tmp.mkdir(parents=True)
+        model.config.save_pretrained(str(tmp))
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tmp.rename(folder)
     except OSError:
         pass      # another session saved it first, or no room: next time, again
