@@ -88,18 +88,25 @@ def load_converted(folder: Path, name: str, gguf_path: Path) -> ModelFiles:
     return ModelFiles(name, config, weights, tokenizer, gguf_path=gguf_path)
 
 
+def resolve_model_path(spec: str | Path, *, progress: bool = True) -> Path:
+    """:func:`resolve_spec`, refusing a file that is not a GGUF: a model
+    folder or a ``.gguf`` file."""
+    path = resolve_spec(spec, progress=progress)
+    if not path.is_dir() and path.suffix.lower() != ".gguf":
+        raise ModelFormatError(
+            f"{path} is neither a .gguf file nor a model folder; forerun loads GGUF files "
+            f"and Hugging Face folders with safetensors weights")
+    return path
+
+
 def load_model_files(spec: str | Path, *, progress: bool = True) -> ModelFiles:
     """Resolve ``spec`` and read what the engine needs."""
     from forerun.loading.conversion_cache import convert_gguf
 
-    path = resolve_spec(spec, progress=progress)
+    path = resolve_model_path(spec, progress=progress)
     name = str(spec) if str(spec) in PRESETS else path.name
     if path.is_dir():
         return load_hf_folder(path)
-    if path.suffix.lower() != ".gguf":
-        raise ModelFormatError(
-            f"{path} is neither a .gguf file nor a model folder; forerun loads GGUF files "
-            f"and Hugging Face folders with safetensors weights")
     converted = convert_gguf(path, progress=progress, digest=known_digest(spec))
     return load_converted(converted, name, path)
 
@@ -108,13 +115,9 @@ def model_header(spec: str | Path, *, progress: bool = True) -> ModelFiles:
     """The config and tokenizer of ``spec`` alone (a GGUF's header, a
     folder's config and tokenizer files), no weights read: what a draft
     model is checked against its target by before it loads."""
-    path = resolve_spec(spec, progress=progress)
+    path = resolve_model_path(spec, progress=progress)
     if path.is_dir():
         return load_hf_folder(path)
-    if path.suffix.lower() != ".gguf":
-        raise ModelFormatError(
-            f"{path} is neither a .gguf file nor a model folder; forerun loads GGUF files "
-            f"and Hugging Face folders with safetensors weights")
     return load_gguf_files(spec, engine="torch", progress=progress)
 
 
