@@ -202,3 +202,23 @@ def write_result(path: str | Path, data: Mapping[str, Any], *, torch_info: bool 
     record = {"machine": machine_line(torch_info=torch_info), **data}
     Path(path).write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")
+
+
+def frequency_order(tokenizer, path: str | Path) -> list[int]:
+    """The token frequency order of ``tokenizer`` kept in ``path``, counted
+    on this installation's Python sources and documents first if the file
+    is missing (about two minutes; forerun.training.token_frequency)."""
+    from forerun.drafters.draft_vocabulary import read_order, write_order
+    from forerun.training.token_frequency import count_local_text
+    from forerun.training.token_frequency import frequency_order as order_of
+
+    path = Path(path)
+    if not path.exists():
+        counts, read = count_local_text(tokenizer)
+        order = order_of(counts, first=sorted(tokenizer.special_token_ids))
+        write_order(path, order, {"tokenizer": tokenizer.fingerprint(),
+                                  **{k: str(v) for k, v in read.items()}})
+    order, meta = read_order(path)
+    if meta.get("tokenizer", tokenizer.fingerprint()) != tokenizer.fingerprint():
+        raise SystemExit(f"{path} counts another tokenizer's tokens; give another --order")
+    return order

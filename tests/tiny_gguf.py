@@ -38,11 +38,13 @@ def gguf_name(hf_name: str) -> str:
 
 def write_tiny_gguf(path: Path, *, seed: int = 0, hidden_size: int = 64,
                     intermediate_size: int = 128, num_layers: int = 3,
-                    overrides: dict | None = None) -> Path:
+                    overrides: dict | None = None, pad_vocab: bool = False) -> Path:
     """Write a random tiny Qwen2 GGUF (float32 tensors) with its tokenizer
     to ``path``.  ``overrides`` replace header values (``{"qwen2.attention.
     head_count": 0}``, or ``("string", "x")`` for another type) to make
-    hostile files."""
+    hostile files.  ``pad_vocab``: unused tokens fill the token list up to
+    the model's vocabulary (the tokenizer has fewer), which llama.cpp
+    needs to load the file."""
     import gguf
 
     path = Path(path)
@@ -60,6 +62,11 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, hidden_size: int = 64,
     tokens = [t for t, _ in vocab]
     specials = {a["content"] for a in tok["added_tokens"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    types = [3 if t in specials else 1 for t in tokens]
+    if pad_vocab:
+        padding = model.config.vocab_size - len(tokens)
+        tokens += [f"<unused{i}>" for i in range(padding)]
+        types += [5] * padding   # gguf's TokenType.UNUSED
 
     values = {
         "qwen2.block_count": ("uint32", cfg.num_layers),
@@ -83,8 +90,7 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, hidden_size: int = 64,
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", "qwen2")
     writer.add_array("tokenizer.ggml.tokens", tokens)
-    writer.add_array("tokenizer.ggml.token_type",
-                     [3 if t in specials else 1 for t in tokens])
+    writer.add_array("tokenizer.ggml.token_type", types)
     writer.add_array("tokenizer.ggml.merges", merges)
     writer.add_string("tokenizer.chat_template", template)
     for name, tensor in model.state_dict().items():

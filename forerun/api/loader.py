@@ -14,7 +14,7 @@ from forerun.api.load_arguments import (
     parse_device,
     resolve_device,
 )
-from forerun.api.model import Model
+from forerun.api.model import Model, check_reuse_prompts
 from forerun.errors import ConfigError
 
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -26,7 +26,8 @@ _ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "llama-cpp
 def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
          context_length: int | None = None, device: str | torch.device | None = None,
          dtype: torch.dtype = torch.float32, progress: bool = True,
-         engine_options: dict[str, Any] | None = None, weights: str = "auto") -> Model:
+         engine_options: dict[str, Any] | None = None, weights: str = "auto",
+         reuse_prompts: bool = True) -> Model:
     """Load a model by preset name, ``.gguf`` path or Hugging Face folder.
 
     ``context_length`` sets the KV cache size (default: the model's own limit,
@@ -52,10 +53,15 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
     left to an explicit ``bfloat16``/``q8``/``q4``).  The
     quantized formats read the GGUF directly, with no float32 conversion
     cache.  See :mod:`forerun.engines.linear`.
+
+    ``reuse_prompts``: whether a generation reuses the cached prefill of
+    the previous prompt it starts with (a chat's next turn reads only what
+    is new; the output is bit for bit the same); see :class:`Model`.
     """
     from forerun.engines.linear import check_format
 
     weights = check_format(weights)
+    check_reuse_prompts(reuse_prompts)
     check_load_arguments(model, context_length=context_length, dtype=dtype,
                          progress=progress, engine_options=engine_options)
     engine = _ENGINE_ALIASES.get(engine, engine) if isinstance(engine, str) else engine
@@ -98,7 +104,8 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
         assert files.gguf_path is not None   # load_gguf_files sets it
         llama = LlamaCppDecoder(files.gguf_path, context_length=context_length,
                                 eos_token_ids=config.eos_token_ids, **options)
-        return Model(files.name, llama, files.tokenizer, config, source=_source(files, model))
+        return Model(files.name, llama, files.tokenizer, config, source=_source(files, model),
+                     reuse_prompts=reuse_prompts)
     from forerun.engines.torch_engine import TorchDecoder
     from forerun.engines.transformer import Transformer
 
@@ -129,7 +136,8 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
         raise ConfigError(f"not enough memory on {device} for {files.name} with a context of "
                           f"{context_length} positions: load it with a smaller "
                           f"context_length (--context-length)") from exc
-    return Model(files.name, decoder, files.tokenizer, config, source=_source(files, model))
+    return Model(files.name, decoder, files.tokenizer, config, source=_source(files, model),
+                 reuse_prompts=reuse_prompts)
 
 
 def _torch_model_files(model, weights: str, dtype: torch.dtype, device: torch.device,

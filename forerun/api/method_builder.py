@@ -48,7 +48,8 @@ def _chain(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMet
     else:
         from forerun.drafters.draft_model import DraftModelDrafter
 
-        drafter = DraftModelDrafter(_draft_decoder(model, config.draft, drafts))
+        drafter = DraftModelDrafter(_draft_decoder(model, config.draft, drafts),
+                                    window=config.window)
     model.verification_grouping()
     return SpeculativeDecoding(model.decoder, drafter, k=config.length,
                                cost_store=cost_store(model))
@@ -72,10 +73,10 @@ def _lookup_or_draft(model: Model, config: SpeculativeConfig,
     expected to pay more (:mod:`forerun.drafters.lookup_or_draft_planner`)."""
     from forerun.decoding.speculative import SpeculativeDecoding
     from forerun.drafters.draft_model import DraftModelDrafter
-    from forerun.drafters.lookup_or_draft_planner import LOOKUP_DRAFT_WINDOW, LookupOrDraftPlanner
+    from forerun.drafters.lookup_or_draft_planner import LookupOrDraftPlanner
 
     drafter = DraftModelDrafter(_draft_decoder(model, config.draft, drafts),
-                                window=LOOKUP_DRAFT_WINDOW)
+                                window=config.window)
     model.verification_grouping()
     return SpeculativeDecoding(model.decoder, planner=LookupOrDraftPlanner(drafter),
                                cost_store=cost_store(model))
@@ -88,7 +89,8 @@ def _draft_tree(model: Model, config: SpeculativeConfig, drafts: list) -> Decodi
     from forerun.decoding.speculative import SpeculativeDecoding
     from forerun.drafters.draft_model_tree import DraftModelTreeDrafter
 
-    drafter = DraftModelTreeDrafter(_draft_decoder(model, config.draft, drafts))
+    drafter = DraftModelTreeDrafter(_draft_decoder(model, config.draft, drafts),
+                                    window=config.window)
     model.verification_grouping()
     return SpeculativeDecoding(model.decoder,
                                planner=DraftTreePlanner(drafter, nodes=config.nodes),
@@ -109,7 +111,7 @@ def _async(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMet
     own = model.decoder.threads
     target_threads = asked or max(1, own - draft_threads)
     drafter = AsyncDraftModelDrafter(_draft_decoder(model, config.draft, drafts),
-                                     threads=draft_threads)
+                                     threads=draft_threads, window=config.window)
     group = model.verification_grouping().exact_group
     if target_threads != own:
         probe = model.measured_grouping(target_threads)

@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from forerun.api.engine_policy import measured_grouping, model_identity
 from forerun.decoding.sampling import SamplingParams
-from forerun.errors import GenerationConfigError, NonFiniteLogitsError
+from forerun.errors import ConfigError, GenerationConfigError, NonFiniteLogitsError
 from forerun.generation.exclusive import GenerationLock, Holds
 from forerun.generation.params import GenerationParams
 from forerun.generation.result import GenerationResult
 from forerun.generation.runner import check_request, run_generation, token_ids
+from forerun.protocol.prefix_reuse import PrefixReuse
 from forerun.speculation.config import SpeculativeConfig, resolve
 
 if TYPE_CHECKING:
@@ -40,10 +41,22 @@ class Model:
     thread** (a second stream while the first is still open) raises
     :class:`~forerun.errors.ModelBusyError` instead of waiting for itself.
     A closed or collected stream never touches the model again.
+
+    **Prompts are read once.**  The model keeps the keys and values of its
+    last sequence, and a generation whose prompt starts with the previous
+    prompt (a chat's next turn) computes only what is new: it keeps the
+    whole prefill blocks the cache holds for it (128 positions on the torch
+    engine, ``n_batch`` on llama.cpp; :mod:`forerun.protocol.prefix_reuse`).
+    Prompts are always prefilled in the same aligned blocks, so the output
+    is bit for bit that of a cold prefill, for every decoding method.  The
+    result's ``stats.reused_prompt_tokens`` says how many prompt tokens came
+    from the cache.  ``reuse_prompts = False`` (or ``load(...,
+    reuse_prompts=False)``) prefills every prompt whole; :meth:`reset_cache`
+    forgets the cached sequence once.
     """
 
     def __init__(self, name: str, decoder, tokenizer, config, *,
-                 source: str | None = None) -> None:
+                 source: str | None = None, reuse_prompts: bool = True) -> None:
         self.name = name
         #: the model file or folder, named in errors about its output
         self.source = source or name
@@ -63,10 +76,34 @@ class Model:
         self._draft_models: dict[str, Model] = {}
         self._draft_lock = threading.Lock()
         self._grouping: GroupingResult | None = None
+        self.reuse_prompts = reuse_prompts
 
     def __repr__(self) -> str:
         return (f"Model({self.name!r}, {self.config.architecture}, "
                 f"{self.config.num_layers} layers, context {self.decoder.context_length})")
+
+    # -- the cached sequence -------------------------------------------------
+    @property
+    def reuse_prompts(self) -> bool:
+        """Whether a generation keeps the cached prefill blocks of the
+        previous prompt it starts with (see :class:`Model`).  Setting it
+        takes effect from the next generation's prefill; an engine without
+        :class:`~forerun.protocol.prefix_reuse.PrefixReuse` reuses nothing."""
+        return isinstance(self.decoder, PrefixReuse) and self.decoder.reuse_prefixes
+
+    @reuse_prompts.setter
+    def reuse_prompts(self, on: bool) -> None:
+        check_reuse_prompts(on)
+        if isinstance(self.decoder, PrefixReuse):
+            self.decoder.reuse_prefixes = on
+
+    def reset_cache(self) -> None:
+        """Forget the cached sequence: the next generation prefills its whole
+        prompt.  Waits for a generation running in another thread (and
+        raises :class:`~forerun.errors.ModelBusyError` while a stream of this
+        thread is open)."""
+        with Holds([self._lock]):
+            self.decoder.reset()
 
     # -- prompts -----------------------------------------------------------
     def encode_prompt(self, prompt: str | None = None, *,
@@ -104,7 +141,8 @@ class Model:
                draft_k: int | None = None, draft_async: bool = False,
                draft_threads: int | None = None, target_threads: int | None = None,
                draft_tree: bool = False, tree_nodes: int | None = None,
-               draft_lookup: bool | None = None, **unknown: Any) -> GenerationStream:
+               draft_lookup: bool | None = None, draft_window: int | str | None = None,
+               **unknown: Any) -> GenerationStream:
         """Like :meth:`generate`, but returns an iterator of text deltas; its
         ``result`` attribute holds the :class:`GenerationResult` once the
         iteration has ended.
@@ -132,7 +170,7 @@ class Model:
         options: dict[str, Any] = dict(
             draft_k=draft_k, draft_async=draft_async, draft_threads=draft_threads,
             target_threads=target_threads, draft_tree=draft_tree,
-            tree_nodes=tree_nodes, draft_lookup=draft_lookup)
+            tree_nodes=tree_nodes, draft_lookup=draft_lookup, draft_window=draft_window)
         if speculative is None:
             speculative = resolve(draft, **options)
         elif not isinstance(speculative, SpeculativeConfig):
@@ -197,13 +235,18 @@ class Model:
         A draft model drafts beside prompt lookup by default: each round
         drafts by looking the last tokens up in the prompt and the text so
         far, or with the draft model, whichever is expected to commit more
-        tokens per second; the draft model then reads at most the first and
-        last 256 tokens of a long prompt
-        (:mod:`forerun.drafters.lookup_or_draft_planner`).  ``draft_lookup``:
-        ``None`` (the default) for wherever it applies, a draft model
-        drafting chains of a chosen length in this model's thread (no
-        ``draft_k``, tree or ``draft_async``); ``True`` to insist on it (an
-        error where it can't apply); ``False`` for the draft model alone.
+        tokens per second (:mod:`forerun.drafters.lookup_or_draft_planner`).
+        ``draft_lookup``: ``None`` (the default) for wherever it applies, a
+        draft model drafting chains of a chosen length in this model's
+        thread (no ``draft_k``, tree or ``draft_async``); ``True`` to insist
+        on it (an error where it can't apply); ``False`` for the draft model
+        alone.
+
+        ``draft_window``: the most prompt tokens a draft model reads, its
+        first 4 and last ``draft_window - 4`` of a longer prompt (default
+        512, :mod:`forerun.drafters.draft_window`; ``"all"``: the whole
+        prompt).  It changes the draft's cost and acceptance, never the
+        output.
 
         ``speculative``: a :class:`~forerun.speculation.SpeculativeConfig`
         already resolved from these options (:func:`forerun.speculation.resolve`),
@@ -306,7 +349,7 @@ class GenerationStream:
 
 _NO_DRAFT_OPTIONS = dict(draft_k=None, draft_async=False, draft_threads=None,
                          target_threads=None, draft_tree=False, tree_nodes=None,
-                         draft_lookup=None)
+                         draft_lookup=None, draft_window=None)
 
 
 def _unknown_arguments(unknown: dict[str, Any]) -> GenerationConfigError:
@@ -324,6 +367,12 @@ def _unknown_arguments(unknown: dict[str, Any]) -> GenerationConfigError:
     return GenerationConfigError(f"unknown argument{'s' if len(parts) > 1 else ''} "
                                  f"{', '.join(parts)}; the arguments are "
                                  f"{', '.join(['prompt', *known])}")
+
+
+def check_reuse_prompts(value: Any) -> None:
+    """Refuse a ``reuse_prompts`` that is not True or False."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"reuse_prompts must be True or False, got {value!r}")
 
 
 def _valid_text(text: str, what: str) -> str:

@@ -51,6 +51,13 @@ class BenchMethod:
         be skipped (a missing package), any :class:`ForerunError` to be
         reported as failed."""
 
+    def before_turn(self, ctx: BenchContext, previous_prompt_ids: Sequence[int] | None) -> None:
+        """Untimed, before each :meth:`generate`: put the method's models in
+        the state a conversation leaves them in, the same for every method.
+        ``previous_prompt_ids``: the prompt of the conversation's previous
+        turn, or ``None`` on a prompt's first turn (nothing cached: the
+        prompt is prefilled whole).  Default: nothing to do."""
+
     def generate(self, ctx: BenchContext, prompt_ids: Sequence[int], *, max_new_tokens: int,
                  temperature: float, seed: int) -> MethodOutput:
         raise NotImplementedError

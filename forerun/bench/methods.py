@@ -39,6 +39,18 @@ class ForerunMethod(BenchMethod):
         draft = ctx.draft_model() if self.use_draft_model else self.draft
         self.config = resolve(draft, **self.options)
 
+    def before_turn(self, ctx: BenchContext, previous_prompt_ids: Sequence[int] | None) -> None:
+        """A prompt's first turn starts from an empty cache; a later turn
+        from the cache this method leaves after asking the previous turn
+        (asked again here with one new token, untimed), so it reuses that
+        turn's whole prefill blocks as a chat does, whichever method ran
+        last (:attr:`forerun.Model.reuse_prompts`)."""
+        if previous_prompt_ids is None:
+            ctx.model.reset_cache()
+        else:
+            ctx.model.generate(prompt_ids=list(previous_prompt_ids), max_new_tokens=1,
+                               speculative=self.config)
+
     def generate(self, ctx: BenchContext, prompt_ids: Sequence[int], *, max_new_tokens: int,
                  temperature: float, seed: int) -> MethodOutput:
         try:
@@ -56,6 +68,7 @@ class ForerunMethod(BenchMethod):
             raise
         s = result.stats
         stats = {"new_tokens": s.new_tokens, "prefill_seconds": s.prefill_seconds,
+                 "reused_prompt_tokens": s.reused_prompt_tokens,
                  "decode_seconds": s.decode_seconds, "method": s.method}
         if s.rounds:
             stats.update(rounds=s.rounds, drafted=s.drafted, accepted=s.accepted)

@@ -35,6 +35,9 @@ REGISTRY: dict[str, _Entry] = {}
 
 # ``--peer-...`` flags: the methods each adds.
 PEER_GROUPS: dict[str, tuple[str, ...]] = {}
+# The methods a ``--peer-...`` flag adds only when forerun's own rows run on
+# the engine of the same name (a peer set up like that engine).
+ENGINE_PEERS: dict[str, tuple[str, ...]] = {}
 
 
 def register_method(name: str, factory: Factory, description: str = "") -> None:

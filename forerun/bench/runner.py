@@ -5,6 +5,10 @@ turn (plain decoding first), so slow drift of the machine hits all methods
 alike.  Multi-turn prompts go through the chat template; turn ``n + 1`` is
 asked after plain decoding's answer to turn ``n`` (generated once in this
 run and reused by every method, so all methods see the same prompts).
+Before each timed generation a method sets its cache up untimed
+(:meth:`~forerun.bench.method.BenchMethod.before_turn`): empty on a prompt's
+first turn, so every method prefills it whole; on a later turn, what asking
+the previous turn left, so every method reuses the same prefix.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 from forerun.bench.errors import BenchError, MethodUnavailable
 from forerun.bench.method import BenchContext, BenchMethod
 from forerun.bench.prompts import Prompt, categories_of, load_prompts, select_prompts
-from forerun.bench.registry import PEER_GROUPS, make_method
+from forerun.bench.registry import ENGINE_PEERS, PEER_GROUPS, make_method
 from forerun.bench.summary import PLAIN, BenchReport, summarize
 from forerun.decoding.stats import acceptance_rate, mean_accepted_tokens
 from forerun.errors import ForerunError
@@ -57,12 +61,15 @@ class BenchSettings:
 
     def method_names(self) -> list[str]:
         """Plain decoding first (always: it is the baseline), then the
-        methods asked for, then the peers' rows."""
+        methods asked for, then the peers' rows (and the peer set up like
+        forerun's engine, when the peer group has one for it)."""
         names = [PLAIN] + [m for m in self.methods if m != PLAIN]
         if self.peer_transformers:
             names += PEER_GROUPS["transformers"]
         if self.peer_llama_cpp:
             names += PEER_GROUPS["llama.cpp"]
+            if self.engine == "llama.cpp":
+                names += ENGINE_PEERS["llama.cpp"]
         return list(dict.fromkeys(names))
 
     def validate(self) -> None:
@@ -96,15 +103,24 @@ NOTES = {
                             "((accepted + rounds) / rounds), over all rounds of the group",
     "acceptance_rate": "accepted draft tokens / drafted tokens",
     "mismatches": "greedy runs only: prompts whose tokens differ from plain decoding of the "
-                  "same engine (forerun methods vs plain, hf-* vs hf-plain); a lossless "
-                  "method must have none",
+                  "same engine (forerun methods vs plain, hf-* vs hf-plain, llamacpp-lookup vs "
+                  "llamacpp-plain); a lossless method must have none",
     "plain_match": "peers only, greedy: tokens equal to forerun plain decoding's before the "
                    "first difference / tokens generated (information; numerics differ)",
     "multi_turn": "turn n+1 is asked after plain decoding's answer to turn n, generated once "
                   "in this run and reused by every method; each turn is its own generate "
                   "call and a prompt's row sums its turns",
+    "prompt_reuse": "a prompt's first turn is prefilled whole by every method (its cache "
+                    "emptied first); forerun's methods prefill turn n+1 reusing the whole "
+                    "prefill blocks of turn n's prompt, as a chat does (before each method's "
+                    "turn n+1 its cache is set, untimed, to what asking turn n leaves)",
     "peers": "peers generate exactly as many new tokens as forerun plain decoding did on the "
-             "same turn, ignoring end-of-sequence tokens",
+             "same turn, ignoring end-of-sequence tokens; their models load before anything "
+             "is timed. llamacpp-plain and llamacpp-lookup run llama-cpp-python with its own "
+             "defaults (threads: the machine's cores), llamacpp-matched set up like forerun's "
+             "llama.cpp engine; the report's method notes name every setting. On later turns "
+             "the llama.cpp peers reuse the previous turn's prompt by llama-cpp-python's own "
+             "prefix matching",
     "order": "for each temperature, prompt and turn, every method in turn (plain first)",
 }
 
@@ -323,6 +339,7 @@ def _run_prompt(ctx: BenchContext, methods: Sequence[BenchMethod], prompt: Promp
                 progress: _Progress) -> list[dict[str, Any]]:
     rows = {m.name: _new_row(prompt, m, temperature) for m in methods}
     history: list[dict[str, str]] = []
+    previous_ids: list[int] | None = None     # the previous turn's prompt
     for turn_index, turn in enumerate(prompt.turns):
         messages = history + [{"role": "user", "content": turn}]
         try:
@@ -340,8 +357,9 @@ def _run_prompt(ctx: BenchContext, methods: Sequence[BenchMethod], prompt: Promp
             n = settings.max_new_tokens
             if m.peer and rows[PLAIN]["status"] == "ok" and plain_out is not None:
                 n = len(plain_out.tokens)
-            start = time.perf_counter()
             try:
+                m.before_turn(ctx, previous_ids)
+                start = time.perf_counter()
                 out = m.generate(ctx, ids, max_new_tokens=n, temperature=temperature,
                                  seed=settings.seed)
             except Exception as exc:   # noqa: BLE001 - reported, the run goes on
@@ -354,8 +372,9 @@ def _run_prompt(ctx: BenchContext, methods: Sequence[BenchMethod], prompt: Promp
             wall = time.perf_counter() - start
             turn_row = {"prompt_tokens": len(ids), "new_tokens": len(out.tokens),
                         "wall_seconds": wall, "tokens": list(out.tokens)}
-            for key in ("prefill_seconds", "decode_seconds", "rounds", "drafted", "accepted",
-                        "async_tokens_per_second", "sync_tokens_per_second"):
+            for key in ("prefill_seconds", "reused_prompt_tokens", "decode_seconds", "rounds",
+                        "drafted", "accepted", "async_tokens_per_second",
+                        "sync_tokens_per_second"):
                 if key in out.stats:
                     turn_row[key] = out.stats[key]
             row["turns"].append(turn_row)
@@ -373,6 +392,7 @@ def _run_prompt(ctx: BenchContext, methods: Sequence[BenchMethod], prompt: Promp
                 progress.step()
             break
         history = messages + [{"role": "assistant", "content": plain_out.text or ""}]
+        previous_ids = ids
 
     greedy = temperature == 0
     for row in rows.values():

@@ -67,8 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add transformers rows: hf-plain, hf-assisted (the draft as "
                         "assistant_model), hf-lookup (prompt lookup); needs transformers")
     p.add_argument("--peer-llama-cpp", action="store_true",
-                   help="add a llama.cpp row, llamacpp-plain (the GGUF's own quantized "
-                        "weights); needs llama-cpp-python")
+                   help="add llama.cpp rows on the GGUF's own quantized weights: "
+                        "llamacpp-plain (llama-cpp-python with its own defaults, threads = "
+                        "this machine's cores) and llamacpp-lookup (its prompt lookup "
+                        "decoding, num_pred_tokens=2); with --engine llama.cpp also "
+                        "llamacpp-matched (set up like forerun's llama.cpp engine); needs "
+                        "llama-cpp-python")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
 
 

@@ -15,6 +15,8 @@ from forerun.cli.options import (
     add_model_options,
     add_sampling_options,
     add_tree_options,
+    check_generation_options,
+    load_model,
 )
 from forerun.errors import ForerunError
 
@@ -51,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_medusa_parser(sub)
     from forerun.cli.serve import add_parser as _add_serve_parser
     _add_serve_parser(sub)
+    from forerun.cli.chat import add_parser as _add_chat_parser
+    _add_chat_parser(sub)
     return parser
 
 
@@ -68,18 +72,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from forerun.decoding.sampling import SamplingParams
-    from forerun.generation.params import GenerationParams
-
     # Check the settings before spending seconds on loading a model.
-    GenerationParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
-                     seed=args.seed,
-                     sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
-                                             top_p=args.top_p, min_p=args.min_p)).validate()
+    check_generation_options(args)
     prompt = read_prompt(args.prompt)
-    if args.model is not None and not args.model.strip():
-        raise ForerunError("--model is empty; give a preset, a .gguf file or a Hugging Face "
-                           "folder, or leave --model out for the default")
     speculative = speculative_config(args)
     with calibration_notices(shown=not args.quiet):
         return _generate(args, prompt, speculative)
@@ -98,16 +93,12 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
         draft_lookup=args.draft_lookup, draft_tree=args.draft_tree,
         tree_nodes=args.tree_nodes, draft_async=getattr(args, "draft_async", False),
         draft_threads=getattr(args, "draft_threads", None),
-        target_threads=getattr(args, "target_threads", None))
+        target_threads=getattr(args, "target_threads", None),
+        draft_window=getattr(args, "draft_window", None))
 
 
 def _generate(args: argparse.Namespace, prompt: str, speculative: SpeculativeConfig) -> int:
-    from forerun.api import load
-    from forerun.loading.presets import DEFAULT_MODEL
-
-    model = load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
-                 context_length=args.context_length, device=args.device,
-                 progress=not args.quiet)
+    model = load_model(args, progress=not args.quiet)
     raw: str | None = None
     messages: list[dict[str, str]] | None = None
     if args.raw:
@@ -134,9 +125,7 @@ def _generate(args: argparse.Namespace, prompt: str, speculative: SpeculativeCon
     else:
         sys.stdout.write("\n")
     if args.stats:
-        drafts = [d for d in model.drafts if d is not model]
-        print_stats(result, sys.stderr, model.decoder.settings,
-                    drafts[-1].decoder.settings if drafts else None)
+        print_model_stats(model, result, sys.stderr)
     return 0
 
 
@@ -184,6 +173,14 @@ def read_prompt(arg: str) -> str:
     return arg
 
 
+def print_model_stats(model, result, out) -> None:
+    """:func:`print_stats` of a generation of ``model``, with what ran it
+    and its draft model."""
+    drafts = [d for d in model.drafts if d is not model]
+    print_stats(result, out, model.decoder.settings,
+                drafts[-1].decoder.settings if drafts else None)
+
+
 def print_stats(result, out, settings: EngineSettings | None = None,
                 draft_settings: EngineSettings | None = None) -> None:
     s = result.stats
@@ -192,7 +189,8 @@ def print_stats(result, out, settings: EngineSettings | None = None,
         lines.append(engine_line(draft_settings, "draft engine"))
     lines += [f"method: {s.method}",
              f"finish reason: {result.finish_reason}",
-             f"prompt tokens: {s.prompt_tokens}",
+             f"prompt tokens: {s.prompt_tokens} ({s.reused_prompt_tokens} reused from the "
+             f"cache)",
              f"new tokens: {s.new_tokens}",
              f"prefill: {s.prefill_seconds:.3f} s",
              f"decode: {s.decode_seconds:.3f} s ({s.tokens_per_second:.2f} tokens/s)"]
@@ -283,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def dispatch(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in ("generate", "bench", "medusa", "serve"):
+    if args.command in ("generate", "chat", "bench", "medusa", "serve"):
         from forerun.cli.exits import signals_deferred
 
         with signals_deferred():
@@ -301,6 +299,9 @@ def dispatch(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         from forerun.cli.serve import run as cmd_serve
         return cmd_serve(args)
+    if args.command == "chat":
+        from forerun.cli.chat import run as cmd_chat
+        return cmd_chat(args)
     return cmd_models(args)
 
 

@@ -1,9 +1,16 @@
 """Command-line options that several ``forerun`` commands share: the model,
-its engine and weights, the draft and its shape, sampling."""
+its engine and weights, the draft and its shape, sampling; their checks, and
+the model they name."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+from forerun.errors import ForerunError
+
+if TYPE_CHECKING:
+    from forerun.api.model import Model
 
 #: ``--weights`` values: "auto" and forerun.engines.linear.WEIGHT_FORMATS,
 #: written out so that parsing the command line does not import torch
@@ -40,6 +47,17 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "path)")
     p.add_argument("--draft-k", type=int, default=None,
                    help="fixed draft length (default: chosen every round from measured costs)")
+    p.add_argument("--draft-window", type=_window, default=None, metavar="N|all",
+                   help="the most prompt tokens a draft model reads: the first 4 and the "
+                        "last N-4 of a longer prompt (default 512; 'all' reads the whole "
+                        "prompt); the output is the same, only the draft's cost and "
+                        "acceptance change")
+
+
+def _window(text: str) -> int | str:
+    """A --draft-window value: a number as an int, anything else as given
+    (resolve() says what is wrong with it)."""
+    return int(text) if text.strip().isdigit() else text
 
 
 def add_tree_options(p: argparse.ArgumentParser) -> None:
@@ -82,3 +100,28 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[],
                    help="stop string (repeatable); the text ends just before it")
+
+
+def check_generation_options(args: argparse.Namespace) -> None:
+    """Refuse an empty ``--model`` and bad sampling options
+    (:func:`add_sampling_options`) before seconds go to loading a model."""
+    from forerun.decoding.sampling import SamplingParams
+    from forerun.generation.params import GenerationParams
+
+    GenerationParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+                     seed=args.seed,
+                     sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                             top_p=args.top_p, min_p=args.min_p)).validate()
+    if args.model is not None and not args.model.strip():
+        raise ForerunError("--model is empty; give a preset, a .gguf file or a Hugging Face "
+                           "folder, or leave --model out for the default")
+
+
+def load_model(args: argparse.Namespace, *, progress: bool) -> Model:
+    """The model the options of :func:`add_model_options` name (the default
+    preset without ``--model``), loaded."""
+    from forerun.api import load
+    from forerun.loading.presets import DEFAULT_MODEL
+
+    return load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
+                context_length=args.context_length, device=args.device, progress=progress)

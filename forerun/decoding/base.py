@@ -27,11 +27,14 @@ class DecodingMethod(Protocol):
 
     def run(self, prompt_ids: list[int], sampler: TokenSampler,
             stats: GenerationStats) -> Generator[list[int], None, None]:
-        """Start from an empty cache, feed the prompt, and yield the tokens
-        committed in each round, forever: the runner stops iterating when the
-        output is complete.  Sets ``stats.prefill_seconds`` to the time
-        spent on the target's prompt forward; speculative methods also record
-        their counters in ``stats``."""
+        """Prefill the prompt (:func:`~forerun.decoding.prefill.prefill`:
+        the target's cache then holds exactly the prompt, whatever it held
+        before) and yield the tokens committed in each round, forever: the
+        runner stops iterating when the output is complete.  Sets
+        ``stats.prefill_seconds`` to the time spent on the target's prompt
+        forward and ``stats.reused_prompt_tokens`` to the prompt positions the
+        cache kept; speculative methods also record their counters in
+        ``stats``."""
         ...
 
     def settle(self, length: int) -> None:

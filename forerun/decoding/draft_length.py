@@ -17,6 +17,7 @@ import torch
 
 from forerun.decoding.base import check_count
 from forerun.decoding.draft_tree import DraftTree
+from forerun.decoding.drafter import ReadsContext
 from forerun.decoding.sampling import TokenSampler
 from forerun.protocol.decoder import Decoder
 
@@ -209,11 +210,23 @@ class AdaptiveDraftLength:
         self.acceptance = AcceptanceEstimate()
         self.exploration = Exploration(explore_every, stale_every)
 
-    def choose(self, draft_seconds: float) -> int:
-        k = best_draft_length(self.max_k, self.acceptance.rate, draft_seconds, self.costs)
+    def choose(self, draft_seconds: float, read_seconds: float = 0.0) -> int:
+        """The draft length of this round, each draft token costing
+        ``draft_seconds`` and a draft (of any length) ``read_seconds`` more
+        for the committed tokens the drafter must read first."""
+        def cost(k: int) -> float:
+            return read_seconds + k * draft_seconds
+
+        k = best_chain_length(self.max_k, self.acceptance.rate, cost, self.costs)
+        if not k and read_seconds and best_draft_length(
+                self.max_k, self.acceptance.rate, draft_seconds, self.costs):
+            # Drafting would pay but for the read, which waits until the
+            # generation has lasted long enough to pay it back: no estimate
+            # is stale, so there is nothing to explore.
+            return 0
         optimistic = max(self.acceptance.rate, OPTIMISTIC_ACCEPTANCE)
-        k = self.exploration.adjust(k, lambda: best_draft_length(
-            self.max_k, optimistic, draft_seconds, self.costs) > 0)
+        k = self.exploration.adjust(k, lambda: best_chain_length(
+            self.max_k, optimistic, cost, self.costs) > 0)
         return min(k, self.max_k)
 
 
@@ -237,6 +250,7 @@ class ChainPlanner:
         self.name = drafter.name
         self.fixed_k = k
         self.policy = AdaptiveDraftLength(max_k)
+        self.rounds = 0      # rounds of this generation so far
 
     def needs_calibration(self) -> bool:
         return self.fixed_k is None
@@ -246,11 +260,15 @@ class ChainPlanner:
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.drafter.begin(prompt_ids)
+        self.rounds = 0
 
     def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
               sampler: TokenSampler) -> DraftTree:
+        self.rounds += 1
+        read = (self.drafter.catch_up_seconds(sequence, self.rounds)
+                if self.fixed_k is None and isinstance(self.drafter, ReadsContext) else 0.0)
         k = self.fixed_k if self.fixed_k is not None else \
-            self.policy.choose(self.drafter.step_seconds())
+            self.policy.choose(self.drafter.step_seconds(), read)
         k = max(0, min(k, room))
         if not k:
             return DraftTree.chain(sequence[-1], [])

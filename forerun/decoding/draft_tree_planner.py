@@ -56,6 +56,7 @@ from forerun.decoding.draft_length import (
     expected_tokens,
 )
 from forerun.decoding.draft_tree import DraftTree
+from forerun.decoding.drafter import ReadsContext
 from forerun.decoding.rank_tree_planner import MAX_TREE_NODES
 from forerun.decoding.sampling import TokenSampler
 
@@ -189,6 +190,7 @@ class DraftTreePlanner:
         self.policy = NodeBudgetPolicy(max(max_nodes, nodes or 0), max_depth)
         self._scores: list[float] = []
         self._drafted = False
+        self.rounds = 0      # rounds of this generation so far
 
     def needs_calibration(self) -> bool:
         return self.fixed_nodes is None
@@ -199,6 +201,7 @@ class DraftTreePlanner:
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.drafter.begin(prompt_ids)
         self._scores = []
+        self.rounds = 0
 
     def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
               sampler: TokenSampler) -> DraftTree:
@@ -208,16 +211,24 @@ class DraftTreePlanner:
         if cap <= 0:
             return DraftTree.chain(sequence[-1], [])
         chain = False
+        self.rounds += 1
+        # What the drafter must read before it drafts counts for any draft.
+        read = (self.drafter.catch_up_seconds(sequence, self.rounds)
+                if self.fixed_nodes is None and isinstance(self.drafter, ReadsContext) else 0.0)
+
+        def draft_seconds(depth: int, chain: bool = False) -> float:
+            return self.drafter.draft_seconds(depth, chain) + (read if depth > 0 else 0.0)
+
         if self.fixed_nodes is not None:
             depth = self.policy.natural_depth(cap)
         else:
-            depth = self.policy.depth(cap, self.drafter.draft_seconds)
+            depth = self.policy.depth(cap, draft_seconds)
             chain = self.policy.chain
         if depth == 0:
             return DraftTree.chain(sequence[-1], [])
         self._drafted = True
         nodes = self.drafter.expand(sequence, depth, sampler, chain=chain)
-        drafter, seconds = self.drafter, self.drafter.draft_seconds(depth)
+        drafter, seconds = self.drafter, draft_seconds(depth)
         if chain:
             chosen = list(range(len(nodes.tokens)))      # the whole chain
         elif sampler.greedy or not drafter.sample_siblings:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -54,4 +54,22 @@ class Drafter(Protocol):
 
     def step_seconds(self) -> float:
         """Estimated cost of drafting one token, for choosing the draft length."""
+        ...
+
+
+@runtime_checkable
+class ReadsContext(Protocol):
+    """What a drafter that reads the committed sequence into a cache of its
+    own (a draft model) adds to :class:`Drafter`: what reading it costs."""
+
+    def catch_up_seconds(self, sequence: Sequence[int], rounds: int) -> float:
+        """Seconds a round drafting after ``sequence`` should count for
+        reading the committed tokens the drafter has not read yet, beyond
+        what a draft step reads, in a generation ``rounds`` rounds old.  A
+        round's own catch-up (the tokens the last round committed) counts in
+        full; a longer read (the prompt, or the tokens of plain rounds)
+        counts spread over the rounds so far, as if the generation will last
+        as long again: so a long read waits until the generation has shown
+        it may pay it back, and costs at most about what waiting would have
+        (ski rental)."""
         ...

@@ -23,7 +23,7 @@ class PlainDecoding:
             stats: GenerationStats) -> Generator[list[int], None, None]:
         target = self.target
         start = time.perf_counter()
-        logits = finite(prefill(target, prompt_ids).logits[-1])
+        logits = finite(prefill(target, prompt_ids, stats=stats).logits[-1])
         stats.prefill_seconds = time.perf_counter() - start
         while True:
             token = sampler.pick(logits)

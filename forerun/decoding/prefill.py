@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from forerun.decoding.stats import GenerationStats
 from forerun.errors import CacheStateError
 from forerun.protocol.decoder import Decoder, ForwardOutput
 from forerun.protocol.prefix_reuse import PrefixReuse, reusable_length
 
 
-def prefill(target: Decoder, prompt_ids: Sequence[int], *,
-            return_hidden: bool = False) -> ForwardOutput:
+def prefill(target: Decoder, prompt_ids: Sequence[int], *, return_hidden: bool = False,
+            stats: GenerationStats | None = None) -> ForwardOutput:
     """Make ``target``'s cache hold exactly ``prompt_ids``, committed, and
     return the output of the last prompt position (``[1, V]`` logits, and the
     ``[1, H]`` hidden state when ``return_hidden``).
@@ -31,6 +32,9 @@ def prefill(target: Decoder, prompt_ids: Sequence[int], *,
     partial; each whole block joins the ledger.  A warm prefill thus runs the
     very forwards a cold one runs after the kept blocks.  Other decoders get
     one ``last_only`` feed of the whole prompt after a reset.
+
+    ``stats``: where to record how many prompt positions came from the
+    cache (``reused_prompt_tokens``).
     """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -44,6 +48,8 @@ def prefill(target: Decoder, prompt_ids: Sequence[int], *,
     keep = (reusable_length(target.prefilled_tokens, prompt, block)
             if target.reuse_prefixes else 0)
     target.keep_prefix(keep)
+    if stats is not None:
+        stats.reused_prompt_tokens = keep
     last: ForwardOutput | None = None
     for start in range(keep, len(prompt), block):
         chunk = prompt[start:start + block]

@@ -192,7 +192,7 @@ class SpeculativeDecoding(DraftAndVerify):
         # The prefill is plain decoding's (an engine may compute a prefill
         # with other kernels than a verification), and its logits give the
         # first token.
-        out = prefill(target, sequence, return_hidden=want_hidden)
+        out = prefill(target, sequence, return_hidden=want_hidden, stats=stats)
         hidden = _hidden(out, -1) if want_hidden else None
         self._calibrate(sequence[-1])
         stats.prefill_seconds = time.perf_counter() - start

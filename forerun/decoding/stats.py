@@ -34,15 +34,19 @@ ASYNC_FIELDS = ("draft_threads", "target_threads", "wait_seconds", "drafter_seco
 class GenerationStats:
     """Timings and, for speculative methods, how speculation went.
 
-    ``prefill_seconds`` covers the forward pass over the prompt (and, the
-    first time a speculative method runs in a process, measuring the
-    target's verification costs); ``decode_seconds`` covers everything after
+    ``prefill_seconds`` covers the forward pass over the prompt, less its
+    first ``reused_prompt_tokens`` positions, which the cache held already
+    (and, the first time a speculative method runs in a process, measuring
+    the target's verification costs); ``decode_seconds`` covers everything after
     it, so ``tokens_per_second`` is ``new_tokens / decode_seconds`` whatever
     the method.
     """
 
     new_tokens: int = 0
     prompt_tokens: int = 0
+    # Prompt positions whose keys and values came from the cache, kept from
+    # an earlier prompt this one starts with (forerun.protocol.prefix_reuse).
+    reused_prompt_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     method: str = "plain"

@@ -20,7 +20,11 @@ last asked for: the round being verified and the next one.  Feedback that
 agrees with its drafts keeps them (the next proposal is already there);
 feedback that diverges rolls the speculated sequence and the draft cache back
 to the divergence point (O(1)), drops the proposals queued past it, and
-drafting resumes from the corrected token.
+drafting resumes from the corrected token.  A long prompt is read through
+the draft's window (:class:`~forerun.drafters.draft_context.DraftContext`'s
+rule): the cache holds the window's view of the prompt, then the sequence
+past the prompt, so position ``p`` past the prompt sits at ``p`` less the
+prompt tokens the view leaves out.
 
 Exactness:
 
@@ -59,6 +63,7 @@ from forerun.decoding.sampling import (
     probabilities,
     sample_token,
 )
+from forerun.drafters.draft_context import DraftContext
 from forerun.errors import CacheStateError, ConfigError, DrafterError
 from forerun.protocol.decoder import Decoder
 
@@ -137,13 +142,25 @@ class _Speculation:
     draft cache holds (a prefix of the sequence) and how many leading tokens
     are known to be committed."""
 
-    def __init__(self, prompt: list[int]) -> None:
+    def __init__(self, prompt: list[int], view: list[int]) -> None:
         self.sequence = list(prompt)
         self.hashes = [0]
         for t in prompt:
             self.hashes.append(extend_hash(self.hashes[-1], t))
+        #: what the draft reads of the prompt (its window's view; the
+        #: sequence's positions past the prompt follow it in the cache)
+        self.view = view
+        #: prompt tokens the view leaves out: sequence position ``p`` past
+        #: the prompt sits at cache position ``p - skipped``
+        self.skipped = len(prompt) - len(view)
         self.fed: list[int] = []
         self.known = len(prompt)
+
+    @property
+    def fed_end(self) -> int:
+        """The sequence position the draft cache has read up to."""
+        return len(self.fed) + self.skipped if len(self.fed) >= len(self.view) \
+            else len(self.fed)
 
     def append(self, token: int) -> None:
         self.sequence.append(token)
@@ -187,11 +204,15 @@ class AsyncDraftModelDrafter:
 
     name = "draft-async"
 
-    def __init__(self, decoder: Decoder, *, threads: int | None = None) -> None:
+    def __init__(self, decoder: Decoder, *, threads: int | None = None,
+                 window: int | None = None) -> None:
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool)
                                     or threads < 1):
             raise ConfigError(f"draft threads must be a positive integer, got {threads!r}")
         self.decoder = decoder
+        # What the draft reads of a prompt (all of it, or a long prompt cut
+        # to ``window`` tokens: DraftContext's rule).
+        self.context = DraftContext(decoder, window)
         self.threads = threads
         self._thread: threading.Thread | None = None
         self._channel: _Channel | None = None
@@ -219,14 +240,14 @@ class AsyncDraftModelDrafter:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise CacheStateError("the drafter needs at least one prompt token")
-        self.decoder.reset()
+        self.context.begin(prompt, reuse=False)        # (empties the draft cache)
         self._posted = len(prompt)
         self._posted_hash = hash_tokens(prompt)
         self._last_k = 0
         self._first_proposal = True
         channel = self._channel = _Channel(self._sampling)
         self._sampling = None    # one generation's: the next draws its own
-        state = self._state = _Speculation(prompt)
+        state = self._state = _Speculation(prompt, self.context.view(prompt))
         self._thread = threading.Thread(target=self._drafting, args=(channel, state),
                                         name="forerun-drafter", daemon=True)
         self._thread.start()
@@ -317,8 +338,11 @@ class AsyncDraftModelDrafter:
         state, decoder = self._state, self.decoder
         if state is None:
             return
-        keep = min(length, state.known, len(state.fed), decoder.length)
-        keep = max(keep, decoder.committed_length)
+        if len(state.fed) < len(state.view):    # stopped while reading the prompt
+            keep = len(state.fed)
+        else:                                    # (sequence positions to the cache's)
+            keep = min(length, state.known, state.fed_end) - state.skipped
+        keep = max(min(keep, decoder.length), decoder.committed_length)
         if keep < decoder.length:
             decoder.rollback(keep)
         del state.fed[keep:]
@@ -393,7 +417,7 @@ class AsyncDraftModelDrafter:
                 decoder.set_threads(self.threads)
             channel.threads = decoder.threads
             start = time.perf_counter()
-            prompt = state.sequence
+            prompt = state.view
             for block in range(0, len(prompt), PREFILL_CHUNK):
                 if channel.stop:
                     return
@@ -459,9 +483,10 @@ class AsyncDraftModelDrafter:
                 state.truncate(cut)
                 while channel.proposals and channel.proposals[-1].position >= cut:
                     channel.proposals.pop()
-                if len(state.fed) > cut:
-                    self.decoder.rollback(cut)
-                    del state.fed[cut:]
+                if state.fed_end > cut:
+                    # (cut is past the prompt: at cache position cut - skipped)
+                    self.decoder.rollback(cut - state.skipped)
+                    del state.fed[cut - state.skipped:]
             for t in tokens[len(seq) - start:]:
                 state.append(t)
             state.known = end
@@ -471,7 +496,7 @@ class AsyncDraftModelDrafter:
         """Draft the token after the speculated sequence (outside the lock:
         only this thread changes the sequence) and queue it."""
         decoder = self.decoder
-        todo = state.sequence[len(state.fed):]
+        todo = state.sequence[state.fed_end:]
         if not todo:   # the whole sequence is cached: feed its last token again
             decoder.rollback(len(state.fed) - 1)
             todo = [state.fed.pop()]

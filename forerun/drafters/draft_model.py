@@ -89,6 +89,7 @@ class DraftModelDrafter:
             # to explore after it, whose one step is a catch-up, would keep
             # the policy from drafting for good).
             elapsed = time.perf_counter() - start
+            self.context.note_read(len(todo), elapsed)
             if len(todo) <= 2:
                 step_seconds.append(elapsed)
             elif self._step_ema is not None:
@@ -111,3 +112,9 @@ class DraftModelDrafter:
 
     def step_seconds(self) -> float:
         return self._step_ema if self._step_ema is not None else 0.0
+
+    def catch_up_seconds(self, sequence: Sequence[int], rounds: int) -> float:
+        """What reading the committed tokens it lacks costs a round
+        (:class:`~forerun.decoding.drafter.ReadsContext`;
+        :meth:`~forerun.drafters.draft_context.DraftContext.read_seconds`)."""
+        return self.context.read_seconds(sequence, rounds, self.step_seconds())

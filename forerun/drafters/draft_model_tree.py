@@ -202,6 +202,7 @@ class DraftModelTreeDrafter:
         self._known_committed = len(view)
         self._last_depth = depth
         t1 = time.perf_counter()
+        self.context.note_read(len(todo), t1 - t0)
         if steady:
             self._catch_up_seconds = refine_seconds(self._catch_up_seconds, t1 - t0)
         elif self._catch_up_seconds is not None:
@@ -316,6 +317,12 @@ class DraftModelTreeDrafter:
 
     def settle(self, length: int) -> None:
         self.context.settle(min(self.context.view_length(length), self._known_committed))
+
+    def catch_up_seconds(self, sequence: Sequence[int], rounds: int) -> float:
+        """What reading the committed tokens it lacks costs a round
+        (:class:`~forerun.decoding.drafter.ReadsContext`;
+        :meth:`~forerun.drafters.draft_context.DraftContext.read_seconds`)."""
+        return self.context.read_seconds(sequence, rounds, self.draft_seconds(1, True))
 
     def draft_seconds(self, depth: int, chain: bool = False) -> float:
         """Estimated seconds to draft ``depth`` levels (of a chain:

@@ -52,15 +52,6 @@ from forerun.drafters.ngram import NgramDrafter
 from forerun.protocol.decoder import Decoder
 from forerun.protocol.token_sequences import common_prefix
 
-#: the most prompt tokens the draft model reads beside prompt lookup
-#: (:class:`~forerun.drafters.draft_context.DraftContext`): the lookup
-#: copies from a long prompt, so the draft model need not read all of it.
-#: Over one prompt per category of the bench set (AMD EPYC, AVX2, the 1.5B
-#: Qwen target in q4, the 0.5B draft), 256 took 62.7 s in all, a whole
-#: view 71.6 s and 128 tokens 66.9 s; prompt lookup alone 68.5 s, the
-#: draft model alone 72.6 s and plain decoding 80.3 s.
-LOOKUP_DRAFT_WINDOW = 256
-
 #: the lookup's acceptance before it has been measured: about what prompt
 #: lookup reached over the bench's prompts (47%)
 LOOKUP_PRIOR = 0.5
@@ -88,6 +79,8 @@ class LookupOrDraftPlanner:
         self._found: list[int] = []      # the lookup's proposal in the last round
         self._drafted_at = 0             # the sequence's length when it was drafted
         self.rounds = {"lookup": 0, "model": 0}
+        self.rounds_now = 0              # rounds of this generation so far
+        self._read = 0.0                 # what the model must read first, in seconds
 
     def needs_calibration(self) -> bool:
         return True
@@ -100,15 +93,18 @@ class LookupOrDraftPlanner:
         self.lookup.begin(prompt_ids)
         self.source = None
         self._found = []
+        self.rounds_now = 0
 
     def _rate(self, k: int, alpha: float, draft_seconds: float) -> float:
         """Expected committed tokens per second of a ``k``-token draft."""
         return expected_tokens(k, alpha) / (draft_seconds + self.policy.costs(k + 1))
 
-    def model_length(self, room: int) -> int:
+    def model_length(self, sequence: Sequence[int], room: int) -> int:
         """How many tokens the draft model would draft this round (0: a
-        plain step): the adaptive draft length, with its exploration."""
-        return max(0, min(self.policy.choose(self.model.step_seconds()), room))
+        plain step): the adaptive draft length, counting what the model
+        must read first, with its exploration."""
+        self._read = self.model.catch_up_seconds(sequence, self.rounds_now)
+        return max(0, min(self.policy.choose(self.model.step_seconds(), self._read), room))
 
     def lookup_length(self, found: list[int], k_model: int) -> int:
         """How many of the lookup's ``found`` tokens to draft this round,
@@ -118,12 +114,14 @@ class LookupOrDraftPlanner:
         alpha = self.lookup_acceptance.rate
         k = best_draft_length(len(found), alpha, 0.0, self.policy.costs)
         model_rate = self._rate(k_model, self.policy.acceptance.rate,
-                                k_model * self.model.step_seconds())
+                                (self._read + k_model * self.model.step_seconds())
+                                if k_model else 0.0)
         return k if k and self._rate(k, alpha, 0.0) >= model_rate else 0
 
     def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
               sampler: TokenSampler) -> DraftTree:
-        k_model = self.model_length(room)
+        self.rounds_now += 1
+        k_model = self.model_length(sequence, room)
         found = self.lookup.propose(sequence, min(self.max_k, room), sampler).tokens
         self._found, self._drafted_at = found, len(sequence)
         k = self.lookup_length(found, k_model) if found else 0

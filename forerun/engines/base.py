@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from forerun.errors import CacheStateError
 from forerun.protocol.cache_positions import CachePositions
 from forerun.protocol.decoder import Capabilities
 
@@ -58,9 +59,29 @@ class EngineDecoder:
     #: multiples (:mod:`forerun.decoding.prefill`); whole blocks are reusable.
     prefill_block: int
 
+    #: The engine state (:meth:`_prefix_owner`) the ledger's blocks were
+    #: computed in: the ledger counts only while the engine is still in it.
+    _ledger_owner: object = None
+
     @property
     def prefilled_tokens(self) -> tuple[int, ...]:
+        # Blocks computed on another thread count (or other settings that
+        # decide the numerics) are not what a prefill would compute now.
+        if self._ledger_owner != self._prefix_owner():
+            return ()
         return self._positions.prefilled
 
     def mark_prefilled(self, tokens: Sequence[int]) -> None:
+        owner = self._prefix_owner()
+        if self._positions.prefilled and owner != self._ledger_owner:
+            raise CacheStateError("the recorded prefill blocks were computed with other "
+                                  "engine settings (thread count, options); keep_prefix(0) "
+                                  "before recording new ones")
         self._positions.mark_prefilled(tokens, self.prefill_block)
+        self._ledger_owner = owner
+
+    def _prefix_owner(self) -> tuple:
+        """Whatever decides the numerics of the cached keys and values (the
+        network, the block size, the thread count, ...): a saved prefix or
+        the ledger is valid only in the same engine state."""
+        raise NotImplementedError

@@ -517,7 +517,7 @@ class LlamaCppDecoder(EngineDecoder):
 
         from forerun.protocol.prefix_reuse import PrefixPayload
 
-        tokens = self._positions.prefilled
+        tokens = self.prefilled_tokens
         self.keep_prefix(len(tokens))
         lc, ctx = self._lc, self._ctx
         size = int(lc.llama_state_seq_get_size(ctx, 0))
@@ -542,6 +542,7 @@ class LlamaCppDecoder(EngineDecoder):
                 self.reset()
                 raise EngineError("llama.cpp could not restore a saved sequence state")
         self._positions.set_prefilled(payload.tokens)
+        self._ledger_owner = payload.owner
 
     def __repr__(self) -> str:
         return (f"LlamaCppDecoder({str(self.path)!r}, context {self.context_length}, "

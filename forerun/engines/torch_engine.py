@@ -10,6 +10,7 @@ import torch
 
 from forerun.engines.base import EngineDecoder
 from forerun.engines.kernel_choice import product_kernels
+from forerun.engines.linear import Linear
 from forerun.engines.prefill_kernel import GEMM_ROWS
 from forerun.engines.transformer import Transformer
 from forerun.errors import CacheStateError, ConfigError, ContextLengthError, InvalidTokenError
@@ -44,7 +45,7 @@ class TorchDecoder(EngineDecoder):
 
     engine = "torch"
     capabilities = Capabilities(hidden_states=True, tree_masks=True, slot_compaction=True,
-                                output_layer=True, fork=True)
+                                output_layer=True, fork=True, output_vocabulary=True)
     # A verification attends for each position on its own, through the very
     # call a one-position forward makes (Transformer.forward's ``rowwise``),
     # so a group differs from one-by-one forwards only in its matrix
@@ -77,6 +78,8 @@ class TorchDecoder(EngineDecoder):
         self._positions = self.cache
         self._eos = tuple(int(e) for e in eos_token_ids)
         self.verify_group: int | None = None
+        # (ids, layer): logits of those token ids only (restrict_output)
+        self._head: tuple[torch.Tensor, Linear] | None = None
 
     def fork(self) -> TorchDecoder:
         """A second decoder over the same weights with its own, empty cache
@@ -84,6 +87,19 @@ class TorchDecoder(EngineDecoder):
         fork = TorchDecoder(self.model, self.context_length, self._eos)
         fork.verify_group = self.verify_group
         return fork
+
+    def restrict_output(self, ids: torch.Tensor | None) -> None:
+        """From now on compute logits for the token ids ``ids`` only (int64,
+        sorted and distinct; a head of those rows: a draft with a cut
+        vocabulary), every other id's logit being ``-inf``; ``None``: the
+        whole vocabulary again."""
+        if ids is None:
+            self._head = None
+            return
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ConfigError(f"an output vocabulary must be ids in 0..{self.vocab_size - 1}")
+        self._head = (ids, self.model.head_rows(ids))
 
     # -- facts -------------------------------------------------------------
     @property
@@ -157,7 +173,7 @@ class TorchDecoder(EngineDecoder):
                             and ids.numel() <= PER_POSITION_FEED)
             logits, hidden = self.model.forward(ids, positions, self.cache, None,
                                                 logits_rows=slice(-1, None),
-                                                rowwise=per_position)
+                                                rowwise=per_position, head=self._head)
             return ForwardOutput(logits, hidden if return_hidden else None)
         return self._in_groups(ids, positions, None, return_hidden)
 
@@ -168,7 +184,8 @@ class TorchDecoder(EngineDecoder):
         t = ids.numel()
         group = self.verify_group or t
         if t <= group:
-            logits, hidden = self.model.forward(ids, positions, self.cache, mask, rowwise=True)
+            logits, hidden = self.model.forward(ids, positions, self.cache, mask, rowwise=True,
+                                                head=self._head)
             return ForwardOutput(logits, hidden if return_hidden else None)
         base = self.length
         logits_parts, hidden_parts = [], []
@@ -176,7 +193,7 @@ class TorchDecoder(EngineDecoder):
             b = min(t, a + group)
             part_mask = None if mask is None else mask[a:b, :base + b]
             logits, hidden = self.model.forward(ids[a:b], positions[a:b], self.cache, part_mask,
-                                                rowwise=True)
+                                                rowwise=True, head=self._head)
             logits_parts.append(logits)
             hidden_parts.append(hidden)
         return ForwardOutput(torch.cat(logits_parts),
@@ -224,7 +241,7 @@ class TorchDecoder(EngineDecoder):
     def export_prefix(self):
         from forerun.protocol.prefix_reuse import PrefixPayload
 
-        tokens = self.cache.prefilled
+        tokens = self.prefilled_tokens
         self.cache.keep_prefix(len(tokens))
         data = self.cache.export()
         nbytes = 2 * data["keys"].numel() * data["keys"].element_size()
@@ -236,6 +253,7 @@ class TorchDecoder(EngineDecoder):
                                   "setting; it can't be restored here")
         self.cache.restore(payload.data)
         self.cache.set_prefilled(payload.tokens)
+        self._ledger_owner = payload.owner
 
 
 class _OutputLayer:

@@ -359,6 +359,16 @@ class Transformer:
                      + layer.down.nbytes for layer in self.layers)
         return layers + self.lm_head.nbytes
 
+    def head_rows(self, ids: torch.Tensor) -> Linear:
+        """An LM head of the rows ``ids`` (int64 ``[N]``) of this one: int8
+        rows beside quantized weights (where the head is int8 already, its
+        own values), else the float rows.  What a draft with a cut
+        vocabulary computes its logits with."""
+        rows = self.lm_head.weight_rows(ids.to(self.device))
+        if self.weights_format in QUANTIZED_FORMATS:
+            return int8_layer(quantize_int8(rows.float()), None, self.device)
+        return DenseLinear(rows, None, self.dtype, self.device)
+
     def new_cache(self, capacity: int) -> KVCache:
         """A cache of ``capacity`` positions matching this model."""
         if capacity <= 0:
@@ -370,7 +380,8 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None, *, logits_rows: slice | None = None,
-                rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                rowwise: bool = False, head: tuple[torch.Tensor, Linear] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``tokens`` (int64 ``[T]``) at ``positions`` (``[T]``), writing
         their keys and values to cache slots ``cache.length ..`` and advancing
         the cache.  ``mask``: bool ``[T, cache.length + T]`` or ``None`` for
@@ -389,6 +400,9 @@ class Transformer:
         :attr:`layer_ops` has them (every position computed on its own, in
         a fixed order); anything else, and every other device, in torch's
         operators.
+
+        ``head``: ``(ids, layer)`` of :meth:`head_rows`: the logits are
+        computed for those rows only, and are ``-inf`` for every other id.
         """
         c = self.config
         t = tokens.shape[0]
@@ -420,7 +434,13 @@ class Transformer:
         if logits_rows is not None and not padded:
             x = x[logits_rows]
         hidden = rms_norm(x, self.norm, c.rms_norm_eps)
-        logits = self.lm_head(hidden).float()
+        if head is None:
+            logits = self.lm_head(hidden).float()
+        else:
+            ids, cut_head = head
+            logits = hidden.new_full((hidden.shape[0], c.vocab_size), float("-inf"),
+                                     dtype=torch.float32)
+            logits[:, ids] = cut_head(hidden).float()
         if padded:
             logits, hidden = logits[:t], hidden[:t]
             if logits_rows is not None:

@@ -60,8 +60,10 @@ class CachePositions:
     def rollback(self, length: int) -> None:
         """Forget positions at and after ``length``.  O(1): only the pointer moves."""
         self.check_rollback(length)
+        # The ledger first: interrupted in between, it is never longer than
+        # the cache.
+        del self._prefilled[int(length):]
         self._length = int(length)
-        del self._prefilled[self._length:]
 
     def commit(self, length: int | None = None) -> None:
         """Raise the committed floor to ``length`` (default: current length)."""
@@ -104,9 +106,9 @@ class CachePositions:
         if not 0 <= length <= self._length:
             raise CacheStateError(f"cannot keep {length} positions: the cache holds "
                                   f"{self._length}")
+        del self._prefilled[int(length):]
         self._length = int(length)
         self._committed = 0
-        del self._prefilled[self._length:]
 
     def set_prefilled(self, tokens) -> None:
         """After an engine restored a saved prefix of ``len(tokens)``

@@ -46,6 +46,10 @@ class Capabilities:
     through.
     ``fork``: ``fork()`` gives a second decoder over the same weights with an
     empty cache of its own (a model drafting for itself).
+    ``output_vocabulary``: ``restrict_output(ids)`` makes the decoder compute
+    logits for the token ids ``ids`` only, from those rows of its LM head,
+    every other id's logit being ``-inf`` (``None``: all ids again); a draft
+    with a cut vocabulary (:mod:`forerun.drafters.draft_vocabulary`).
     """
 
     hidden_states: bool = False
@@ -53,6 +57,7 @@ class Capabilities:
     slot_compaction: bool = False
     output_layer: bool = False
     fork: bool = False
+    output_vocabulary: bool = False
 
 
 class OutputLayer(Protocol):

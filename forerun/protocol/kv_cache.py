@@ -103,8 +103,8 @@ class KVCache(CachePositions):
         if not torch.equal(src_slots, dst):
             self.keys[:, :, dst] = self.keys[:, :, src_slots]
             self.values[:, :, dst] = self.values[:, :, src_slots]
+        del self._prefilled[dst_start + n:]
         self._length = dst_start + n
-        del self._prefilled[self._length:]
 
     # -- persistence -----------------------------------------------------
     def export(self) -> dict:
@@ -148,11 +148,13 @@ class KVCache(CachePositions):
                 f"holds {self.capacity}: load the model with context_length >= {length}")
         if not 0 <= committed <= length:
             raise CacheStateError(f"payload committed length {committed} is outside 0..{length}")
+        # A restored cache is no prefill's (see set_prefilled); the ledger
+        # goes before the slots it describes are overwritten.
+        self._prefilled.clear()
         self.keys[:, :, :length] = keys.to(self.keys)
         self.values[:, :, :length] = values.to(self.values)
         self._length = length
         self._committed = committed
-        self._prefilled.clear()   # a restored cache is no prefill's (see set_prefilled)
 
     def save(self, path: str | Path, extra: dict[str, str] | None = None) -> None:
         """Write :meth:`export` to a safetensors file."""

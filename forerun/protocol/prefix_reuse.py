@@ -62,10 +62,11 @@ class PrefixReuse(Protocol):
         """Positions per prefill block (a property of the engine)."""
         ...
 
-    #: Whether a prefill may keep blocks of the cache (off by default: a
-    #: benchmark or a one-shot generation always prefills its whole prompt;
-    #: ``forerun serve`` turns it on).  The blocks and their numerics are
-    #: the same either way, so the output is too.
+    #: Whether a prefill may keep blocks of the cache (off in a bare engine;
+    #: a :class:`~forerun.api.model.Model` turns it on unless loaded with
+    #: ``reuse_prompts=False``, and ``forerun serve`` manages it).  The
+    #: blocks and their numerics are the same either way, so the output is
+    #: too.
     reuse_prefixes: bool
 
     @property
@@ -73,7 +74,9 @@ class PrefixReuse(Protocol):
         """The ledger: tokens of the leading positions of the cache that whole
         prefill blocks computed (a multiple of ``prefill_block`` of them).
         Anything that lowers the length below it (rollback, reset,
-        :meth:`keep_prefix`, a restore) shortens it."""
+        :meth:`keep_prefix`, a restore) shortens it, and it is empty while
+        the engine's settings that decide its numerics (its thread count,
+        its options) differ from those the blocks were computed with."""
         ...
 
     def mark_prefilled(self, tokens: Sequence[int]) -> None:

@@ -33,7 +33,8 @@ class Speculative(BaseModel):
     node count of a Medusa tree; ``draft_lookup``: prompt lookup beside the
     draft model, each round drafting with whichever pays more (default:
     wherever it applies, a draft model drafting chains of a chosen length;
-    ``false``: the draft model alone)."""
+    ``false``: the draft model alone); ``draft_window``: the most prompt
+    tokens a draft model reads (``"all"``: the whole prompt)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -42,6 +43,7 @@ class Speculative(BaseModel):
     draft_tree: bool | None = None
     tree_nodes: int | None = Field(default=None, ge=1)
     draft_lookup: bool | None = None
+    draft_window: int | str | None = None
 
 
 class StreamOptions(_Body):

@@ -182,11 +182,12 @@ class Translator:
         """The request's drafter, as ``{"speculative": config}``.  A request
         that names no drafter and shapes none gets the server's default; one
         that shapes its drafter (``draft_k``, ``draft_tree``, ``tree_nodes``,
-        ``draft_lookup``) takes none of the server's shape; one that names
+        ``draft_lookup``, ``draft_window``) takes none of the server's shape; one that names
         only a drafter gets that drafter's own defaults."""
         spec = req.speculative
         shape = {} if spec is None else {
-            name: value for name in ("draft_k", "draft_tree", "tree_nodes", "draft_lookup")
+            name: value for name in ("draft_k", "draft_tree", "tree_nodes", "draft_lookup",
+                                     "draft_window")
             if (value := getattr(spec, name)) is not None}
         if (spec is None or spec.draft is None) and not shape:
             return {"speculative": self.default}

@@ -44,7 +44,10 @@ METHODS = ("none", "ngram", "medusa", "drafter", "draft", "draft-lookup", "draft
 
 #: The options :func:`resolve` takes, by their canonical (API) names.
 OPTIONS = ("draft", "draft_k", "draft_lookup", "draft_tree", "tree_nodes", "draft_async",
-           "draft_threads", "target_threads")
+           "draft_threads", "target_threads", "draft_window")
+
+#: The value of ``draft_window`` that reads the whole prompt.
+WHOLE_PROMPT = "all"
 
 #: How each front end spells the options in its error messages.
 API: Mapping[str, str] = {o: o for o in OPTIONS}
@@ -72,7 +75,8 @@ class SpeculativeConfig:
     round (draft-model trees) or take the heads' default (Medusa).
     ``draft_threads`` and ``target_threads``: the thread split of
     asynchronous drafting (``None``: 1 for the draft, the rest for the
-    target)."""
+    target).  ``window``: the most prompt tokens a draft model reads
+    (:mod:`forerun.drafters.draft_window`; ``None``: the whole prompt)."""
 
     method: str = "none"
     draft: Any = None
@@ -80,6 +84,7 @@ class SpeculativeConfig:
     nodes: int | None = None
     draft_threads: int | None = None
     target_threads: int | None = None
+    window: int | None = None
 
     @property
     def speculates(self) -> bool:
@@ -95,7 +100,7 @@ class SpeculativeConfig:
         draft = self.draft if isinstance(self.draft, str) or self.draft is None \
             else ("object", id(self.draft))
         return (self.method, draft, self.length, self.nodes, self.draft_threads,
-                self.target_threads)
+                self.target_threads, self.window)
 
     def describe(self) -> str:
         """The draft and its shape in a few words (``"ngram"``,
@@ -167,7 +172,7 @@ def default_draft(model: str | None, draft: Any, *, needs_model: bool = False) -
 def resolve(draft: Any = None, *, draft_k: Any = None, draft_lookup: Any = None,
             draft_tree: Any = False, tree_nodes: Any = None, draft_async: Any = False,
             draft_threads: Any = None, target_threads: Any = None,
-            names: Mapping[str, str] = API) -> SpeculativeConfig:
+            draft_window: Any = None, names: Mapping[str, str] = API) -> SpeculativeConfig:
     """The :class:`SpeculativeConfig` these options ask for; every value of
     the wrong type and every combination that can't be built is a
     :class:`SpeculativeConfigError` that spells options as ``names`` does.
@@ -179,7 +184,10 @@ def resolve(draft: Any = None, *, draft_k: Any = None, draft_lookup: Any = None,
     model alone.  ``draft_tree``/``tree_nodes``: a draft-model tree, its
     node budget chosen every round or fixed (``tree_nodes`` also fixes a
     Medusa tree's node count).  ``draft_async``, ``draft_threads``,
-    ``target_threads``: a draft model drafting in a thread of its own."""
+    ``target_threads``: a draft model drafting in a thread of its own.
+    ``draft_window``: the most prompt tokens a draft model reads (``None``:
+    :data:`~forerun.drafters.draft_window.DEFAULT_DRAFT_WINDOW`;
+    ``"all"``: the whole prompt)."""
     n = names
 
     def fail(option: str, message: str) -> SpeculativeConfigError:
@@ -206,6 +214,7 @@ def resolve(draft: Any = None, *, draft_k: Any = None, draft_lookup: Any = None,
             raise fail(option, f"{n[option]} applies to asynchronous drafting: add "
                                f"{n['draft_async']}")
     kind = draft_kind(draft)
+    window = _window(draft_window, kind, n)
     if draft_async and kind != "model":
         raise fail("draft_async", f"{n['draft_async']} needs a draft model (a model, preset "
                                   f"or path sharing the tokenizer), got {n['draft']}="
@@ -263,12 +272,13 @@ def resolve(draft: Any = None, *, draft_k: Any = None, draft_lookup: Any = None,
         return SpeculativeConfig(kind, draft, length=draft_k)
     if draft_async:
         return SpeculativeConfig("draft-async", draft, length=draft_k,
-                                 draft_threads=draft_threads, target_threads=target_threads)
+                                 draft_threads=draft_threads, target_threads=target_threads,
+                                 window=window)
     if draft_tree_wanted:
-        return SpeculativeConfig("draft-tree", draft, nodes=tree_nodes)
+        return SpeculativeConfig("draft-tree", draft, nodes=tree_nodes, window=window)
     if draft_lookup or (draft_lookup is None and draft_k is None):
-        return SpeculativeConfig("draft-lookup", draft)
-    return SpeculativeConfig("draft", draft, length=draft_k)
+        return SpeculativeConfig("draft-lookup", draft, window=window)
+    return SpeculativeConfig("draft", draft, length=draft_k, window=window)
 
 
 def resolve_for_preset(model: str | None, draft: Any = None, *,
@@ -281,6 +291,26 @@ def resolve_for_preset(model: str | None, draft: Any = None, *,
                                  if k in options})
     chosen = default_draft(model, draft, needs_model=needs)
     return resolve(chosen, names=names, **options)
+
+
+def _window(value: Any, kind: str, names: Mapping[str, str]) -> int | None:
+    """The draft window ``value`` asks for, for a draft of ``kind``."""
+    from forerun.drafters.draft_window import DEFAULT_DRAFT_WINDOW, window_problem
+
+    if value is None:
+        return DEFAULT_DRAFT_WINDOW
+    if kind != "model":
+        raise SpeculativeConfigError(f"{names['draft_window']} is how much of the prompt a "
+                                     f"draft model reads; {names['draft']}={value!r} has "
+                                     f"none", "draft_window")
+    if isinstance(value, str) and value.lower() == WHOLE_PROMPT:
+        return None
+    problem = window_problem(value)
+    if problem is not None:
+        raise SpeculativeConfigError(f"{names['draft_window']} {problem}, or "
+                                     f"{WHOLE_PROMPT!r} for the whole prompt; got "
+                                     f"{value!r}", "draft_window")
+    return value
 
 
 def _check_positive(value: Any, option: str, names: Mapping[str, str],

@@ -42,60 +42,14 @@ import torch
 import torch.nn.functional as F
 
 from forerun.drafters.medusa import MedusaHeads
-from forerun.errors import ConfigError, ModelNotFoundError
+from forerun.errors import ConfigError
+from forerun.training.text_files import corpus_files, read_text
 
-TEXT_SUFFIXES = {".py", ".pyi", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js",
-                 ".ts", ".java", ".go", ".rs", ".json", ".toml", ".yaml", ".yml", ".html",
-                 ".css", ".sh", ".tex", ".csv", ""}
-MAX_FILE_BYTES = 2_000_000
 MIN_CHUNK = 16
 RANKS = 10        # ranks whose hit rates are recorded
 
 
 # -- the corpus ---------------------------------------------------------------
-
-def corpus_files(paths: Iterable[str | Path]) -> list[Path]:
-    """Every text file named or found (recursively) under ``paths``, in a
-    deterministic order.  Folders contribute files with common text
-    suffixes (or none); hidden folders and ``__pycache__`` are skipped."""
-    out: list[Path] = []
-    for p in paths:
-        path = Path(p).expanduser()
-        if not path.exists():
-            raise ModelNotFoundError(f"corpus path {path} does not exist")
-        if path.is_file():
-            out.append(path)
-            continue
-        for f in sorted(path.rglob("*")):
-            rel = f.relative_to(path).parts
-            if any(part.startswith(".") or part == "__pycache__" for part in rel):
-                continue
-            if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES \
-                    and f.stat().st_size <= MAX_FILE_BYTES:
-                out.append(f)
-    seen, unique = set(), []
-    for f in out:
-        key = f.resolve()
-        if key not in seen:
-            seen.add(key)
-            unique.append(f)
-    if not unique:
-        raise ConfigError(f"no text files found in the corpus {[str(p) for p in paths]}")
-    return unique
-
-
-def _read_text(path: Path) -> str | None:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    if b"\0" in data[:4096]:
-        return None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
 
 @dataclass
 class Corpus:
@@ -150,7 +104,7 @@ def build_corpus(files: Sequence[Path], encode: Callable[[str], list[int]], *,
     def token_lists() -> Iterable[list[int]]:
         nonlocal with_text
         for f in order:
-            text = _read_text(f)
+            text = read_text(f)
             if not text or not text.strip():
                 continue
             with_text += 1

@@ -10,6 +10,7 @@ import pytest
 
 import forerun
 from forerun.api.method_builder import check_draft_model, draft_weights, load_draft_model
+from forerun.drafters.draft_window import DEFAULT_DRAFT_WINDOW
 from forerun.errors import ConfigError, GenerationConfigError, TokenizerError
 from forerun.speculation import resolve
 from tiny_models import hf_folders
@@ -142,7 +143,7 @@ def test_api_draft_lookup_matches_plain_and_refuses_wrong_combinations(tiny):
                           draft=draft_folder, draft_lookup=True)
     assert out.tokens == plain.tokens and out.stats.method == "draft+lookup"
     method, _ = target._method(resolve(draft_folder, draft_lookup=True))
-    assert method.planner.model.context.window == 256
+    assert method.planner.model.context.window == DEFAULT_DRAFT_WINDOW
     # By default a draft model drafts beside prompt lookup where it can: not
     # with a fixed length, a tree or asynchronous drafting, nor when told not to.
     default = target.generate(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True,
@@ -165,3 +166,22 @@ def test_api_draft_lookup_matches_plain_and_refuses_wrong_combinations(tiny):
     for kwargs, message in wrong:
         with pytest.raises(GenerationConfigError, match=message):
             target.generate(prompt_ids=[1, 2, 3], max_new_tokens=2, **kwargs)
+
+
+@pytest.mark.parametrize("options, drafter_of", [
+    (dict(draft_lookup=True), lambda m: m.planner.model),
+    (dict(draft_lookup=False), lambda m: m.drafter),
+    (dict(draft_tree=True), lambda m: m.planner.drafter),
+    (dict(draft_async=True), lambda m: m.drafter),
+])
+def test_every_draft_model_method_reads_the_window_it_is_given(tiny, options, drafter_of):
+    target, draft_folder = tiny
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 5, 6, 7]
+    plain = target.generate(prompt_ids=prompt, max_new_tokens=12, ignore_eos=True)
+    for window, expected in ((None, DEFAULT_DRAFT_WINDOW), (8, 8), ("all", None)):
+        config = resolve(draft_folder, draft_window=window, **options)
+        out = target.generate(prompt_ids=prompt, max_new_tokens=12, ignore_eos=True,
+                              speculative=config)
+        assert out.tokens == plain.tokens
+        method, _ = target._method(config)
+        assert drafter_of(method).context.window == expected

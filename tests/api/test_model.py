@@ -2,10 +2,13 @@
 ``forerun.load``, ``Model.generate`` or ``Model.stream`` succeeds, and every
 invalid one raises a ForerunError, never TypeError, ValueError or
 RuntimeError from inside, and never silently accepts a value of the wrong
-type (``max_new_tokens=True``, ``seed=1.5``, ``prompt_ids=[1.7]``...)."""
+type (``max_new_tokens=True``, ``seed=1.5``, ``prompt_ids=[1.7]``...).
+And prompts read once: a generation whose prompt extends the previous one
+reuses its prefill, with the cold prefill's output bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import threading
@@ -213,6 +216,7 @@ LOAD_ARGS = {
     "progress": (st.booleans(), st.sampled_from([0, 1, "yes", None])),
     "engine_options": (st.sampled_from([{}, None]),
                        st.sampled_from([{"n_threads": 1}, {"bogus": 1}, "x"])),
+    "reuse_prompts": (st.booleans(), st.sampled_from([0, 1, "yes", None])),
 }
 # The weight format, where load() takes one: always given ("auto" measures
 # every format once per cache, seconds per call here).
@@ -340,3 +344,216 @@ def tiny_model_for_keywords(tmp_path_factory):
     folder = hf_folders(tmp_path_factory, (5,), prefix="kw")[0]
     return forerun.load(folder, context_length=32, device="cpu", weights="float32",
                         progress=False)
+
+
+# -- prompts read once -----------------------------------------------------------
+# A Model keeps its last sequence's cache, and a prompt that extends the
+# previous one keeps its whole prefill blocks (forerun.protocol.prefix_reuse):
+# warm or cold, the same forwards after those blocks, the same logits.
+
+BLOCK = 16   # positions per prefill block here: a short chat spans several
+CHAT = [{"role": "system", "content": "You answer about the fox and the dog."},
+        {"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 2}]
+OTHER = [{"role": "user", "content": "hello world, hello world, hello world, hello"}]
+
+
+@pytest.fixture(scope="module")
+def chat_model(folders, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FORERUN_CACHE", str(tmp_path_factory.mktemp("chat-cache")))
+        model = forerun.load(folders[0], context_length=256, device="cpu", progress=False,
+                             **FLOAT32)
+        model.decoder.prefill_block = BLOCK
+        yield model
+
+
+def next_turn(messages, answer: str, text: str = "and then the dog sleeps"):
+    return messages + [{"role": "assistant", "content": answer},
+                       {"role": "user", "content": text}]
+
+
+@contextlib.contextmanager
+def feeds_of(decoder):
+    """Record every feed of ``decoder``: its tokens, ``last_only``, logits."""
+    log: list[tuple[list[int], bool, torch.Tensor]] = []
+
+    def feed(tokens, *, last_only=False, return_hidden=False):
+        out = type(decoder).feed(decoder, tokens, last_only=last_only,
+                                 return_hidden=return_hidden)
+        log.append(([int(t) for t in tokens], last_only, out.logits.clone()))
+        return out
+
+    decoder.feed = feed
+    try:
+        yield log
+    finally:
+        del decoder.feed
+
+
+@contextlib.contextmanager
+def interrupted_at_feed(decoder, n: int):
+    """Ctrl-C right after the ``n``-th feed computed its positions, before
+    anyone could record them."""
+    calls = []
+
+    def feed(tokens, **kwargs):
+        out = type(decoder).feed(decoder, tokens, **kwargs)
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return out
+
+    decoder.feed = feed
+    try:
+        yield
+    finally:
+        del decoder.feed
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("draft", [{}, {"draft": "ngram", "draft_k": 3}])
+def test_a_longer_prompt_reuses_the_last_prompts_blocks_bit_for_bit(chat_model, draft,
+                                                                     temperature):
+    model = chat_model
+    options = dict(max_new_tokens=12, temperature=temperature, seed=7, **draft)
+    first = model.generate(messages=CHAT, **options)   # (builds what the method needs)
+    second = next_turn(CHAT, first.text)
+    model.reset_cache()
+    with feeds_of(model.decoder) as cold_feeds:
+        cold = model.generate(messages=second, **options)
+    model.generate(messages=CHAT, **options)
+    with feeds_of(model.decoder) as warm_feeds:
+        warm = model.generate(messages=second, **options)
+
+    reused = warm.stats.reused_prompt_tokens
+    assert cold.stats.reused_prompt_tokens == 0
+    assert reused >= 2 * BLOCK and reused % BLOCK == 0
+    assert warm.tokens == cold.tokens
+    # The warm generation runs the cold one's forwards, less its first
+    # blocks: the same tokens fed, bit-identical logits.
+    skipped = reused // BLOCK
+    ids = model.encode_prompt(messages=second)
+    assert [f[:2] for f in cold_feeds[:skipped]] == [
+        (ids[i * BLOCK:(i + 1) * BLOCK], True) for i in range(skipped)]
+    assert len(warm_feeds) == len(cold_feeds) - skipped
+    for (tokens, last_only, logits), (cold_tokens, cold_last_only, cold_logits) in zip(
+            warm_feeds, cold_feeds[skipped:]):
+        assert (tokens, last_only) == (cold_tokens, cold_last_only)
+        assert torch.equal(logits, cold_logits)
+
+
+@pytest.mark.parametrize("shape", [{"draft_k": 2, "draft_lookup": False},
+                                   {"draft_tree": True, "tree_nodes": 4},
+                                   {"draft_async": True}], ids=["chain", "tree", "async"])
+def test_a_draft_models_generation_reuses_the_prompt_too(chat_model, folders, shape):
+    """Speculation with a draft model, in a chain, a tree or a thread of its
+    own, prefills the model the same way."""
+    model, draft = chat_model, str(folders[1])
+    options = dict(max_new_tokens=12, draft=draft, **shape)
+    first = model.generate(messages=CHAT, **options)
+    second = next_turn(CHAT, first.text)
+    model.reset_cache()
+    cold = model.generate(messages=second, **options)
+    model.generate(messages=CHAT, **options)
+    warm = model.generate(messages=second, **options)
+    assert warm.stats.method == cold.stats.method != "plain"
+    assert warm.stats.reused_prompt_tokens >= 2 * BLOCK
+    assert warm.tokens == cold.tokens
+
+
+def test_an_unrelated_conversation_reuses_nothing(chat_model):
+    model = chat_model
+    model.reset_cache()
+    cold = model.generate(messages=OTHER, max_new_tokens=12)
+    model.generate(messages=CHAT, max_new_tokens=12)
+    warm = model.generate(messages=OTHER, max_new_tokens=12)
+    assert warm.stats.reused_prompt_tokens == 0
+    assert warm.tokens == cold.tokens
+
+
+@pytest.mark.parametrize("stop", ["closed", "cancelled", "interrupted in the prefill"])
+def test_reuse_after_a_stopped_generation_is_exact(chat_model, stop):
+    model = chat_model
+    first = model.generate(messages=CHAT, max_new_tokens=12)
+    second = next_turn(CHAT, first.text)
+    model.reset_cache()
+    cold = model.generate(messages=second, max_new_tokens=12)
+    model.reset_cache()
+    if stop == "closed":
+        stream = model.stream(messages=CHAT, max_new_tokens=40, ignore_eos=True)
+        assert len([d for _, d in zip(range(2), stream)]) == 2
+        stream.close()
+    elif stop == "cancelled":
+        cancel = threading.Event()
+        stream = model.stream(messages=CHAT, max_new_tokens=40, ignore_eos=True,
+                              cancel=cancel)
+        next(stream)
+        cancel.set()
+        list(stream)
+        assert stream.result is not None and stream.result.finish_reason == "cancelled"
+    else:
+        # The second block computed, not yet recorded: it must not be reused.
+        with interrupted_at_feed(model.decoder, 2), pytest.raises(KeyboardInterrupt):
+            model.generate(messages=CHAT, max_new_tokens=12)
+    warm = model.generate(messages=second, max_new_tokens=12)
+    assert warm.tokens == cold.tokens
+    if stop == "interrupted in the prefill":
+        assert warm.stats.reused_prompt_tokens == BLOCK
+    else:
+        assert warm.stats.reused_prompt_tokens >= 2 * BLOCK
+
+
+def test_reuse_off_prefills_every_prompt_whole(chat_model):
+    model = chat_model
+    model.generate(messages=CHAT, max_new_tokens=4)
+    model.reuse_prompts = False
+    try:
+        assert not model.reuse_prompts
+        with feeds_of(model.decoder) as feeds:
+            again = model.generate(messages=CHAT, max_new_tokens=4)
+    finally:
+        model.reuse_prompts = True
+    n = len(model.encode_prompt(messages=CHAT))
+    assert again.stats.reused_prompt_tokens == 0
+    assert [len(f[0]) for f in feeds if f[1]] == [min(BLOCK, n - i) for i in range(0, n, BLOCK)]
+    assert model.generate(messages=CHAT, max_new_tokens=4).stats.reused_prompt_tokens > 0
+
+
+def test_reuse_is_on_unless_load_turns_it_off(folders, tmp_path, monkeypatch):
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    assert forerun.load(folders[0], context_length=64, progress=False,
+                        **FLOAT32).reuse_prompts is True
+    model = forerun.load(folders[0], context_length=64, progress=False,
+                         reuse_prompts=False, **FLOAT32)
+    assert model.reuse_prompts is False
+    with pytest.raises(ConfigError, match="reuse_prompts must be True or False"):
+        model.reuse_prompts = "yes"     # type: ignore[assignment]
+
+
+def test_threads_sharing_a_model_get_their_cold_outputs(chat_model):
+    """Two conversations in two threads take turns with the model and its
+    cache: each gets, turn by turn, what it gets alone from a cold cache."""
+    model = chat_model
+
+    def converse(messages, cold: bool) -> list[list[int]]:
+        out = []
+        for text in ("and the dog?", "and the fox?"):
+            if cold:
+                model.reset_cache()
+            result = model.generate(messages=messages, max_new_tokens=10)
+            out.append(result.tokens)
+            messages = next_turn(messages, result.text, text)
+        return out
+
+    expected = [converse(CHAT, cold=True), converse(OTHER, cold=True)]
+    got: list = [None, None]
+
+    def run(i, messages):
+        got[i] = converse(messages, cold=False)
+
+    threads = [threading.Thread(target=run, args=(i, m)) for i, m in enumerate((CHAT, OTHER))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == expected

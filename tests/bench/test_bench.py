@@ -13,6 +13,7 @@ from forerun.bench import (
     BenchMethod,
     BenchSettings,
     ForerunMethod,
+    MethodOutput,
     load_prompts,
     print_report,
     run_bench,
@@ -194,6 +195,26 @@ def test_multi_turn_uses_plain_answer(tiny, registry):
     assert spy_row["mismatch"] is False
 
 
+def test_every_method_prefills_first_turns_whole_and_reuses_the_same_prefix_later(
+        tiny, monkeypatch):
+    """Fair to every method: a prompt's first turn is prefilled whole, and
+    a later turn reuses the previous turn's blocks, whichever method ran
+    just before (each would otherwise find the last one's cache)."""
+    model = tiny[0]
+    monkeypatch.setattr(model.decoder, "prefill_block", 4)   # blocks in a short prompt
+    report = bench(tiny, methods=("plain", "ngram", "draft-k2"))
+    assert not report.mismatches()
+    for row in report.rows:
+        assert row["turns"][0]["reused_prompt_tokens"] == 0, row["method"]
+    later = {r["method"]: r["turns"][1]["reused_prompt_tokens"] for r in report.rows
+             if r["question_id"] == 3}
+    first_prompt = model.encode_prompt(messages=[{"role": "user", "content": "hello"}])
+    assert set(later) == {"plain", "ngram", "draft-k2"}
+    assert len(set(later.values())) == 1
+    assert 0 < later["plain"] <= len(first_prompt)
+    assert "prompt_reuse" in report.notes
+
+
 def test_mismatch_is_flagged(tiny, registry, capsys):
     registry("wrong", lambda: Spy(corrupt=True))
     report = bench(tiny, methods=("plain", "wrong"))
@@ -312,6 +333,62 @@ def test_transformers_peers(tiny):
     assert report.methods["llamacpp-plain"]["status"] == "skipped"
 
 
+class VirtualClock:
+    """The runner's clock, moved only by the methods below: a row's wall
+    time says which of their calls fell inside its timed section."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class TimedMethod(BenchMethod):
+    """Loading takes ``load`` virtual seconds (in ``setup``, or in the first
+    generation when ``lazy``), each generation one more."""
+
+    engine = "fake"
+    baseline = None
+
+    def __init__(self, clock, *, peer, load, lazy=False):
+        self.clock, self.peer, self.load, self.lazy = clock, peer, load, lazy
+        self.loaded = False
+
+    def _load(self):
+        self.clock.now += self.load
+        self.loaded = True
+
+    def setup(self, ctx):
+        if not self.lazy:
+            self._load()
+
+    def generate(self, ctx, prompt_ids, *, max_new_tokens, **kw):
+        if not self.loaded:
+            self._load()
+        self.clock.now += 1.0
+        return MethodOutput([5] * max_new_tokens)
+
+
+def test_a_peer_s_time_leaves_out_every_model_s_loading(tiny, registry, monkeypatch):
+    """A peer loads in setup, outside every timed section; a method of
+    forerun's that loads lazily (here in its first generation, with no
+    warm-up) counts its loading in its own row, never in a peer's."""
+    from forerun.bench import runner
+
+    clock = VirtualClock()
+    monkeypatch.setattr(runner, "time", clock)
+    registry("slow-peer", lambda: TimedMethod(clock, peer=True, load=1000.0))
+    registry("lazy", lambda: TimedMethod(clock, peer=False, load=500.0, lazy=True))
+    report = bench(tiny, methods=("plain", "lazy", "slow-peer"), warmup=0)
+    peer_turns = [t for r in rows_of(report, "slow-peer") for t in r["turns"]]
+    assert len(peer_turns) == sum(len(p["turns"]) for p in PROMPTS)
+    assert all(t["wall_seconds"] == 1.0 for t in peer_turns)
+    # The clock sees what the timed section holds: the lazy load, once.
+    lazy_turns = [t["wall_seconds"] for r in rows_of(report, "lazy") for t in r["turns"]]
+    assert lazy_turns == [501.0] + [1.0] * (len(lazy_turns) - 1)
+
+
 def test_peers_need_the_loaded_models_file(tiny):
     report = bench(tiny, model="smollm2-135m", peer_transformers=True)
     info = report.methods["hf-plain"]
@@ -400,6 +477,8 @@ def test_real_model_with_llama_cpp(preset_model, tmp_path):
         assert llama["status"] == "skipped"
         return
     assert llama["status"] == "ok", llama
+    assert report.methods["llamacpp-lookup"]["status"] == "ok"
+    assert "llamacpp-matched" not in report.methods   # forerun runs on torch here
     row = rows_of(report, "llamacpp-plain")[0]
     assert row["new_tokens"] == rows_of(report, "plain")[0]["new_tokens"]
     assert row["plain_match"] is not None
@@ -411,9 +490,10 @@ def test_real_model_with_llama_cpp(preset_model, tmp_path):
 @pytest.mark.exclusive_cpu
 def test_real_model_on_the_llama_cpp_engine(tmp_path, capsys):
     """``--engine llama.cpp``: forerun's rows run on llama.cpp, the prompt-
-    lookup row reproduces plain decoding's tokens on that engine, the peer
-    is set up like the engine, and Medusa (torch only) fails with a reason
-    instead of ending the run."""
+    lookup row reproduces plain decoding's tokens on that engine, the
+    matched peer is set up like the engine (and computes its tokens) beside
+    the stock ones, and Medusa (torch only) fails with a reason instead of
+    ending the run."""
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python is not installed")
     from real_presets import require_preset
@@ -430,8 +510,11 @@ def test_real_model_on_the_llama_cpp_engine(tmp_path, capsys):
     methods = report["methods"]
     assert methods["ngram"]["status"] == "ok"
     assert "torch engine" in (methods["medusa"]["message"] or "")
-    assert "n_ubatch=512" in methods["llamacpp-plain"]["note"]
-    assert "f16 keys, q8_0 values" in methods["llamacpp-plain"]["note"]
+    assert "n_ubatch=512" in methods["llamacpp-matched"]["note"]
+    assert "f16 keys, q8_0 values" in methods["llamacpp-matched"]["note"]
+    assert "f16 keys, f16 values" in methods["llamacpp-plain"]["note"]
+    assert methods["llamacpp-lookup"]["status"] == "ok", methods["llamacpp-lookup"]
     rows = {r["method"]: r for r in report["rows"] if r["status"] == "ok"}
     assert rows["ngram"]["mismatch"] is False
-    assert rows["llamacpp-plain"]["plain_match"] == 1.0
+    assert rows["llamacpp-matched"]["plain_match"] == 1.0
+    assert rows["llamacpp-lookup"]["mismatch"] is not None   # checked against llamacpp-plain

@@ -141,6 +141,38 @@ def test_the_ledger_follows_the_cache(hf):
         target.mark_prefilled(prompt(8, seed=9))
 
 
+def test_the_prefill_says_how_much_it_reused(hf):
+    target = target_of(hf)
+    a = prompt(21)
+    stats = GenerationStats()
+    prefill(target, a, stats=stats)
+    assert stats.reused_prompt_tokens == 0
+    prefill(target, a[:19] + prompt(11, seed=1), stats=stats)
+    assert stats.reused_prompt_tokens == 16
+
+
+def test_blocks_count_only_on_the_thread_count_that_computed_them(hf):
+    """Blocks computed on another thread count may hold other numbers:
+    the next prefill computes them again, and records them anew."""
+    target = target_of(hf)
+    a = prompt(20)
+    own = target.threads
+    prefill(target, a)
+    try:
+        target.set_threads(own + 1)
+        assert target.prefilled_tokens == ()
+        with pytest.raises(CacheStateError, match="other engine settings"):
+            target.feed(a[16:], last_only=True)
+            target.mark_prefilled(prompt(8, seed=3))
+        stats = GenerationStats()
+        prefill(target, a, stats=stats)
+        assert stats.reused_prompt_tokens == 0
+        assert target.prefilled_tokens == tuple(a[:16])
+    finally:
+        target.set_threads(own)
+    assert target.prefilled_tokens == ()
+
+
 def test_saved_prefix_restores_bit_identical(hf):
     a = prompt(27)
     b = a[:20] + prompt(9, seed=6)

@@ -344,7 +344,7 @@ def lookup_or_draft(draft_table: torch.Tensor, alternate: bool = False):
     class Alternating(LookupOrDraftPlanner):
         turn = 0
 
-        def model_length(self, room):
+        def model_length(self, sequence, room):
             return min(3, room)
 
         def lookup_length(self, found, k_model):

@@ -57,6 +57,38 @@ def test_greedy_output_is_plain_decoding(k):
     assert not drafter_threads()
 
 
+LONG_PROMPT = [int(t) for t in torch.randint(0, V, (30,),
+                                             generator=torch.Generator().manual_seed(5))]
+
+
+@pytest.mark.parametrize("window", [9, 10, 30, None])
+@pytest.mark.parametrize("k", [3, None])
+def test_a_windowed_draft_reads_the_window_and_the_output_is_plain_decodings(window, k):
+    """The thread reads the window's view of a long prompt (its first 4 and
+    last ``window - 4`` tokens), then drafts: the output stays plain
+    decoding's whatever the view, and a rejection rolls the draft's cache
+    back at the right place (the sequence's positions less the skipped
+    prompt tokens).  (Table rows depend on the position modulo 3: a window
+    of 9 skips 21 tokens and keeps the draft's agreement.)"""
+    plain = greedy_tokens(PlainDecoding(TableDecoder(TARGET)), LONG_PROMPT, 60)
+    recorder = FeedRecorder(DRAFT)
+    stats = GenerationStats()
+    m = method(recorder, k=k, drafter={"window": window})
+    assert greedy_tokens(m, LONG_PROMPT, 60, stats) == plain
+    read = min(window or 30, 30)
+    view = LONG_PROMPT if read == 30 else LONG_PROMPT[:4] + LONG_PROMPT[30 - (read - 4):]
+    # The thread read the view of the prompt from position 0 in one feed
+    # (besides the one-token timing feeds of the adaptive length).
+    reads = [tokens for position, tokens, _ in recorder.log if position == 0 and len(tokens) > 2]
+    assert reads == [view]
+    if window == 9 and k is not None:
+        assert 0 < stats.accepted < stats.drafted and stats.discarded > 0
+    # Settled: the draft's cache holds the view, then committed tokens only.
+    assert recorder.tokens[:len(view)] == view
+    assert recorder.tokens[len(view):] == plain[:len(recorder.tokens) - len(view)]
+    assert not drafter_threads()
+
+
 def test_only_drafts_of_the_committed_context_are_verified():
     """Every draft the target verifies is what the draft model drafts after
     the committed tokens and the drafts before it: a proposal drafted from a

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from forerun.decoding.draft_tree_planner import DraftTreePlanner
 from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.decoding.speculative import SpeculativeDecoding
@@ -14,7 +15,7 @@ from forerun.drafters.draft_context import SINK_TOKENS, DraftContext
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.draft_model_tree import DraftModelTreeDrafter
 from forerun.errors import ConfigError
-from method_runs import greedy_tokens
+from method_runs import FeedLog, greedy_tokens
 from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)
 
 V = 7
@@ -111,3 +112,71 @@ def test_speculative_decoding_with_a_windowed_draft_equals_plain(window):
     else:
         assert 0 < stats.accepted < stats.drafted      # partly accepted: a real draft
     assert len(drafter.context.fed) <= (window or len(PROMPT)) + 40   # settled, the view
+
+
+@pytest.mark.parametrize("window", [None, 9, 8, 29, 30, 31])
+@pytest.mark.parametrize("nodes", [3, None])
+def test_tree_speculation_with_a_windowed_draft_equals_plain(window, nodes):
+    """A draft tree drafted from the window's view, fixed or adaptive node
+    budgets, windows shorter than, equal to and longer than the prompt."""
+    target_table = torch.randn(3, V, V, generator=torch.Generator().manual_seed(11))
+    draft_table = target_table + torch.randn(3, V, V, generator=torch.Generator().manual_seed(12))
+    plain = greedy_tokens(PlainDecoding(TableDecoder(target_table)), PROMPT, 40)
+    drafter = DraftModelTreeDrafter(TableDecoder(draft_table), window=window)
+    method = SpeculativeDecoding(TableDecoder(target_table),
+                                 planner=DraftTreePlanner(drafter, nodes=nodes))
+    stats = GenerationStats()
+    assert greedy_tokens(method, PROMPT, 40, stats) == plain
+    if window is not None and window < len(PROMPT):
+        # It read the window's view of the prompt, never the whole prompt.
+        assert drafter.context.fed[:SINK_TOKENS] == PROMPT[:SINK_TOKENS]
+        assert PROMPT[SINK_TOKENS:len(PROMPT) - window + SINK_TOKENS] != \
+            drafter.context.fed[SINK_TOKENS:len(PROMPT) - window + SINK_TOKENS]
+    if nodes is not None and window != 8:
+        assert 0 < stats.accepted < stats.drafted
+
+
+def test_a_next_turn_that_extends_the_last_reads_only_its_new_tokens():
+    """A chat's next turn starts with the last turn's prompt and answer: the
+    draft keeps its cache (and its window's skip) and reads the rest."""
+    log = FeedLog(TableDecoder(TABLE))
+    drafter = DraftModelDrafter(log, window=10)
+    method = SpeculativeDecoding(TableDecoder(TABLE), drafter, k=3)
+    first = greedy_tokens(method, PROMPT, 12)
+    turn = PROMPT + first + [1, 2, 3, 4, 5]
+    log.feeds.clear()
+    second = greedy_tokens(method, turn, 12)
+    assert second == greedy_tokens(PlainDecoding(TableDecoder(TABLE)), turn, 12)
+    assert drafter.context.skipped == 20          # the first turn's skip, kept
+    # Its first feed: the 5 new tokens and the answer's last tokens the cache
+    # lacked (at most the last round's), where a fresh view would read 10.
+    assert log.feeds[0][1] and 5 < log.feeds[0][0] <= 5 + 3
+    assert drafter.context.fed[:len(drafter.context.view(turn))] == drafter.context.view(turn)
+
+
+def test_a_cache_another_drafter_filled_in_between_is_not_kept():
+    decoder = TableDecoder(TABLE)
+    one, other = DraftModelDrafter(decoder), DraftModelDrafter(decoder)
+    one.begin(PROMPT)
+    one.propose(PROMPT, 2, GREEDY)
+    one.settle(len(PROMPT))
+    elsewhere = [(t + 1) % V for t in PROMPT]     # as long as PROMPT
+    other.begin(elsewhere)
+    other.propose(elsewhere, 2, GREEDY)
+    other.settle(len(elsewhere))
+    assert decoder.length == len(one.context.fed)
+    # The decoder holds the other's tokens, whatever one's ``fed`` says.
+    one.begin(PROMPT + [4])
+    assert one.context.fed == [] and decoder.length == 0
+    assert one.propose(PROMPT + [4], 2, GREEDY).tokens == \
+        DraftModelDrafter(TableDecoder(TABLE)).propose(PROMPT + [4], 2, GREEDY).tokens
+
+
+def test_a_new_prompt_that_shares_only_the_start_reads_afresh():
+    drafter = DraftModelDrafter(TableDecoder(TABLE), window=10)
+    drafter.begin(PROMPT)
+    drafter.propose(PROMPT, 2, GREEDY)
+    drafter.settle(len(PROMPT))
+    other = PROMPT[:5] + [(t + 1) % V for t in PROMPT[5:]]
+    drafter.begin(other)
+    assert drafter.context.fed == [] and drafter.decoder.length == 0

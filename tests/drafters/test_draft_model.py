@@ -311,3 +311,63 @@ def test_settle_after_a_rejected_round_keeps_no_rejected_draft():
     assert inner.tokens == sequence[:inner.length], (
         f"settle kept rejected draft {inner.tokens[len(prompt):]} where the sequence "
         f"has {[extra]}")
+
+
+def test_what_a_draft_must_read_first_is_priced_from_its_timed_reads(monkeypatch):
+    """catch_up_seconds: the committed tokens the cache lacks beyond a step's
+    one, at the per-token cost of the drafter's timed reads; one round's
+    worth (STEADY_READ) in full, the rest spread over the rounds so far."""
+    from types import SimpleNamespace
+
+    from forerun.drafters import draft_context, draft_model
+
+    clock = SimpleNamespace(now=0.0)
+    clocked = ClockedWrapper(TableDecoder(table(0)), clock,
+                             lambda tokens: 0.01 * len(tokens) if len(tokens) > 2 else 0.05)
+    monkeypatch.setattr(draft_model, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    drafter = DraftModelDrafter(clocked)
+    prompt = [int(t) % V for t in range(3, 33)]
+    drafter.begin(prompt)
+    assert drafter.catch_up_seconds(prompt, 1) == 0.0    # no step timed: nothing to price by
+    draft = drafter.propose(prompt, 2, sampler())         # a read of 30 tokens, then a step
+    assert drafter.step_seconds() == pytest.approx(0.05)
+    # The round rejected the first draft and committed 2: the cache lacks both.
+    sequence = prompt + [(draft.tokens[0] + 1) % V, 2]
+    assert drafter.catch_up_seconds(sequence, 3) == pytest.approx(0.01 * 1)
+    drafter.settle(len(sequence))
+
+    other = [(t + 1) % V for t in range(40)]
+    drafter.begin(other)                                  # nothing shared: 39 to read
+    steady = draft_context.STEADY_READ
+    assert drafter.catch_up_seconds(other, 1) == pytest.approx(0.01 * 39)
+    assert drafter.catch_up_seconds(other, 10) == pytest.approx(
+        0.01 * (steady + (39 - steady) / 10))
+    # Before a read was timed, a token's read is priced at READ_PRIOR steps.
+    fresh = DraftModelDrafter(TableDecoder(table(0)))
+    fresh._step_ema = 0.05
+    fresh.begin(other)
+    assert fresh.catch_up_seconds(other, 1) == pytest.approx(draft_context.READ_PRIOR * 0.05 * 39)
+
+
+def test_a_chain_planner_waits_with_a_long_read_until_the_generation_can_pay_it():
+    """ChainPlanner counts a draft model's read: with a 2 s read pending it
+    takes plain steps where a drafter with nothing to read drafts at once."""
+    from forerun.decoding.draft_length import ChainPlanner
+
+    class Reader(DraftModelDrafter):
+        read = 2.0
+
+        def catch_up_seconds(self, sequence, rounds):
+            return self.read / max(1, rounds)
+
+    for read, drafts_at_once in ((0.0, True), (2.0, False)):
+        drafter = Reader(TableDecoder(table(0)))
+        drafter.read = read
+        drafter._step_ema = 0.02
+        planner = ChainPlanner(drafter)
+        sizes = len(planner.policy.costs.seconds)
+        planner.policy.costs.seconds = [None] + [0.1 + 0.01 * t for t in range(1, sizes)]
+        prompt = [1, 2, 3, 4]
+        planner.begin(prompt)
+        tree = planner.draft(prompt, None, 100, sampler())
+        assert (tree.num_nodes > 0) == drafts_at_once

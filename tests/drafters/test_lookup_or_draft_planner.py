@@ -31,8 +31,8 @@ class ScriptedModel:
 
     name = "scripted"
 
-    def __init__(self, tokens: list[int], seconds: float = 0.02) -> None:
-        self.tokens, self.seconds = tokens, seconds
+    def __init__(self, tokens: list[int], seconds: float = 0.02, read: float = 0.0) -> None:
+        self.tokens, self.seconds, self.read = tokens, seconds, read
         self.proposed: list[int] = []       # the k of each proposal
 
     def begin(self, prompt_ids):
@@ -50,6 +50,10 @@ class ScriptedModel:
 
     def step_seconds(self):
         return self.seconds
+
+    def catch_up_seconds(self, sequence, rounds):
+        """A read of ``read`` seconds spread over the rounds so far."""
+        return self.read / max(1, rounds)
 
 
 def planner_with_costs(model, per_position: float = 0.01) -> LookupOrDraftPlanner:
@@ -198,3 +202,33 @@ def test_greedy_lookup_or_draft_equals_plain(arch, window, monkeypatch):
         accepted += stats.accepted
     assert accepted > 0
     assert planner.rounds["lookup"] > 0 and planner.rounds["model"] > 0, planner.rounds
+
+
+def test_what_the_model_must_read_first_counts_against_drafting_with_it():
+    """A model that must first read a long prompt (2 s, spread over the
+    rounds so far) takes plain rounds until the generation is long enough to
+    pay it back; one with nothing to read drafts at once."""
+    sequence = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]      # nothing to look up
+    eager = ScriptedModel([7, 7, 7], seconds=0.02, read=0.0)
+    planner = planner_with_costs(eager)
+    planner.begin(sequence)
+    planner.draft(sequence, None, 100, GREEDY)
+    assert eager.proposed and eager.proposed[0] > 0
+
+    reader = ScriptedModel([7, 7, 7], seconds=0.02, read=2.0)
+    planner = planner_with_costs(reader)
+    planner.begin(sequence)
+    rounds_before_drafting = 0
+    while True:
+        tree = planner.draft(sequence, None, 100, GREEDY)
+        if reader.proposed:
+            break
+        assert tree.num_nodes == 0                # a plain step
+        planner.learn(sequence, tree, [0])
+        rounds_before_drafting += 1
+        assert rounds_before_drafting < 100
+    # At the prior acceptance (0.7) 3 drafts commit 2.53 tokens in 0.2 s
+    # against a plain step's one in 0.11 s, which pays while the read counts
+    # less than 0.078 s: 2 s spread over 26 rounds.  (Exploring would have
+    # read it at round 8.)
+    assert rounds_before_drafting == 25

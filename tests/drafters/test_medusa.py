@@ -18,7 +18,8 @@ from forerun.decoding.stats import GenerationStats
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.medusa import MedusaDrafter, MedusaHeads, shipped_heads_path
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
-from forerun.training.medusa import TrainSettings, build_corpus, corpus_files, train_medusa
+from forerun.training.medusa import TrainSettings, build_corpus, train_medusa
+from forerun.training.text_files import corpus_files
 from method_runs import greedy_tokens
 from tiny_models import VOCAB, forerun_decoder, hf_model
 

@@ -4,12 +4,19 @@ every shape its drafter cannot take."""
 
 import pytest
 
+from forerun.drafters.draft_window import DEFAULT_DRAFT_WINDOW
 from forerun.server.errors import APIError
 from forerun.server.schemas import ChatCompletionRequest, parse
 from forerun.server.translate import Translator
 from forerun.speculation import PLAIN, SpeculativeConfig, resolve
 
 DRAFT = "small.gguf"      # the draft model the server loaded, as its command line named it
+W = DEFAULT_DRAFT_WINDOW  # what a draft model reads of a prompt by default
+
+
+def drafted(method: str, **shape) -> SpeculativeConfig:
+    """The config of the server's draft model drafting as ``method``."""
+    return SpeculativeConfig(method, DRAFT, window=W, **shape)
 
 
 def translator(default_draft=DRAFT, **default_shape) -> Translator:
@@ -25,27 +32,27 @@ def drafter(t: Translator, speculative: str | None = None) -> SpeculativeConfig:
 
 
 def test_a_request_without_fields_gets_the_servers_drafter_and_shape():
-    assert drafter(translator()) == SpeculativeConfig("draft-lookup", DRAFT)
-    assert drafter(translator(draft_lookup=True)) == SpeculativeConfig("draft-lookup", DRAFT)
-    assert drafter(translator(draft_lookup=False)) == SpeculativeConfig("draft", DRAFT)
-    assert drafter(translator(draft_k=3)) == SpeculativeConfig("draft", DRAFT, length=3)
-    assert drafter(translator(draft_tree=True)) == SpeculativeConfig("draft-tree", DRAFT)
-    assert drafter(translator(tree_nodes=5)) == SpeculativeConfig("draft-tree", DRAFT, nodes=5)
+    assert drafter(translator()) == drafted("draft-lookup")
+    assert drafter(translator(draft_lookup=True)) == drafted("draft-lookup")
+    assert drafter(translator(draft_lookup=False)) == drafted("draft")
+    assert drafter(translator(draft_k=3)) == drafted("draft", length=3)
+    assert drafter(translator(draft_tree=True)) == drafted("draft-tree")
+    assert drafter(translator(tree_nodes=5)) == drafted("draft-tree", nodes=5)
     assert drafter(translator(None)) == PLAIN
 
 
 def test_a_request_that_shapes_its_drafter_takes_none_of_the_servers_shape():
     t = translator(draft_tree=True)
-    assert drafter(t, '{"tree_nodes": 6}') == SpeculativeConfig("draft-tree", DRAFT, nodes=6)
-    assert drafter(t, '{"draft_k": 2}') == SpeculativeConfig("draft", DRAFT, length=2)
-    assert drafter(t, '{"draft_lookup": true}') == SpeculativeConfig("draft-lookup", DRAFT)
+    assert drafter(t, '{"tree_nodes": 6}') == drafted("draft-tree", nodes=6)
+    assert drafter(t, '{"draft_k": 2}') == drafted("draft", length=2)
+    assert drafter(t, '{"draft_lookup": true}') == drafted("draft-lookup")
     assert drafter(translator(draft_lookup=True), '{"draft_lookup": false}') \
-        == SpeculativeConfig("draft", DRAFT)
-    assert drafter(t, '{"draft_tree": false}') == SpeculativeConfig("draft-lookup", DRAFT)
+        == drafted("draft")
+    assert drafter(t, '{"draft_tree": false}') == drafted("draft-lookup")
     # Naming another drafter drops the server's tree, which n-grams cannot draft.
     assert drafter(t, '{"draft": "ngram"}') == SpeculativeConfig("ngram", "ngram")
     assert drafter(translator(), '{"draft": "small", "draft_tree": true}') \
-        == SpeculativeConfig("draft-tree", DRAFT)
+        == drafted("draft-tree")
     assert drafter(translator(), '{"draft": "medusa", "tree_nodes": 8}') \
         == SpeculativeConfig("medusa", "medusa", nodes=8)
 

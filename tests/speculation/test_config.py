@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from forerun.cli.main import build_parser, speculative_config
+from forerun.drafters.draft_window import DEFAULT_DRAFT_WINDOW
 from forerun.drafters.medusa import MedusaHeads
 from forerun.drafters.ngram import NgramDrafter
 from forerun.errors import GenerationConfigError
@@ -68,6 +69,7 @@ def test_default_draft_is_one_rule(model, draft, needs_model, expected):
 
 DRAFT = "draft.gguf"
 OWN = NgramDrafter()
+W = DEFAULT_DRAFT_WINDOW
 
 
 @pytest.mark.parametrize("draft, options, expected", [
@@ -79,15 +81,23 @@ OWN = NgramDrafter()
     ("medusa", {}, SpeculativeConfig("medusa", "medusa")),
     ("medusa", {"tree_nodes": 8}, SpeculativeConfig("medusa", "medusa", nodes=8)),
     ("medusa", {"draft_k": 5}, SpeculativeConfig("medusa", "medusa", nodes=5)),
-    (DRAFT, {}, SpeculativeConfig("draft-lookup", DRAFT)),
-    (DRAFT, {"draft_lookup": True}, SpeculativeConfig("draft-lookup", DRAFT)),
-    (DRAFT, {"draft_lookup": False}, SpeculativeConfig("draft", DRAFT)),
-    (DRAFT, {"draft_k": 4}, SpeculativeConfig("draft", DRAFT, length=4)),
-    (DRAFT, {"draft_tree": True}, SpeculativeConfig("draft-tree", DRAFT)),
-    (DRAFT, {"tree_nodes": 6}, SpeculativeConfig("draft-tree", DRAFT, nodes=6)),
-    (DRAFT, {"draft_async": True}, SpeculativeConfig("draft-async", DRAFT)),
+    (DRAFT, {}, SpeculativeConfig("draft-lookup", DRAFT, window=W)),
+    (DRAFT, {"draft_lookup": True}, SpeculativeConfig("draft-lookup", DRAFT, window=W)),
+    (DRAFT, {"draft_lookup": False}, SpeculativeConfig("draft", DRAFT, window=W)),
+    (DRAFT, {"draft_k": 4}, SpeculativeConfig("draft", DRAFT, length=4, window=W)),
+    (DRAFT, {"draft_tree": True}, SpeculativeConfig("draft-tree", DRAFT, window=W)),
+    (DRAFT, {"tree_nodes": 6}, SpeculativeConfig("draft-tree", DRAFT, nodes=6, window=W)),
+    (DRAFT, {"draft_async": True}, SpeculativeConfig("draft-async", DRAFT, window=W)),
     (DRAFT, {"draft_async": True, "draft_k": 3, "draft_threads": 1, "target_threads": 1},
-     SpeculativeConfig("draft-async", DRAFT, length=3, draft_threads=1, target_threads=1)),
+     SpeculativeConfig("draft-async", DRAFT, length=3, draft_threads=1, target_threads=1,
+                       window=W)),
+    # how much of a prompt the draft model reads
+    (DRAFT, {"draft_window": 64}, SpeculativeConfig("draft-lookup", DRAFT, window=64)),
+    (DRAFT, {"draft_window": "all"}, SpeculativeConfig("draft-lookup", DRAFT, window=None)),
+    (DRAFT, {"draft_window": "ALL", "draft_tree": True},
+     SpeculativeConfig("draft-tree", DRAFT, window=None)),
+    (DRAFT, {"draft_window": 32, "draft_async": True},
+     SpeculativeConfig("draft-async", DRAFT, window=32)),
 ])
 def test_each_set_of_options_resolves_to_one_method(draft, options, expected):
     assert resolve(draft, **options) == expected
@@ -117,6 +127,11 @@ def test_each_set_of_options_resolves_to_one_method(draft, options, expected):
     (DRAFT, {"draft_lookup": True, "draft_tree": True}, "draft_lookup", "drop {draft_tree}"),
     (DRAFT, {"draft_lookup": True, "draft_async": True}, "draft_lookup", "{draft_async}"),
     (DRAFT, {"draft_lookup": 1}, "draft_lookup", "{draft_lookup} must be true, false"),
+    ("ngram", {"draft_window": 64}, "draft_window", "{draft_window} is how much of the prompt"),
+    (None, {"draft_window": 64}, "draft_window", "{draft_window} is how much of the prompt"),
+    (DRAFT, {"draft_window": 4}, "draft_window", "{draft_window} must be an integer above 4"),
+    (DRAFT, {"draft_window": True}, "draft_window", "{draft_window} must be an integer"),
+    (DRAFT, {"draft_window": "everything"}, "draft_window", "'all' for the whole prompt"),
 ])
 @pytest.mark.parametrize("names", [API, CLI, SERVER], ids=["api", "cli", "server"])
 def test_errors_name_the_option_as_each_front_end_spells_it(draft, options, option, words,
@@ -171,6 +186,12 @@ def _server(default, body: bytes = b""):
      dict(draft="qwen2.5-coder-0.5b", draft_lookup=False)),
     (("--draft", "qwen2.5-coder-0.5b"), b'{"draft": "qwen2.5-coder-0.5b"}',
      dict(draft="qwen2.5-coder-0.5b")),
+    (("--draft-tree", "--draft-window", "64"),
+     b'{"draft": "qwen2.5-coder-0.5b", "draft_tree": true, "draft_window": 64}',
+     dict(draft="qwen2.5-coder-0.5b", draft_tree=True, draft_window=64)),
+    (("--draft", "qwen2.5-coder-0.5b", "--draft-window", "all"),
+     b'{"draft": "qwen2.5-coder-0.5b", "draft_window": "all"}',
+     dict(draft="qwen2.5-coder-0.5b", draft_window="all")),
 ])
 def test_the_cli_the_server_and_the_api_resolve_the_same_settings_alike(argv, body, api):
     from_cli = _cli(*argv)
