@@ -261,8 +261,7 @@ async def _next_event(job: Job, request: Request, poll: float = 0.25) -> tuple:
 
 
 def _stats(finished: Finished) -> dict:
-    return responses.forerun_stats(finished.result, reused_tokens=finished.reuse.tokens,
-                                   queue_seconds=finished.queue_seconds)
+    return responses.forerun_stats(finished.result, queue_seconds=finished.queue_seconds)
 
 
 def _shutting_down(tokens: int | None = None) -> APIError:

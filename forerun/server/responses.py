@@ -79,15 +79,16 @@ def finish_reason(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def forerun_stats(result: GenerationResult, *, reused_tokens: int,
-                  queue_seconds: float) -> dict[str, Any]:
-    """The ``"forerun"`` extension field: how the generation went."""
+def forerun_stats(result: GenerationResult, *, queue_seconds: float) -> dict[str, Any]:
+    """The ``"forerun"`` extension field: how the generation went
+    (``prefix_cache_tokens``: the prompt tokens its prefill took from the
+    cache, as the prefill counted them)."""
     s = result.stats
     stats: dict[str, Any] = {
         "method": s.method,
         "new_tokens": s.new_tokens,
         "prompt_tokens": s.prompt_tokens,
-        "prefix_cache_tokens": reused_tokens,
+        "prefix_cache_tokens": s.reused_prompt_tokens,
         "queue_seconds": round(queue_seconds, 6),
         "prefill_seconds": round(s.prefill_seconds, 6),
         "decode_seconds": round(s.decode_seconds, 6),
