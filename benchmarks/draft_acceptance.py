@@ -120,7 +120,7 @@ def main() -> None:
     p.add_argument("--categories", default=None)
     p.add_argument("-n", type=int, default=128, help="new tokens per turn")
     p.add_argument("--windows", default="16,32,64,128,256,512,all")
-    p.add_argument("--order", default="token-order.safetensors",
+    p.add_argument("--order", default="bench-out/token-order.safetensors",
                    help="the token frequency order's file (counted on this installation's "
                         "Python text when missing)")
     p.add_argument("--vocab", default="", help="draft vocabulary sizes to try, e.g. 16384,32768")

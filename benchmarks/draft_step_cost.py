@@ -29,7 +29,7 @@ from harness import (
 
 def main() -> None:
     p = model_options(parser(__doc__), draft=DRAFT, context=300)
-    p.add_argument("--order", default="token-order.safetensors",
+    p.add_argument("--order", default="bench-out/token-order.safetensors",
                    help="the token frequency order's file (counted on this installation's "
                         "Python text when missing)")
     p.add_argument("--vocab", default="8192,16384,32768")

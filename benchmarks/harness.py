@@ -214,6 +214,7 @@ def frequency_order(tokenizer, path: str | Path) -> list[int]:
 
     path = Path(path)
     if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
         counts, read = count_local_text(tokenizer)
         order = order_of(counts, first=sorted(tokenizer.special_token_ids))
         write_order(path, order, {"tokenizer": tokenizer.fingerprint(),

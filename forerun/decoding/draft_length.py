@@ -224,9 +224,13 @@ class AdaptiveDraftLength:
             # generation has lasted long enough to pay it back: no estimate
             # is stale, so there is nothing to explore.
             return 0
+        # Exploring asks whether drafting could pay at all, the read aside:
+        # a stale acceptance (learnt on other text) must be able to recover,
+        # and an exploring round reads only what the plain rounds since the
+        # last one committed.
         optimistic = max(self.acceptance.rate, OPTIMISTIC_ACCEPTANCE)
-        k = self.exploration.adjust(k, lambda: best_chain_length(
-            self.max_k, optimistic, cost, self.costs) > 0)
+        k = self.exploration.adjust(k, lambda: best_draft_length(
+            self.max_k, optimistic, draft_seconds, self.costs) > 0)
         return min(k, self.max_k)
 
 

@@ -65,11 +65,9 @@ class ReadsContext(Protocol):
     def catch_up_seconds(self, sequence: Sequence[int], rounds: int) -> float:
         """Seconds a round drafting after ``sequence`` should count for
         reading the committed tokens the drafter has not read yet, beyond
-        what a draft step reads, in a generation ``rounds`` rounds old.  A
-        round's own catch-up (the tokens the last round committed) counts in
-        full; a longer read (the prompt, or the tokens of plain rounds)
-        counts spread over the rounds so far, as if the generation will last
-        as long again: so a long read waits until the generation has shown
-        it may pay it back, and costs at most about what waiting would have
-        (ski rental)."""
+        what a draft step reads, in a generation ``rounds`` rounds old: the
+        read spread over the rounds so far, as if the generation will last
+        as long again.  So a long read (the prompt, or the tokens of plain
+        rounds) waits until the generation has shown it may pay it back,
+        and costs at most about what waiting would have (ski rental)."""
         ...

@@ -48,10 +48,6 @@ READ_PRIOR = 0.2
 #: reads of at least this many tokens time what one token's read costs
 TIMED_READ = 8
 
-#: the most committed tokens one round of drafting leaves to read (its
-#: accepted drafts and the target's token)
-STEADY_READ = 9
-
 #: each draft decoder's last DraftContext: the one whose ``fed`` says what
 #: the decoder's cache holds
 _FILLED_BY: WeakKeyDictionary = WeakKeyDictionary()
@@ -146,16 +142,15 @@ class DraftContext:
                      step_seconds: float) -> float:
         """What a round drafting after ``sequence`` should count for reading
         the committed tokens of its view the cache lacks, beyond the one a
-        step reads (:class:`~forerun.decoding.drafter.ReadsContext`): one
-        round's worth (at most :data:`STEADY_READ`) in full, the rest spread
-        over the generation's ``rounds`` so far; a token at its timed cost,
-        or at :data:`READ_PRIOR` draft steps of ``step_seconds`` before a
-        read was timed."""
+        step reads (:class:`~forerun.decoding.drafter.ReadsContext`): their
+        read spread over the generation's ``rounds`` so far (while drafting,
+        a round leaves none to read: its step reads what it committed); a
+        token at its timed cost, or at :data:`READ_PRIOR` draft steps of
+        ``step_seconds`` before a read was timed."""
         view = self.view(sequence)
         missing = max(0, len(view) - common_prefix(self.fed, view) - 1)
         if not missing:
             return 0.0
         per_token = self._read_ema if self._read_ema is not None else \
             READ_PRIOR * step_seconds
-        steady = min(missing, STEADY_READ)
-        return per_token * (steady + (missing - steady) / max(1, rounds))
+        return per_token * missing / max(1, rounds)

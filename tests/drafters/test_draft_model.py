@@ -315,8 +315,8 @@ def test_settle_after_a_rejected_round_keeps_no_rejected_draft():
 
 def test_what_a_draft_must_read_first_is_priced_from_its_timed_reads(monkeypatch):
     """catch_up_seconds: the committed tokens the cache lacks beyond a step's
-    one, at the per-token cost of the drafter's timed reads; one round's
-    worth (STEADY_READ) in full, the rest spread over the rounds so far."""
+    one, at the per-token cost of the drafter's timed reads, spread over the
+    rounds so far."""
     from types import SimpleNamespace
 
     from forerun.drafters import draft_context, draft_model
@@ -333,15 +333,14 @@ def test_what_a_draft_must_read_first_is_priced_from_its_timed_reads(monkeypatch
     assert drafter.step_seconds() == pytest.approx(0.05)
     # The round rejected the first draft and committed 2: the cache lacks both.
     sequence = prompt + [(draft.tokens[0] + 1) % V, 2]
-    assert drafter.catch_up_seconds(sequence, 3) == pytest.approx(0.01 * 1)
+    assert drafter.catch_up_seconds(sequence, 1) == pytest.approx(0.01 * 1)
+    assert drafter.catch_up_seconds(sequence, 4) == pytest.approx(0.01 / 4)
     drafter.settle(len(sequence))
 
     other = [(t + 1) % V for t in range(40)]
     drafter.begin(other)                                  # nothing shared: 39 to read
-    steady = draft_context.STEADY_READ
     assert drafter.catch_up_seconds(other, 1) == pytest.approx(0.01 * 39)
-    assert drafter.catch_up_seconds(other, 10) == pytest.approx(
-        0.01 * (steady + (39 - steady) / 10))
+    assert drafter.catch_up_seconds(other, 10) == pytest.approx(0.01 * 39 / 10)
     # Before a read was timed, a token's read is priced at READ_PRIOR steps.
     fresh = DraftModelDrafter(TableDecoder(table(0)))
     fresh._step_ema = 0.05
