@@ -135,9 +135,69 @@ def _async(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMet
     return method
 
 
+def _eagle(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMethod:
+    """An EAGLE-3 head drafting chains (``config.length`` long or chosen every
+    round) or trees (``config.nodes`` nodes or a budget chosen every round)."""
+    from forerun.decoding.draft_length import ChainPlanner
+    from forerun.decoding.draft_tree_planner import DraftTreePlanner
+    from forerun.decoding.speculative import SpeculativeDecoding
+    from forerun.drafters.eagle import EagleDrafter
+
+    drafter = EagleDrafter(eagle_head(model, config.draft), model.decoder.context_length,
+                           window=config.window, name=config.method)
+    model.verification_grouping()
+    if config.method == "eagle-tree":
+        return SpeculativeDecoding(model.decoder,
+                                   planner=DraftTreePlanner(drafter, nodes=config.nodes),
+                                   cost_store=cost_store(model, "+draft-tree"))
+    return SpeculativeDecoding(model.decoder, planner=ChainPlanner(drafter, k=config.length),
+                               cost_store=cost_store(model))
+
+
+def eagle_head(model: Model, draft: Any):
+    """The :class:`~forerun.engines.eagle_head.EagleHead` ``draft`` names on
+    ``model``: ``"eagle"``, the head forerun ships for the model (a preset);
+    ``"eagle:PATH"``, a head in the layout vLLM and SGLang load
+    (:mod:`forerun.loading.eagle3_files`); or
+    :class:`~forerun.engines.eagle3_weights.Eagle3Weights`.  Its matrices run
+    in int8 beside a quantized target, else in the target's format."""
+    from forerun.engines.eagle3_weights import Eagle3Weights
+    from forerun.engines.eagle_head import EagleHead
+    from forerun.engines.linear import QUANTIZED_FORMATS
+    from forerun.errors import ModelNotFoundError
+    from forerun.loading.eagle3_files import load_eagle3, shipped_head_path
+
+    decoder = model.decoder
+    if not decoder.capabilities.layer_states:
+        raise ConfigError(f"an EAGLE head drafts from the target's layer states, which the "
+                          f"{decoder.engine} engine does not give; load {model.name} on the "
+                          f"torch engine")
+    layers = decoder.model.config.num_layers   # (the torch engine's network)
+    if isinstance(draft, Eagle3Weights):
+        weights = draft
+    elif draft == "eagle":
+        path = shipped_head_path(model.name)
+        if path is None:
+            raise ModelNotFoundError(
+                f"forerun ships no EAGLE head for {model.name}; train one with 'forerun "
+                f"train eagle --model {model.name} --data DATA --out HEAD' and use "
+                f"draft='eagle:HEAD' (--draft eagle:HEAD)")
+        weights = load_eagle3(path, target_layers=layers)
+    else:
+        spec = str(draft).split(":", 1)[1]
+        if not spec:
+            raise ConfigError("draft='eagle:PATH' needs a path to an EAGLE-3 head")
+        weights = load_eagle3(spec, target_layers=layers)
+    config = decoder.model.config
+    weights.check_target(config.hidden_size, config.vocab_size, layers, model.name)
+    fmt = decoder.settings.weights
+    fmt = "q8" if fmt in QUANTIZED_FORMATS else (fmt or "float32")
+    return EagleHead(weights, decoder.embed_tokens, weights_format=fmt, device=decoder.device)
+
+
 _BUILDERS = {"ngram": _chain, "drafter": _chain, "draft": _chain, "medusa": _medusa,
              "draft-lookup": _lookup_or_draft, "draft-tree": _draft_tree,
-             "draft-async": _async}
+             "draft-async": _async, "eagle": _eagle, "eagle-tree": _eagle}
 
 
 def _draft_decoder(model: Model, draft: Any, drafts: list):

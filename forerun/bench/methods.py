@@ -176,3 +176,20 @@ register_method("medusa", lambda: ForerunMethod("medusa", draft="medusa",
                                                 description="Medusa heads, tree verification"),
                 "Medusa heads with tree verification: Model.generate(draft='medusa') "
                 "(the torch engine; the preset's shipped heads)")
+
+
+def _eagle(match: re.Match) -> BenchMethod:
+    tree, path = match.group(1), match.group(2)
+    head = f"eagle:{path}" if path else "eagle"
+    where = f"the head in {path}" if path else "the preset's shipped head"
+    if tree:
+        return ForerunMethod(match.group(0), draft=head, options={"draft_tree": True},
+                             description=f"EAGLE-3 head drafting trees, {where}")
+    return ForerunMethod(match.group(0), draft=head,
+                         description=f"EAGLE-3 head drafting chains, {where}")
+
+
+register_pattern(r"eagle(-tree)?(?::(.+))?", _eagle, "eagle[-tree][:HEAD]",
+                 "an EAGLE-3 head trained for the model drafts chains (or, -tree, token "
+                 "trees) from the model's own states: Model.generate(draft='eagle'); :HEAD "
+                 "names a head folder instead of the preset's shipped one (torch engine)")

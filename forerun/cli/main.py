@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     from forerun.cli.medusa import add_parser as _add_medusa_parser
     _add_medusa_parser(sub)
+    from forerun.cli.train import add_parser as _add_train_parser
+    _add_train_parser(sub)
+    from forerun.cli.export import add_parser as _add_export_parser
+    _add_export_parser(sub)
     from forerun.cli.serve import add_parser as _add_serve_parser
     _add_serve_parser(sub)
     from forerun.cli.chat import add_parser as _add_chat_parser
@@ -293,6 +297,12 @@ def dispatch(argv: Sequence[str] | None = None) -> int:
     if args.command == "medusa":
         from forerun.cli.medusa import run as cmd_medusa
         return cmd_medusa(args)
+    if args.command == "train":
+        from forerun.cli.train import run as cmd_train
+        return cmd_train(args)
+    if args.command == "export":
+        from forerun.cli.export import run as cmd_export
+        return cmd_export(args)
     if args.command == "cache":
         from forerun.cli.cache import run as cmd_cache
         return cmd_cache(args)

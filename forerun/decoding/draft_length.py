@@ -17,7 +17,7 @@ import torch
 
 from forerun.decoding.base import check_count
 from forerun.decoding.draft_tree import DraftTree
-from forerun.decoding.drafter import ReadsContext
+from forerun.decoding.drafter import ReadsContext, ReadsTargetStates
 from forerun.decoding.sampling import TokenSampler
 from forerun.protocol.decoder import Decoder
 
@@ -252,6 +252,9 @@ class ChainPlanner:
         check_count("max_k", max_k, MAX_DRAFT_LENGTH)
         self.drafter = drafter
         self.name = drafter.name
+        #: a drafter from the target's states gets them every round
+        self.hidden_layers: tuple[int, ...] = (
+            tuple(drafter.hidden_layers) if isinstance(drafter, ReadsTargetStates) else ())
         self.fixed_k = k
         self.policy = AdaptiveDraftLength(max_k)
         self.rounds = 0      # rounds of this generation so far
@@ -269,6 +272,8 @@ class ChainPlanner:
     def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
               sampler: TokenSampler) -> DraftTree:
         self.rounds += 1
+        if self.hidden_layers and hidden is not None:
+            self.drafter.take_states(sequence, hidden)
         read = (self.drafter.catch_up_seconds(sequence, self.rounds)
                 if self.fixed_k is None and isinstance(self.drafter, ReadsContext) else 0.0)
         k = self.fixed_k if self.fixed_k is not None else \

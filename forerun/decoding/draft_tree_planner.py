@@ -56,7 +56,7 @@ from forerun.decoding.draft_length import (
     expected_tokens,
 )
 from forerun.decoding.draft_tree import DraftTree
-from forerun.decoding.drafter import ReadsContext
+from forerun.decoding.drafter import ReadsContext, ReadsTargetStates
 from forerun.decoding.rank_tree_planner import MAX_TREE_NODES
 from forerun.decoding.sampling import TokenSampler
 
@@ -186,6 +186,9 @@ class DraftTreePlanner:
         check_count("max_nodes", max_nodes, MAX_TREE_NODES)
         self.drafter = drafter
         self.name = drafter.name
+        #: a drafter from the target's states gets them every round
+        self.hidden_layers: tuple[int, ...] = (
+            tuple(drafter.hidden_layers) if isinstance(drafter, ReadsTargetStates) else ())
         self.fixed_nodes = nodes
         self.policy = NodeBudgetPolicy(max(max_nodes, nodes or 0), max_depth)
         self._scores: list[float] = []
@@ -205,6 +208,8 @@ class DraftTreePlanner:
 
     def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
               sampler: TokenSampler) -> DraftTree:
+        if self.hidden_layers and hidden is not None:
+            self.drafter.take_states(sequence, hidden)
         cap = min(room, self.fixed_nodes or self.policy.max_nodes)
         self._scores = []
         self._drafted = False

@@ -71,3 +71,23 @@ class ReadsContext(Protocol):
         rounds) waits until the generation has shown it may pay it back,
         and costs at most about what waiting would have (ski rental)."""
         ...
+
+
+@runtime_checkable
+class ReadsTargetStates(Protocol):
+    """What a drafter that drafts from the target's own states (an EAGLE
+    head) adds to its interface.  Its planner asks the verification loop
+    for the states entering the target's layers ``hidden_layers``
+    (:attr:`forerun.protocol.decoder.ForwardOutput.layers`), and hands them
+    on every round, drafted or not, before anything else."""
+
+    hidden_layers: tuple[int, ...]
+
+    def take_states(self, sequence: Sequence[int], states: torch.Tensor) -> None:
+        """The target's states (``[N, len(hidden_layers) * H]``) of the ``N``
+        positions it computed for the first time since the last call:
+        those ending at position ``len(sequence) - 2`` (the committed
+        sequence's last token, the root of the next draft, is not computed
+        yet).  ``N`` is the whole prompt at a generation's first call, less
+        any prefix the target's prefill took from its cache."""
+        ...

@@ -11,6 +11,9 @@ and all of them reuse a cached prefix the same exact way
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import torch
 
 from forerun.decoding.stats import GenerationStats
 from forerun.errors import CacheStateError
@@ -19,10 +22,13 @@ from forerun.protocol.prefix_reuse import PrefixReuse, reusable_length
 
 
 def prefill(target: Decoder, prompt_ids: Sequence[int], *, return_hidden: bool = False,
+            hidden_layers: Sequence[int] = (),
             stats: GenerationStats | None = None) -> ForwardOutput:
     """Make ``target``'s cache hold exactly ``prompt_ids``, committed, and
     return the output of the last prompt position (``[1, V]`` logits, and the
-    ``[1, H]`` hidden state when ``return_hidden``).
+    ``[1, H]`` hidden state when ``return_hidden``).  With ``hidden_layers``,
+    its ``layers`` are the states of every position the prefill computed
+    (the prompt's last ones: a prefix taken from the cache is not computed).
 
     On an engine with :class:`~forerun.protocol.prefix_reuse.PrefixReuse`, the cache
     keeps the leading whole prefill blocks it already holds for this prompt
@@ -39,9 +45,10 @@ def prefill(target: Decoder, prompt_ids: Sequence[int], *, return_hidden: bool =
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise CacheStateError("the prefill needs at least one prompt token")
+    asked: dict[str, Any] = {"hidden_layers": tuple(hidden_layers)} if hidden_layers else {}
     if not isinstance(target, PrefixReuse):
         target.reset()
-        out = target.feed(prompt, last_only=True, return_hidden=return_hidden)
+        out = target.feed(prompt, last_only=True, return_hidden=return_hidden, **asked)
         target.commit()
         return out
     block = target.prefill_block
@@ -51,11 +58,16 @@ def prefill(target: Decoder, prompt_ids: Sequence[int], *, return_hidden: bool =
     if stats is not None:
         stats.reused_prompt_tokens = keep
     last: ForwardOutput | None = None
+    states: list[torch.Tensor] = []
     for start in range(keep, len(prompt), block):
         chunk = prompt[start:start + block]
-        last = target.feed(chunk, last_only=True, return_hidden=return_hidden)
+        last = target.feed(chunk, last_only=True, return_hidden=return_hidden, **asked)
+        if last.layers is not None:
+            states.append(last.layers)
         if len(chunk) == block:
             target.mark_prefilled(chunk)
     target.commit()
     assert last is not None   # keep < len(prompt) (reusable_length): one feed at least
+    if len(states) > 1:
+        last.layers = torch.cat(states)
     return last

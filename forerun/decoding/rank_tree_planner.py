@@ -353,6 +353,7 @@ class RankTreePlanner:
         self.drafter = drafter
         self.name = drafter.name
         self.needs_hidden = bool(drafter.needs_hidden)
+        self.hidden_layers: tuple[int, ...] = ()
         self.fixed_tree = None if tree is None else tree_shape(tree)
         if self.fixed_tree is not None and self.fixed_tree.depth > drafter.max_depth:
             raise ConfigError(f"the tree is {self.fixed_tree.depth} deep but the drafter "

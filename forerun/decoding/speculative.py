@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -99,6 +99,10 @@ class Planner(Protocol):
     #: whether :meth:`draft` needs the target's hidden state of the token
     #: before the root (Medusa heads)
     needs_hidden: bool
+    #: the target layers whose input states :meth:`draft` needs, of every
+    #: position the target computed since the last round (an EAGLE head:
+    #: :class:`~forerun.decoding.drafter.ReadsTargetStates`); ``()``: none
+    hidden_layers: tuple[int, ...]
     #: whether it drafts trees (else only chains)
     drafts_trees: bool
 
@@ -122,7 +126,12 @@ class Planner(Protocol):
     def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
               sampler: TokenSampler) -> DraftTree:
         """The tree of this round, of at most ``room`` drafted nodes, rooted
-        at ``sequence[-1]`` (no nodes: a plain step)."""
+        at ``sequence[-1]`` (no nodes: a plain step).  ``hidden``: with
+        :attr:`needs_hidden`, the target's final hidden state ``[H]`` of
+        the token before the root; with :attr:`hidden_layers`, the states
+        of those layers ``[N, ...]`` of the ``N`` positions the target
+        computed since the last round, ending with that token's; else
+        ``None``."""
         ...
 
     def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
@@ -157,6 +166,10 @@ class SpeculativeDecoding(DraftAndVerify):
                 raise ConfigError("speculative decoding needs a drafter or a planner")
             planner = ChainPlanner(drafter, k=k, max_k=max_k)
         caps = target.capabilities
+        if planner.hidden_layers and not caps.layer_states:
+            raise ConfigError(f"the {planner.name} drafter drafts from the target's layer "
+                              f"states, which the {target.engine} engine does not provide; "
+                              f"use the torch engine")
         if planner.needs_hidden and not caps.hidden_states:
             raise ConfigError(f"the {planner.name} drafter needs the target's hidden states, "
                               f"which the {target.engine} engine does not provide")
@@ -186,14 +199,29 @@ class SpeculativeDecoding(DraftAndVerify):
             stats: GenerationStats) -> Generator[list[int], None, None]:
         target, planner = self.target, self.planner
         want_hidden = bool(planner.needs_hidden)
+        layers = tuple(planner.hidden_layers)
+        # (only asked where wanted: a Decoder without layer states need not take it)
+        asked: dict[str, Any] = {"hidden_layers": layers} if layers else {}
+
+        def states(out: ForwardOutput, rows: list[int] | slice) -> torch.Tensor | None:
+            """What the planner asked for, of these ``rows`` (the last for a hidden state)."""
+            if layers:
+                assert out.layers is not None   # the Decoder contract of hidden_layers
+                return out.layers[rows]
+            if want_hidden:
+                if isinstance(rows, slice):
+                    return _hidden(out, -1 if rows.stop is None else rows.stop - 1)
+                return _hidden(out, rows[-1])
+            return None
+
         planner.begin(prompt_ids)
         sequence = list(prompt_ids)
         start = time.perf_counter()
         # The prefill is plain decoding's (an engine may compute a prefill
         # with other kernels than a verification), and its logits give the
         # first token.
-        out = prefill(target, sequence, return_hidden=want_hidden, stats=stats)
-        hidden = _hidden(out, -1) if want_hidden else None
+        out = prefill(target, sequence, return_hidden=want_hidden, stats=stats, **asked)
+        hidden = states(out, slice(None))
         self._calibrate(sequence[-1])
         stats.prefill_seconds = time.perf_counter() - start
         stats.verify_group = target.verify_group
@@ -211,11 +239,11 @@ class SpeculativeDecoding(DraftAndVerify):
             base = target.length
             shape = tree.shape if len(fed) == tree.shape.size else tree.subtree(fed)
             if shape.is_chain:
-                out = target.feed(tokens, return_hidden=want_hidden)
+                out = target.feed(tokens, return_hidden=want_hidden, **asked)
             else:
                 out = target.forward(tokens, shape.positions(base, target.device),
                                      shape.attention_mask(base, target.device),
-                                     return_hidden=want_hidden)
+                                     return_hidden=want_hidden, **asked)
             t2 = time.perf_counter()
             logits = finite(out.logits)
             row = {node: i for i, node in enumerate(fed)}
@@ -224,15 +252,16 @@ class SpeculativeDecoding(DraftAndVerify):
             n = len(path)
             if rows == list(range(n)):
                 target.rollback(base + n)        # a prefix of the fed slots
-                hidden = _hidden(out, rows[-1]) if want_hidden else None
+                hidden = states(out, slice(0, n))
             elif target.capabilities.slot_compaction:
                 cast(_SlotCompaction, target).keep_slots(
                     torch.tensor([base + r for r in rows], dtype=torch.long), base)
-                hidden = _hidden(out, rows[-1]) if want_hidden else None
+                hidden = states(out, rows)
             else:
                 target.rollback(base)
-                again = target.feed([tree.tokens[i] for i in path], return_hidden=want_hidden)
-                hidden = _hidden(again, -1) if want_hidden else None
+                again = target.feed([tree.tokens[i] for i in path], return_hidden=want_hidden,
+                                    **asked)
+                hidden = states(again, slice(None))
             committed = [tree.tokens[i] for i in path[1:]] + [int(extra)]
             sequence.extend(committed)
             planner.learn(sequence, tree, path)

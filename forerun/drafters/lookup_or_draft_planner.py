@@ -63,6 +63,7 @@ class LookupOrDraftPlanner:
     tokens a round."""
 
     needs_hidden = False
+    hidden_layers: tuple[int, ...] = ()
     drafts_trees = False
 
     def __init__(self, model: DraftModelDrafter, lookup: NgramDrafter | None = None, *,

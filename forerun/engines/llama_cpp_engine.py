@@ -400,12 +400,14 @@ class LlamaCppDecoder(EngineDecoder):
         self._positions.check_room(int(ids.size))
         return ids
 
-    def _no_hidden(self, return_hidden: bool) -> None:
-        if return_hidden:
+    def _no_hidden(self, return_hidden: bool, hidden_layers: Sequence[int] = ()) -> None:
+        # llama-cpp-python's API gives the final embeddings at most; the states
+        # entering chosen layers would take a graph callback (cb_eval) per forward.
+        if return_hidden or hidden_layers:
             raise UnsupportedOperationError(
                 "the llama.cpp engine does not expose hidden states "
-                "(capabilities.hidden_states is False); use the torch engine for methods "
-                "that need them")
+                "(capabilities.hidden_states and layer_states are False); use the torch "
+                "engine for methods that need them")
 
     def _decode(self, ids: np.ndarray, last_only: bool) -> torch.Tensor:
         lc, ctx, vocab = self._lc, self._ctx, self._vocab
@@ -445,19 +447,21 @@ class LlamaCppDecoder(EngineDecoder):
         return torch.from_numpy(logits)
 
     def feed(self, tokens: Sequence[int] | torch.Tensor, *, last_only: bool = False,
-             return_hidden: bool = False) -> ForwardOutput:
-        self._no_hidden(return_hidden)
+             return_hidden: bool = False, hidden_layers: Sequence[int] = ()
+             ) -> ForwardOutput:
+        self._no_hidden(return_hidden, hidden_layers)
         ids = self._tokens(tokens)
         return ForwardOutput(self._decode(ids, last_only))
 
     def forward(self, tokens: Sequence[int] | torch.Tensor,
                 positions: Sequence[int] | torch.Tensor, attention_mask: torch.Tensor,
-                *, return_hidden: bool = False) -> ForwardOutput:
+                *, return_hidden: bool = False, hidden_layers: Sequence[int] = ()
+                ) -> ForwardOutput:
         """Only the causal case: ``positions`` must be ``length .. length+T-1``
         and ``attention_mask`` the causal mask (every fed token sees the whole
         cache and the fed tokens up to itself).  Anything else (a tree mask)
         raises :class:`~forerun.errors.UnsupportedOperationError`."""
-        self._no_hidden(return_hidden)
+        self._no_hidden(return_hidden, hidden_layers)
         ids = self._tokens(tokens)
         t = int(ids.size)
         pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1).cpu()

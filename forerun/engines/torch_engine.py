@@ -45,7 +45,8 @@ class TorchDecoder(EngineDecoder):
 
     engine = "torch"
     capabilities = Capabilities(hidden_states=True, tree_masks=True, slot_compaction=True,
-                                output_layer=True, fork=True, output_vocabulary=True)
+                                output_layer=True, fork=True, output_vocabulary=True,
+                                layer_states=True)
     # A verification attends for each position on its own, through the very
     # call a one-position forward makes (Transformer.forward's ``rowwise``),
     # so a group differs from one-by-one forwards only in its matrix
@@ -163,46 +164,72 @@ class TorchDecoder(EngineDecoder):
                 f"or load the model with a larger context_length.")
         return ids
 
+    def embed_tokens(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """The network's input embeddings of ``tokens``: float ``[T, hidden]``."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
+        return self.model.embed(ids).to(self.model.dtype)
+
+    def _capture(self, hidden_layers: Sequence[int]) -> tuple[int, ...]:
+        layers = tuple(int(n) for n in hidden_layers)
+        top = self.model.config.num_layers
+        if any(not 0 <= n <= top for n in layers):
+            raise ConfigError(f"hidden_layers must be layer indices in 0..{top}, got "
+                              f"{list(hidden_layers)}")
+        return layers
+
     def feed(self, tokens: Sequence[int] | torch.Tensor, *, last_only: bool = False,
-             return_hidden: bool = False) -> ForwardOutput:
+             return_hidden: bool = False, hidden_layers: Sequence[int] = ()
+             ) -> ForwardOutput:
         ids = self._tokens(tokens)
+        capture = self._capture(hidden_layers)
         start = self.length
         positions = torch.arange(start, start + ids.numel(), device=self.device)
         if last_only:
             per_position = (self.model.layer_ops is not None
                             and ids.numel() <= PER_POSITION_FEED)
+            states: list[torch.Tensor] = []
             logits, hidden = self.model.forward(ids, positions, self.cache, None,
                                                 logits_rows=slice(-1, None),
-                                                rowwise=per_position, head=self._head)
-            return ForwardOutput(logits, hidden if return_hidden else None)
-        return self._in_groups(ids, positions, None, return_hidden)
+                                                rowwise=per_position, head=self._head,
+                                                states=states, capture=capture)
+            return ForwardOutput(logits, hidden if return_hidden else None,
+                                 torch.cat(states, dim=-1) if capture else None)
+        return self._in_groups(ids, positions, None, return_hidden, capture)
 
     def _in_groups(self, ids: torch.Tensor, positions: torch.Tensor,
-                   mask: torch.Tensor | None, return_hidden: bool) -> ForwardOutput:
+                   mask: torch.Tensor | None, return_hidden: bool,
+                   capture: tuple[int, ...] = ()) -> ForwardOutput:
         """Forwards of at most :attr:`verify_group` positions: logits that do
         not depend on how a caller groups its positions into feeds."""
         t = ids.numel()
         group = self.verify_group or t
-        if t <= group:
-            logits, hidden = self.model.forward(ids, positions, self.cache, mask, rowwise=True,
-                                                head=self._head)
-            return ForwardOutput(logits, hidden if return_hidden else None)
         base = self.length
-        logits_parts, hidden_parts = [], []
+        logits_parts, hidden_parts, state_parts = [], [], []
         for a in range(0, t, group):
             b = min(t, a + group)
-            part_mask = None if mask is None else mask[a:b, :base + b]
+            part_mask = mask if mask is None or (a, b) == (0, t) else mask[a:b, :base + b]
+            states: list[torch.Tensor] = []
             logits, hidden = self.model.forward(ids[a:b], positions[a:b], self.cache, part_mask,
-                                                rowwise=True, head=self._head)
+                                                rowwise=True, head=self._head,
+                                                states=states, capture=capture)
             logits_parts.append(logits)
             hidden_parts.append(hidden)
-        return ForwardOutput(torch.cat(logits_parts),
-                             torch.cat(hidden_parts) if return_hidden else None)
+            if capture:
+                state_parts.append(torch.cat(states, dim=-1))
+
+        def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        return ForwardOutput(joined(logits_parts),
+                             joined(hidden_parts) if return_hidden else None,
+                             joined(state_parts) if capture else None)
 
     def forward(self, tokens: Sequence[int] | torch.Tensor,
                 positions: Sequence[int] | torch.Tensor, attention_mask: torch.Tensor,
-                *, return_hidden: bool = False) -> ForwardOutput:
+                *, return_hidden: bool = False, hidden_layers: Sequence[int] = ()
+                ) -> ForwardOutput:
         ids = self._tokens(tokens)
+        capture = self._capture(hidden_layers)
         t = ids.numel()
         pos = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
         if pos.numel() != t:
@@ -214,7 +241,7 @@ class TorchDecoder(EngineDecoder):
                 f"{mask.dtype} {tuple(mask.shape)}")
         if not bool(mask.any(dim=1).all()):
             raise CacheStateError("every row of attention_mask must allow at least one slot")
-        return self._in_groups(ids, pos, mask, return_hidden)
+        return self._in_groups(ids, pos, mask, return_hidden, capture)
 
     # -- cache control -----------------------------------------------------
     def rollback(self, length: int) -> None:

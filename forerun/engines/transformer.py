@@ -10,7 +10,7 @@ the :class:`~forerun.protocol.kv_cache.KVCache` it is handed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -380,7 +380,8 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None, *, logits_rows: slice | None = None,
-                rowwise: bool = False, head: tuple[torch.Tensor, Linear] | None = None
+                rowwise: bool = False, head: tuple[torch.Tensor, Linear] | None = None,
+                states: list[torch.Tensor] | None = None, capture: Sequence[int] = ()
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``tokens`` (int64 ``[T]``) at ``positions`` (``[T]``), writing
         their keys and values to cache slots ``cache.length ..`` and advancing
@@ -403,9 +404,21 @@ class Transformer:
 
         ``head``: ``(ids, layer)`` of :meth:`head_rows`: the logits are
         computed for those rows only, and are ``-inf`` for every other id.
+
+        ``capture``: layer indices whose input (the residual stream entering
+        the layer; ``num_layers``: the last layer's output before the final
+        norm) is appended to ``states`` for every fed position (``[T, H]``
+        each), in the order of ``capture``: the target's states an EAGLE
+        head reads.
         """
         c = self.config
         t = tokens.shape[0]
+        if capture:
+            if states is None or any(not 0 <= n <= c.num_layers for n in capture):
+                raise ConfigError(f"captured layers must lie in 0..{c.num_layers}, with a "
+                                  f"list to hold them; got {list(capture)}")
+            taken: dict[int, torch.Tensor] = {}
+            want = set(capture)
         start = cache.length
         cache.check_room(t)
         cos, sin = self.rope.cos_sin(positions, self.dtype)
@@ -418,6 +431,8 @@ class Transformer:
             rows = None if mask is None else mask.to(torch.uint8).contiguous()
             cos, sin = cos.contiguous(), sin.contiguous()
             for n, layer in enumerate(self.layers):
+                if capture and n in want:
+                    taken[n] = x
                 qkv = layer.qkv(ops.rms_norm(x, layer.attn_norm, c.rms_norm_eps))
                 attn = ops.attention(qkv, cos, sin, cache.keys[n], cache.values[n], start,
                                      rows, c.num_heads)
@@ -427,8 +442,13 @@ class Transformer:
         else:
             if padded and self.padded_rows is not None:
                 x = F.pad(x, (0, 0, 0, self.padded_rows - t))
-            x = self._layers_in_torch(x, t, cos, sin, cache, start, mask, rowwise)
+            x = self._layers_in_torch(x, t, cos, sin, cache, start, mask, rowwise,
+                                      taken if capture else None)
         cache.advance(t)
+        if capture:
+            taken[c.num_layers] = x
+            assert states is not None   # checked above
+            states.extend(taken[n][:t].float() for n in capture)
         # Padded, the norm and the LM head run at the padded rows too, and
         # the rows asked for are taken after them.
         if logits_rows is not None and not padded:
@@ -449,11 +469,13 @@ class Transformer:
 
     def _layers_in_torch(self, x: torch.Tensor, t: int, cos: torch.Tensor, sin: torch.Tensor,
                          cache: KVCache, start: int, mask: torch.Tensor | None,
-                         rowwise: bool) -> torch.Tensor:
+                         rowwise: bool, taken: dict[int, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
         """The decoder blocks in torch's operators (any device and dtype).
         ``x``: the ``t`` fed positions' rows, then any zero rows they are
         padded with (:data:`PADDED_ROWS`), which every row-wise operation
-        runs with and attention leaves out."""
+        runs with and attention leaves out.  ``taken``: where to put each
+        layer's input, by layer index."""
         c, rows = self.config, x.shape[0]
         end = start + t
         visible: list[torch.Tensor | int] | None = None
@@ -468,6 +490,8 @@ class Transformer:
             mask = causal_mask(start, t, self.device)
         attn_mask = None if mask is None else mask[None, None]
         for n, layer in enumerate(self.layers):
+            if taken is not None:
+                taken[n] = x
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
             qkv = layer.qkv(h).to(self.dtype)[:t]
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)

@@ -50,6 +50,11 @@ class Capabilities:
     logits for the token ids ``ids`` only, from those rows of its LM head,
     every other id's logit being ``-inf`` (``None``: all ids again); a draft
     with a cut vocabulary (:mod:`forerun.drafters.draft_vocabulary`).
+    ``layer_states``: ``hidden_layers=`` works in :meth:`Decoder.feed` and
+    :meth:`Decoder.forward` (the residual stream entering chosen layers,
+    :attr:`ForwardOutput.layers`), and ``embed_tokens(ids)`` gives the
+    model's input embeddings ``[T, hidden]``: what an EAGLE head drafts
+    from (:mod:`forerun.drafters.eagle`).
     """
 
     hidden_states: bool = False
@@ -58,6 +63,7 @@ class Capabilities:
     output_layer: bool = False
     fork: bool = False
     output_vocabulary: bool = False
+    layer_states: bool = False
 
 
 class OutputLayer(Protocol):
@@ -126,10 +132,16 @@ class ForwardOutput:
     last position was asked for).
     ``hidden``: the final hidden states after the last norm, ``[T, hidden]``
     (same rows as ``logits``), or ``None`` when they were not asked for.
+    ``layers``: with ``hidden_layers=(i, j, ..)``, the residual stream
+    entering layers ``i, j, ..`` (index ``num_layers``: the last layer's
+    output, before the final norm), concatenated in that order:
+    ``[T, len(hidden_layers) * hidden]``, one row per fed position, also
+    for a ``last_only`` feed (they cost nothing more there); else ``None``.
     """
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
+    layers: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -226,7 +238,8 @@ class Decoder(Protocol):
         ...
 
     def feed(self, tokens: Sequence[int], *, last_only: bool = False,
-             return_hidden: bool = False) -> ForwardOutput:
+             return_hidden: bool = False, hidden_layers: Sequence[int] = ()
+             ) -> ForwardOutput:
         """Append ``tokens`` at positions ``length .. length+T-1`` with causal
         attention over everything cached, and return their logits.
 
@@ -245,12 +258,16 @@ class Decoder(Protocol):
         prefills a prompt as plain decoding does, with
         :func:`forerun.decoding.prefill.prefill` (``last_only`` feeds of
         aligned blocks; :mod:`forerun.protocol.prefix_reuse`).
+
+        ``hidden_layers``: layers whose input states to return
+        (:attr:`ForwardOutput.layers`); only with
+        ``capabilities.layer_states``.
         """
         ...
 
     def forward(self, tokens: Sequence[int], positions: Sequence[int] | torch.Tensor,
-                attention_mask: torch.Tensor, *, return_hidden: bool = False
-                ) -> ForwardOutput:
+                attention_mask: torch.Tensor, *, return_hidden: bool = False,
+                hidden_layers: Sequence[int] = ()) -> ForwardOutput:
         """Append ``tokens`` to cache slots ``length .. length+T-1`` with
         explicit position ids and attention mask, and return all ``T`` rows of
         logits.  This is what tree verification uses.

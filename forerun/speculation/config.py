@@ -9,6 +9,8 @@ and ``forerun bench``) turns its speculation options into one frozen
 * ``"ngram"``: prompt lookup (:mod:`forerun.drafters.ngram`);
 * ``"medusa"``, ``"medusa:PATH"``, :class:`~forerun.drafters.medusa.MedusaHeads`
   or a tree drafter object: Medusa heads, verified as a tree;
+* ``"eagle"``, ``"eagle:PATH"`` or :class:`~forerun.engines.eagle3_weights.Eagle3Weights`:
+  an EAGLE-3 head drafting chains, or trees (:mod:`forerun.drafters.eagle`);
 * a :class:`~forerun.decoding.drafter.Drafter` object: used as it is;
 * anything else, a :class:`~forerun.api.model.Model`, a preset name, a
   ``.gguf`` path or a Hugging Face folder: a draft model sharing the
@@ -34,13 +36,14 @@ from forerun.errors import GenerationConfigError
 
 NO_DRAFT = "none"
 #: Drafters named by a word, with no model to load.
-BUILTIN_DRAFTS = ("ngram", "medusa")
+BUILTIN_DRAFTS = ("ngram", "medusa", "eagle")
 
 #: What a config runs: plain decoding; prompt lookup; Medusa heads (a tree);
 #: a Drafter object (a chain); a draft model drafting chains alone, beside
-#: prompt lookup, as trees, or in a thread of its own.
+#: prompt lookup, as trees, or in a thread of its own; an EAGLE-3 head
+#: drafting chains or trees.
 METHODS = ("none", "ngram", "medusa", "drafter", "draft", "draft-lookup", "draft-tree",
-           "draft-async")
+           "draft-async", "eagle", "eagle-tree")
 
 #: The options :func:`resolve` takes, by their canonical (API) names.
 OPTIONS = ("draft", "draft_k", "draft_lookup", "draft_tree", "tree_nodes", "draft_async",
@@ -110,7 +113,7 @@ class SpeculativeConfig:
         name = self.draft if isinstance(self.draft, str) else getattr(
             self.draft, "name", type(self.draft).__name__)
         shape = (f", trees of {self.nodes} nodes" if self.nodes is not None else
-                 ", trees" if self.method == "draft-tree" else
+                 ", trees" if self.method in ("draft-tree", "eagle-tree") else
                  f", k={self.length}" if self.length is not None else
                  ", with prompt lookup" if self.method == "draft-lookup" else
                  ", asynchronous" if self.method == "draft-async" else "")
@@ -122,19 +125,26 @@ PLAIN = SpeculativeConfig()
 
 def draft_kind(draft: Any) -> str:
     """What ``draft`` names: ``"none"``, ``"ngram"``, ``"medusa"``,
-    ``"drafter"`` (a Drafter object) or ``"model"``."""
+    ``"eagle"``, ``"drafter"`` (a Drafter object) or ``"model"``."""
     if draft is None or (isinstance(draft, str) and draft.lower() == NO_DRAFT):
         return "none"
     if isinstance(draft, str):
         if draft == "ngram":
             return "ngram"
-        return "medusa" if draft == "medusa" or draft.startswith("medusa:") else "model"
+        for kind in ("medusa", "eagle"):
+            if draft == kind or draft.startswith(kind + ":"):
+                return kind
+        return "model"
     if hasattr(draft, "candidates"):   # a tree drafter: Medusa's
         return "medusa"
     from forerun.drafters.medusa import MedusaHeads  # an object: torch is loaded already
 
     if isinstance(draft, MedusaHeads):
         return "medusa"
+    from forerun.engines.eagle3_weights import Eagle3Weights
+
+    if isinstance(draft, Eagle3Weights):
+        return "eagle"
     if hasattr(draft, "propose"):
         return "drafter"
     return "model"
@@ -228,10 +238,11 @@ def resolve(draft: Any = None, *, draft_k: Any = None, draft_lookup: Any = None,
                 raise fail("tree_nodes", f"give the Medusa tree's node count once: "
                                          f"{n['tree_nodes']} or {n['draft_k']}")
             medusa_nodes = tree_nodes
-        elif kind != "model":
+        elif kind not in ("model", "eagle"):
             raise fail("tree_nodes" if tree_nodes is not None else "draft_tree",
                        f"{n['draft_tree']}/{n['tree_nodes']} need a draft model (a model, "
-                       f"preset or path) or Medusa heads, got {n['draft']}={draft!r}")
+                       f"preset or path), an EAGLE head or Medusa heads, got "
+                       f"{n['draft']}={draft!r}")
         elif draft_k is not None:
             raise fail("draft_k", f"{n['draft_k']} drafts a chain of that length; for a tree "
                                   f"give {n['tree_nodes']} instead")
@@ -239,7 +250,7 @@ def resolve(draft: Any = None, *, draft_k: Any = None, draft_lookup: Any = None,
             raise fail("draft_async", f"asynchronous drafting drafts chains; drop "
                                       f"{n['draft_async']} or {n['draft_tree']}/"
                                       f"{n['tree_nodes']}")
-    draft_tree_wanted = tree and kind == "model"
+    draft_tree_wanted = tree and kind in ("model", "eagle")
     if draft_lookup:
         if kind != "model":
             raise fail("draft_lookup", f"{n['draft_lookup']} adds prompt lookup to a draft "
@@ -270,6 +281,10 @@ def resolve(draft: Any = None, *, draft_k: Any = None, draft_lookup: Any = None,
         return SpeculativeConfig("medusa", draft, nodes=medusa_nodes or draft_k)
     if kind in ("ngram", "drafter"):
         return SpeculativeConfig(kind, draft, length=draft_k)
+    if kind == "eagle":
+        if draft_tree_wanted:
+            return SpeculativeConfig("eagle-tree", draft, nodes=tree_nodes, window=window)
+        return SpeculativeConfig("eagle", draft, length=draft_k, window=window)
     if draft_async:
         return SpeculativeConfig("draft-async", draft, length=draft_k,
                                  draft_threads=draft_threads, target_threads=target_threads,
@@ -299,10 +314,10 @@ def _window(value: Any, kind: str, names: Mapping[str, str]) -> int | None:
 
     if value is None:
         return DEFAULT_DRAFT_WINDOW
-    if kind != "model":
+    if kind not in ("model", "eagle"):
         raise SpeculativeConfigError(f"{names['draft_window']} is how much of the prompt a "
-                                     f"draft model reads; {names['draft']}={value!r} has "
-                                     f"none", "draft_window")
+                                     f"draft model or an EAGLE head reads; {names['draft']}="
+                                     f"{value!r} has none", "draft_window")
     if isinstance(value, str) and value.lower() == WHOLE_PROMPT:
         return None
     problem = window_problem(value)

@@ -185,3 +185,50 @@ def test_every_draft_model_method_reads_the_window_it_is_given(tiny, options, dr
         assert out.tokens == plain.tokens
         method, _ = target._method(config)
         assert drafter_of(method).context.window == expected
+
+
+def _eagle_weights(target, **overrides):
+    from forerun.engines.eagle3_weights import Eagle3Config, Eagle3Weights
+
+    c = target.decoder.model.config
+    values = dict(hidden_size=c.hidden_size, intermediate_size=32, num_heads=c.num_heads,
+                  num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                  rope_theta=c.rope_theta, rope_scaling=None, vocab_size=c.vocab_size,
+                  draft_vocab_size=64, aux_layers=(0, 1, 2))
+    values.update(overrides)
+    return Eagle3Weights.random(Eagle3Config(**values), seed=1)
+
+
+def test_api_eagle_heads_match_plain_as_objects_and_folders(tiny, tmp_path):
+    """An EAGLE-3 head given as weights or as a folder in the published
+    layout (``draft='eagle:PATH'``) drafts chains and trees that keep plain
+    decoding's output; a head for another model, a missing one and the
+    options that don't apply are refused."""
+    from forerun.errors import ModelNotFoundError
+    from forerun.loading.eagle3_files import save_eagle3
+
+    target, _ = tiny
+    plain = target.generate(prompt_ids=[1, 2, 3], max_new_tokens=12, ignore_eos=True)
+    weights = _eagle_weights(target)
+    save_eagle3(weights, tmp_path / "head")
+    for draft in (weights, f"eagle:{tmp_path / 'head'}"):
+        for options in ({}, {"draft_k": 3}, {"draft_tree": True}, {"tree_nodes": 4}):
+            out = target.generate(prompt_ids=[1, 2, 3], max_new_tokens=12, ignore_eos=True,
+                                  draft=draft, **options)
+            assert out.tokens == plain.tokens, (draft, options)
+            assert out.stats.method.startswith("eagle"), out.stats.method
+            if options.get("draft_k") or options.get("tree_nodes"):
+                # (an adaptive policy drafts only where measured costs say it pays)
+                assert out.stats.drafted > 0
+    wrong = [
+        (dict(draft=weights, draft_lookup=True), GenerationConfigError, "adds prompt lookup"),
+        (dict(draft=weights, draft_async=True), GenerationConfigError, "needs a draft model"),
+        (dict(draft=_eagle_weights(target, vocab_size=999)), ConfigError,
+         "trained for another model"),
+        (dict(draft="eagle:"), ConfigError, "needs a path"),
+        (dict(draft="eagle"), ModelNotFoundError, "ships no EAGLE head"),
+        (dict(draft=f"eagle:{tmp_path / 'nothing'}"), ModelNotFoundError, "nothing"),
+    ]
+    for kwargs, error, message in wrong:
+        with pytest.raises(error, match=message):
+            target.generate(prompt_ids=[1, 2, 3], max_new_tokens=2, **kwargs)

@@ -119,3 +119,58 @@ def test_a_tree_matches_each_branch(pair):
     left, right = reference_logits(model, head + [a, b]), reference_logits(model, head + [a, c, d])
     want = torch.stack([left[40], left[41], right[41], right[42]])
     assert (out - want).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("last_only", [False, True])
+def test_layer_states_are_the_inputs_of_layers(pair, last_only):
+    """``hidden_layers``: the residual stream entering each named layer, as
+    transformers' ``hidden_states[i]`` gives it (the input of layer ``i``),
+    for every fed position, also in a ``last_only`` prefill, in the order
+    asked, and the last layer's output before the final norm for index
+    ``num_layers``."""
+    model, dec = pair
+    ids = prompt(24)
+    layers = model.config.num_hidden_layers
+    out = dec.feed(ids, last_only=last_only, hidden_layers=(2, 0, layers))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        pre_norm: dict = {}
+        hook = model.model.norm.register_forward_hook(
+            lambda m, i, o: pre_norm.update(x=i[0]))   # returns None: the output stays
+        try:
+            model(torch.tensor([ids]))
+        finally:
+            hook.remove()
+    h = model.config.hidden_size
+    assert out.layers.shape == (len(ids), 3 * h)
+    want = torch.cat([ref[2][0], ref[0][0], pre_norm["x"][0]], dim=-1)
+    assert (out.layers - want).abs().max().item() < TOL
+
+
+def test_layer_states_of_verified_positions(pair):
+    """One position at a time, and a tree in one forward: each row's states
+    are those of its branch fed as a sequence."""
+    model, dec = pair
+    ids = prompt(44)
+    head, (a, b, c, d) = ids[:40], ids[40:]
+    dec.feed(head[:-1], last_only=True)
+    one = dec.feed([head[-1]], hidden_layers=(1,)).layers
+    mask = torch.zeros(4, 44, dtype=torch.bool)
+    mask[:, :40] = True
+    for node, parents in enumerate([[], [0], [0], [0, 2]]):   # a; b <- a; c <- a; d <- c <- a
+        mask[node, [40 + p for p in parents] + [40 + node]] = True
+    out = dec.forward([a, b, c, d], [40, 41, 41, 42], mask, hidden_layers=(1,)).layers
+    with torch.no_grad():
+        left = model(torch.tensor([head + [a, b]]), output_hidden_states=True).hidden_states[1][0]
+        right = model(torch.tensor([head + [a, c, d]]),
+                      output_hidden_states=True).hidden_states[1][0]
+    want = torch.stack([left[40], left[41], right[41], right[42]])
+    assert (one[0] - left[39]).abs().max().item() < TOL
+    assert (out - want).abs().max().item() < TOL
+
+
+def test_layer_states_out_of_range_are_refused(pair):
+    _, dec = pair
+    with pytest.raises(Exception, match="hidden_layers must be layer indices"):
+        dec.feed([1, 2], hidden_layers=(dec.model.config.num_layers + 1,))
+    assert dec.length == 0

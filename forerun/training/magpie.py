@@ -1,0 +1,718 @@
+"""Training data for a draft head, made by the target model itself: Magpie
+conversations and local text, into a token manifest
+(:mod:`forerun.training.token_manifest`).
+
+**Magpie** (Xu et al. 2024, "Magpie: Alignment Data Synthesis from
+Scratch by Prompting Aligned LLMs with Nothing").  An instruct model given
+only its chat template's user prefix (the template rendered up to where the
+user's text begins, with the default system prompt the template adds)
+writes a plausible user request, until its end-of-turn token
+(:func:`magpie_prefix`, :meth:`Magpie.query`).  The target then answers
+that request through its normal chat template (:meth:`Magpie.answer`).  A
+conversation record is the prompt the target read (the chat template with
+the request, as :meth:`~forerun.api.model.Model.encode_prompt` renders it)
+followed by exactly the tokens it generated, its end-of-turn token
+included; its loss starts at the answer.  A draft head trained on it learns
+the target's own continuations, on the target's own tokenisation.
+
+Queries are sampled (temperature 1, top-p 0.99) with a seed of their own
+(:func:`item_seed`: the run's seed and the item's index), answers are
+greedy by default; generation goes through forerun's public API only
+(``Model.generate``), with speculative decoding for the answers where asked
+(greedy output is the same, token for token).
+
+**Filters.**  A query is dropped when it is empty, over-long (it did not
+end with an end-of-turn), degenerate (:func:`degenerate`), holds special
+tokens, overlaps one of the benchmark prompts (:class:`BenchOverlap`), or
+duplicates a kept query exactly or nearly
+(:class:`~forerun.training.token_manifest.Dedup`); an answer when it is
+empty, over-long or degenerate.  Text chunks (``seq_len`` tokens of the
+corpus files, in a seeded order) are dropped when short, degenerate,
+duplicate or overlapping a benchmark prompt.  Every drop is counted by
+reason.
+
+**Runs** (:class:`DataBuilder`).  Conversations and text chunks alternate
+so that text makes ``text_share`` of the tokens, until the token budget,
+the time budget or a stop request.  Each item's outcome depends only on the
+settings, its seed and the records kept before it, and the manifest keeps
+where the run stands with every flush: a stopped run resumed later makes
+the same records as one that never stopped (on the same machine and engine
+settings, whose numerics decide the greedy answers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from forerun.errors import ConfigError, ForerunError, TokenizerError
+from forerun.speculation.config import PLAIN, SpeculativeConfig
+from forerun.training.text_files import read_text
+from forerun.training.token_manifest import (
+    Dedup,
+    ManifestWriter,
+    Record,
+    normalise,
+    rebuild_dedup,
+    text_key,
+    words,
+)
+
+#: a user message no template writes by itself: where it lands in the
+#: rendered template is where the user's text begins
+SENTINEL = "FORERUN-MAGPIE-SENTINEL-7f3a9c"
+#: the fewest tokens a text chunk keeps
+MIN_CHUNK = 32
+
+
+class Stopped(Exception):
+    """A generation cancelled by a stop request or the time budget: the item
+    it belonged to is not counted, and a resumed run makes it again."""
+
+
+# -- the Magpie prefix ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class MagpiePrefix:
+    """What a Magpie query is sampled after, and what ends it.
+
+    ``text``: the chat template rendered up to where the user's text
+    begins; ``ids``: its tokens.  ``end_text``: what the template writes
+    right after the user's text; ``stop_token_ids``: its first token, where
+    that is a special token (ChatML's ``<|im_end|>``, Llama 3's
+    ``<|eot_id|>``); ``stop``: the text itself otherwise (Llama 2's
+    ``[/INST]``)."""
+
+    text: str
+    ids: tuple[int, ...]
+    end_text: str
+    stop_token_ids: tuple[int, ...]
+    stop: tuple[str, ...]
+
+
+def magpie_prefix(tokenizer) -> MagpiePrefix:
+    """The Magpie prefix of a tokenizer's chat template: a conversation of
+    one user message (a sentinel) rendered and cut where the sentinel
+    begins, so it includes the system prompt the template adds by default.
+
+    Refused, with a :class:`~forerun.errors.ConfigError`, when there is no
+    template, when it can't render a lone user message or does not write
+    it, and when it has no user turn: nothing but BOS before the user's
+    text, or the same header before an assistant's."""
+    if tokenizer.chat_template is None:
+        raise ConfigError("the model has no chat template: Magpie prompts an instruct "
+                          "model with its template's user prefix; use an instruct model, "
+                          "or build text-only data (--text-share 1 with --corpus)")
+    rendered = _render(tokenizer, "user")
+    if rendered is None:
+        raise ConfigError("the model's chat template can't render a conversation of one "
+                          "user message, so it has no user turn to prompt; use an instruct "
+                          "model with a user turn, or build text-only data (--text-share 1)")
+    at = rendered.find(SENTINEL)
+    if at < 0:
+        raise ConfigError("the model's chat template does not write the user's message: it "
+                          "has no user turn to prompt; use an instruct model with a user "
+                          "turn, or build text-only data (--text-share 1)")
+    head, tail = rendered[:at], rendered[at + len(SENTINEL):]
+    bos = tokenizer.bos_token_id
+    header = head
+    if bos is not None:
+        header = header.replace(tokenizer.id_to_token(bos), "")
+    if not header.strip():
+        raise ConfigError("the model's chat template writes the user's text with nothing "
+                          "before it: it has no user turn for Magpie to prompt; use an "
+                          "instruct model with a user turn, or build text-only data "
+                          "(--text-share 1)")
+    assistant = _render(tokenizer, "assistant")
+    if assistant is not None and assistant.find(SENTINEL) >= 0 \
+            and assistant[:assistant.find(SENTINEL)] == head:
+        raise ConfigError("the model's chat template writes a user's and an assistant's "
+                          "message alike: it has no user turn for Magpie to prompt; use an "
+                          "instruct model, or build text-only data (--text-share 1)")
+    ids = tuple(tokenizer.encode(head, add_special_tokens=False))
+    end = tokenizer.encode(tail, add_special_tokens=False) if tail else []
+    if end and end[0] in tokenizer.special_token_ids:
+        return MagpiePrefix(head, ids, tail, (int(end[0]),), ())
+    stop = (tail.strip(),) if tail.strip() else ()
+    return MagpiePrefix(head, ids, tail, (), stop)
+
+
+def _render(tokenizer, role: str) -> str | None:
+    try:
+        return tokenizer.apply_chat_template([{"role": role, "content": SENTINEL}],
+                                             add_generation_prompt=False)
+    except TokenizerError:
+        return None
+
+
+# -- quality filters -----------------------------------------------------------
+
+def item_seed(seed: int, index: int) -> int:
+    """The sampling seed of item ``index`` of a run seeded ``seed``."""
+    digest = hashlib.sha256(f"forerun-magpie:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def degenerate(tokens: Sequence[int], *, n: int = 4, min_distinct: float = 0.4) -> bool:
+    """Whether ``tokens`` repeat themselves: fewer than ``min_distinct`` of
+    its ``n``-grams are distinct (a loop, a line over and over).  Sequences
+    under 24 tokens are never judged so."""
+    if len(tokens) < 24:
+        return False
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) < min_distinct
+
+
+class BenchOverlap:
+    """Benchmark prompts that training data must not contain: a text
+    overlaps one when it shares ``ngram`` consecutive words with it (case
+    and Unicode forms aside), and a query also when the word bigrams it
+    shares with one make at least ``similar`` of the larger of the two
+    bigram sets (a paraphrase)."""
+
+    def __init__(self, texts: Iterable[str], *, ngram: int = 8, similar: float = 0.5) -> None:
+        self.ngram = ngram
+        self.similar = similar
+        self._grams: set[tuple[str, ...]] = set()
+        self._bigrams: list[set[tuple[str, ...]]] = []
+        digest = hashlib.sha256()
+        for text in texts:
+            digest.update(text.encode("utf-8") + b"\0")
+            w = [word for word, _, _ in _spans(text)]
+            self._grams.update(zip(*(w[i:] for i in range(ngram))))
+            self._bigrams.append(set(zip(w, w[1:])))
+        self.count = len(self._bigrams)
+        #: identifies the prompt set (a resumed run must filter by the same)
+        self.digest = digest.hexdigest()[:16]
+
+    def overlaps(self, text: str, *, query: bool = False,
+                 span: tuple[int, int] | None = None) -> bool:
+        """Whether ``text`` overlaps a prompt; with ``span`` (character
+        offsets), only the word runs that reach into ``text[span[0]:span[1]]``
+        count (a chunk given with its neighbours' text around it, so that a
+        prompt's words split between two chunks are found in both)."""
+        found = _spans(text)
+        n = self.ngram
+        for i in range(len(found) - n + 1):
+            gram = tuple(word for word, _, _ in found[i:i + n])
+            if gram in self._grams and (span is None or (
+                    found[i][1] < span[1] and found[i + n - 1][2] > span[0])):
+                return True
+        if not query:
+            return False
+        w = [word for word, _, _ in found]
+        mine = set(zip(w, w[1:]))
+        if len(mine) < 3:
+            return False
+        return any(len(mine & b) >= self.similar * max(len(mine), len(b))
+                   for b in self._bigrams)
+
+
+def _spans(text: str) -> list[tuple[str, int, int]]:
+    """The words of ``text`` (runs of letters and digits), each normalised
+    (:func:`~forerun.training.token_manifest.normalise`), with its
+    character offsets in ``text``."""
+    out = []
+    for m in re.finditer(r"\w+", text):
+        for word in re.findall(r"\w+", normalise(m.group())):
+            out.append((word, m.start(), m.end()))
+    return out
+
+
+# -- synthesis -----------------------------------------------------------------
+
+class ChatModel(Protocol):
+    """What Magpie needs of a model: :class:`forerun.api.model.Model`."""
+
+    name: str
+    tokenizer: Any
+    decoder: Any
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Any: ...
+
+    def encode_prompt(self, prompt: str | None = None, *, messages: Any = None,
+                      prompt_ids: Any = None) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """What decides the data a run makes (a resumed run must have the same;
+    :meth:`differences`)."""
+
+    seed: int = 0
+    query_temperature: float = 1.0
+    query_top_p: float = 0.99
+    max_query_tokens: int = 192
+    answer_temperature: float = 0.0
+    max_answer_tokens: int = 384
+    #: the answers' speculative decoding (it changes nothing when greedy)
+    answer_draft: str = "none"
+    seq_len: int = 2048
+    text_share: float = 0.0
+    near_duplicate: float = 0.7
+    corpus: tuple[str, ...] = ()
+    #: the corpus' files and sizes (files added, removed or resized change it)
+    corpus_digest: str = ""
+    #: prompt files besides forerun's benchmark whose prompts are kept out
+    exclude_prompts: tuple[str, ...] = ()
+    bench_digest: str = ""
+
+    def validate(self) -> None:
+        """Raise :class:`~forerun.errors.ConfigError` naming the first bad value."""
+        def positive(name: str, value: int) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                  f"got {value!r}")
+
+        positive("max_query_tokens", self.max_query_tokens)
+        positive("max_answer_tokens", self.max_answer_tokens)
+        if self.seq_len < MIN_CHUNK:
+            raise ConfigError(f"--seq-len must be at least {MIN_CHUNK}, got {self.seq_len}")
+        for name in ("query_temperature", "answer_temperature"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got "
+                                  f"{getattr(self, name)}")
+        if self.query_temperature == 0:
+            raise ConfigError("--query-temperature must be above 0: greedy queries would "
+                              "all be the same one")
+        if not 0 < self.query_top_p <= 1:
+            raise ConfigError(f"--query-top-p must lie in (0, 1], got {self.query_top_p}")
+        if not 0 <= self.text_share <= 1:
+            raise ConfigError(f"--text-share must lie in 0..1, got {self.text_share}")
+        if not 0 < self.near_duplicate <= 1:
+            raise ConfigError(f"--near-duplicate must lie in (0, 1], got "
+                              f"{self.near_duplicate}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ConfigError(f"--seed must be an integer in 0..2**63-1, got {self.seed!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["corpus"] = list(self.corpus)
+        out["exclude_prompts"] = list(self.exclude_prompts)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DataSettings:
+        names = {f.name for f in fields(cls)}
+        known = {k: v for k, v in data.items() if k in names}
+        for name in ("corpus", "exclude_prompts"):
+            if name in known:
+                known[name] = tuple(known[name])
+        return cls(**known)
+
+    def differences(self, saved: DataSettings) -> list[str]:
+        """``name: saved -> this`` for each setting that differs from
+        ``saved`` and changes the data (the draft only when answers are
+        sampled)."""
+        out = []
+        for f in fields(self):
+            if f.name == "answer_draft" and self.answer_temperature == 0:
+                continue
+            mine, theirs = getattr(self, f.name), getattr(saved, f.name)
+            if mine != theirs:
+                out.append(f"{f.name}: {theirs!r} in the manifest, {mine!r} now")
+        return out
+
+
+@dataclass
+class Outcome:
+    """One generation's result for the data: its text and tokens, or why
+    it was dropped; its time and token count."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
+    dropped: str | None = None
+    seconds: float = 0.0
+
+
+class Magpie:
+    """Synthesises queries (:meth:`query`) and answers them (:meth:`answer`)
+    with ``model``; ``cancel`` (a callable) stops a generation midway
+    (:class:`Stopped`)."""
+
+    def __init__(self, model: ChatModel, settings: DataSettings, *,
+                 answer_speculative: SpeculativeConfig = PLAIN,
+                 cancel: Callable[[], bool] | None = None) -> None:
+        self.model = model
+        self.settings = settings
+        self.prefix = magpie_prefix(model.tokenizer)
+        self.answer_speculative = answer_speculative
+        self.cancel = cancel
+        self._specials = model.tokenizer.special_token_ids
+
+    def query(self, seed: int) -> Outcome:
+        """A user request sampled after the Magpie prefix."""
+        s = self.settings
+        start = time.perf_counter()
+        r = self.model.generate(
+            prompt_ids=list(self.prefix.ids), max_new_tokens=s.max_query_tokens,
+            temperature=s.query_temperature, top_p=s.query_top_p, seed=seed,
+            stop=list(self.prefix.stop), stop_token_ids=list(self.prefix.stop_token_ids),
+            speculative=PLAIN, cancel=self.cancel)
+        out = Outcome(text=r.text.strip(), tokens=list(r.tokens),
+                      seconds=time.perf_counter() - start)
+        if r.finish_reason == "cancelled":
+            raise Stopped
+        if r.finish_reason != "stop":
+            out.dropped = "too_long"
+        elif len(words(out.text)) < 2:
+            out.dropped = "empty"
+        elif any(t in self._specials for t in out.tokens[:-1]):
+            out.dropped = "special_tokens"
+        elif degenerate(out.tokens):
+            out.dropped = "degenerate"
+        return out
+
+    def prompt(self, query: str) -> list[int] | None:
+        """The tokens of ``query`` in the chat template, as the target reads
+        them; ``None`` where they leave no room for a whole answer."""
+        prompt = self.model.encode_prompt(messages=[{"role": "user", "content": query}])
+        if len(prompt) + self.settings.max_answer_tokens > self.model.decoder.context_length:
+            return None
+        return prompt
+
+    def answer(self, prompt: list[int], seed: int) -> Outcome:
+        """The target's answer to ``prompt`` (:meth:`prompt`): its tokens,
+        the end-of-turn token included."""
+        s = self.settings
+        start = time.perf_counter()
+        r = self.model.generate(
+            prompt_ids=prompt, max_new_tokens=s.max_answer_tokens,
+            temperature=s.answer_temperature, seed=seed,
+            speculative=self.answer_speculative, cancel=self.cancel)
+        out = Outcome(text=r.text.strip(), tokens=list(r.tokens), prompt=prompt,
+                      seconds=time.perf_counter() - start)
+        if r.finish_reason == "cancelled":
+            raise Stopped
+        if r.finish_reason != "stop":
+            out.dropped = "too_long"
+        elif not out.text:
+            out.dropped = "empty"
+        elif degenerate(out.tokens):
+            out.dropped = "degenerate"
+        return out
+
+
+# -- a run -----------------------------------------------------------------------
+
+def new_counters() -> dict[str, Any]:
+    """What a run counts, by stage: made, kept, dropped by reason."""
+    return {
+        "queries": {"made": 0, "kept": 0, "dropped": dict.fromkeys(
+            ("too_long", "empty", "special_tokens", "degenerate", "bench_overlap",
+             "duplicate", "near_duplicate"), 0)},
+        "answers": {"made": 0, "kept": 0, "dropped": dict.fromkeys(
+            ("too_long", "empty", "degenerate"), 0)},
+        "text": {"files": 0, "skipped_files": 0, "made": 0, "kept": 0,
+                 "dropped": dict.fromkeys(("short", "degenerate", "bench_overlap",
+                                           "duplicate"), 0)},
+    }
+
+
+def new_state() -> dict[str, Any]:
+    """Where a run stands: the next conversation item, the next file and
+    chunk of the corpus, whether the corpus is used up, whether the run
+    reached its budget."""
+    return {"next_item": 0, "next_file": 0, "next_chunk": 0, "corpus_done": False,
+            "complete": False}
+
+
+def ordered_files(files: Sequence[Path], seed: int) -> list[Path]:
+    """The corpus files in a seeded order (folders mixed)."""
+    return sorted(files, key=lambda f: hashlib.sha256(f"{seed}:{f}".encode()).hexdigest())
+
+
+def corpus_digest(files: Sequence[Path]) -> str:
+    """Identifies the corpus: its files' paths and sizes, in order."""
+    h = hashlib.sha256()
+    for f in files:
+        try:
+            size = f.stat().st_size
+        except OSError:
+            size = -1
+        h.update(f"{f}\0{size}\0".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class RunReport:
+    """What one invocation did: why it stopped (``"budget"``, ``"time"``,
+    ``"signal"``, ``"corpus"``), its seconds, the query and answer tokens
+    it generated and their seconds (items a stop cut short left out), and
+    its first kept queries."""
+
+    stopped: str = ""
+    seconds: float = 0.0
+    query_tokens: int = 0
+    query_seconds: float = 0.0
+    answer_tokens: int = 0
+    answer_seconds: float = 0.0
+    records: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def answer_tokens_per_second(self) -> float:
+        return self.answer_tokens / self.answer_seconds if self.answer_seconds else 0.0
+
+
+class DataBuilder:
+    """Fills a manifest (``writer``) with conversations made by ``model``
+    and chunks of ``files`` (see the module), until it holds
+    ``max_tokens`` tokens, ``max_seconds`` have passed, or ``stop`` is set;
+    flushing at least every ``checkpoint_seconds`` and when it ends.  After
+    ``give_up_after`` conversation items in a row that kept nothing, it
+    stops with an error: the model does not make usable data."""
+
+    def __init__(self, model: ChatModel, writer: ManifestWriter, settings: DataSettings, *,
+                 files: Sequence[Path] = (), bench: BenchOverlap | None = None,
+                 answer_speculative: SpeculativeConfig = PLAIN, max_tokens: int,
+                 max_seconds: float | None = None, checkpoint_seconds: float = 30.0,
+                 stop: threading.Event | None = None, progress: bool = False,
+                 give_up_after: int = 200) -> None:
+        if max_tokens < 1:
+            raise ConfigError(f"--max-tokens must be a positive integer, got {max_tokens}")
+        if max_seconds is not None and not max_seconds > 0:
+            raise ConfigError(f"--max-seconds must be above 0, got {max_seconds}")
+        self.model = model
+        self.writer = writer
+        self.settings = settings
+        self.files = ordered_files(files, settings.seed)
+        self.bench = bench or BenchOverlap(())
+        self.max_tokens = max_tokens
+        self.max_seconds = max_seconds
+        self.checkpoint_seconds = checkpoint_seconds
+        self.stop = stop or threading.Event()
+        self.progress = progress
+        self.give_up_after = give_up_after
+        self._fruitless = 0       # conversation items in a row that kept nothing
+        self.state = writer.state
+        self.counters = writer.counters
+        self._deadline: float | None = None
+        self._magpie: Magpie | None = None
+        self._answer_speculative = answer_speculative
+        self._chunks: tuple[int, list[list[int]]] | None = None
+        self.dedup: Dedup = rebuild_dedup(writer.records(), settings.near_duplicate)
+        tok = model.tokenizer
+        self._bos = ([tok.bos_token_id] if tok.add_bos_token and tok.bos_token_id is not None
+                     else [])
+
+    @property
+    def magpie(self) -> Magpie:
+        if self._magpie is None:
+            self._magpie = Magpie(self.model, self.settings,
+                                  answer_speculative=self._answer_speculative,
+                                  cancel=self._cancelled)
+        return self._magpie
+
+    def _cancelled(self) -> bool:
+        return self.stop.is_set() or (self._deadline is not None
+                                      and time.monotonic() >= self._deadline)
+
+    def run(self) -> RunReport:
+        """Make records until a budget or a stop request ends the run; the
+        manifest is flushed whatever ended it (an error included), but for a
+        second Ctrl-C or SIGTERM, which keeps what the last checkpoint
+        flushed."""
+        from tqdm import tqdm
+
+        report = RunReport()
+        start = time.monotonic()
+        if self.max_seconds is not None:
+            self._deadline = start + self.max_seconds
+        last_flush = start
+        bar = tqdm(total=self.max_tokens, initial=min(self.writer.tokens, self.max_tokens),
+                   unit="tok", unit_scale=True, desc="training data", smoothing=0.1,
+                   disable=not self.progress, dynamic_ncols=True)
+        try:
+            while True:
+                before = self.writer.tokens
+                if before >= self.max_tokens:
+                    report.stopped = "budget"
+                    self.state["complete"] = True
+                    break
+                if self._cancelled():
+                    report.stopped = "signal" if self.stop.is_set() else "time"
+                    break
+                try:
+                    if self._wants_text():
+                        if not self._text_step():
+                            continue
+                    elif self.settings.text_share >= 1:
+                        report.stopped = "corpus"
+                        self.state["complete"] = True
+                        break
+                    else:
+                        self._conversation_step(report)
+                except Stopped:
+                    report.stopped = "signal" if self.stop.is_set() else "time"
+                    break
+                bar.update(min(self.writer.tokens, self.max_tokens) - min(before,
+                                                                          self.max_tokens))
+                bar.set_postfix_str(self._postfix(), refresh=False)
+                if time.monotonic() - last_flush >= self.checkpoint_seconds:
+                    self.writer.flush()
+                    last_flush = time.monotonic()
+        except Exception:
+            # raised between items (an item is counted only once whole): what
+            # was made is consistent, and kept where it can be written
+            with contextlib.suppress(Exception):
+                self._finish(report, start, "error")
+            raise
+        finally:
+            bar.close()
+        self._finish(report, start, report.stopped)
+        return report
+
+    def _finish(self, report: RunReport, start: float, stopped: str) -> None:
+        report.seconds = time.monotonic() - start
+        self.writer.note_run({"stopped": stopped, "seconds": round(report.seconds, 3),
+                              "records": report.records,
+                              "query_tokens": report.query_tokens,
+                              "query_seconds": round(report.query_seconds, 3),
+                              "answer_tokens": report.answer_tokens,
+                              "answer_seconds": round(report.answer_seconds, 3)})
+        self.writer.flush()
+
+    def _postfix(self) -> str:
+        c = self.writer.counts
+        dropped = sum(sum(v["dropped"].values()) for v in self.counters.values())
+        left = ("" if self._deadline is None else
+                f", {max(0.0, self._deadline - time.monotonic()):.0f} s left")
+        return (f"{c['conversation']['records']} conversations, {c['text']['records']} "
+                f"text, {dropped} dropped{left}")
+
+    def _wants_text(self) -> bool:
+        if not self.files or self.state["corpus_done"]:
+            return False
+        share = self.settings.text_share
+        return share >= 1 or self.writer.counts["text"]["tokens"] < share * self.writer.tokens
+
+    # -- conversations ---------------------------------------------------------
+
+    def _conversation_step(self, report: RunReport) -> None:
+        """Make item ``next_item``: its query, filtered, and its answer; count
+        it and keep its record only once both are done (a :class:`Stopped`
+        leaves nothing changed)."""
+        index = self.state["next_item"]
+        seed = item_seed(self.settings.seed, index)
+        q = self.magpie.query(seed)
+        report.query_seconds += q.seconds
+        report.query_tokens += len(q.tokens)
+        reason = q.dropped
+        if reason is None and self.bench.overlaps(q.text, query=True):
+            reason = "bench_overlap"
+        if reason is None:
+            reason = self.dedup.check(q.text)
+        prompt = self.magpie.prompt(q.text) if reason is None else None
+        if reason is None and prompt is None:
+            reason = "too_long"      # no room left in the context for an answer
+        a = self.magpie.answer(prompt, seed) if prompt is not None and reason is None else None
+        if a is not None:
+            report.answer_seconds += a.seconds
+            report.answer_tokens += len(a.tokens)
+        kept = reason is None and a is not None and a.dropped is None
+        if kept:     # the record first: if it can't be added, nothing is counted
+            assert a is not None
+            record = Record(np.array(a.prompt + a.tokens, dtype=np.int32), "conversation",
+                            len(a.prompt), seed=seed, query=q.text, key=text_key(q.text))
+            self.writer.add(record)
+            self.dedup.add(q.text, key=record.key)
+            report.records += 1
+            if len(report.examples) < 3:
+                report.examples.append(q.text)
+        queries = self.counters["queries"]
+        queries["made"] += 1
+        if reason is not None:
+            queries["dropped"][reason] += 1
+        else:
+            assert a is not None
+            queries["kept"] += 1
+            answers = self.counters["answers"]
+            answers["made"] += 1
+            if a.dropped is not None:
+                answers["dropped"][a.dropped] += 1
+            else:
+                answers["kept"] += 1
+        self.state["next_item"] = index + 1
+        self._fruitless = 0 if kept else self._fruitless + 1
+        if self._fruitless >= self.give_up_after:
+            raise ForerunError(
+                f"the last {self._fruitless} conversations were all dropped (queries "
+                f"{_drops(self.counters['queries'])}; answers "
+                f"{_drops(self.counters['answers'])}, over the whole run): {self.model.name} "
+                f"does not make usable Magpie data with these settings (an instruct model "
+                f"is needed; --max-query-tokens and --max-answer-tokens bound the lengths)")
+
+    # -- text ------------------------------------------------------------------
+
+    def _file_chunks(self, index: int) -> list[list[int]]:
+        """The chunks of file ``index`` (cached for the next chunk's call);
+        an unreadable file has none."""
+        if self._chunks is not None and self._chunks[0] == index:
+            return self._chunks[1]
+        text = read_text(self.files[index])
+        chunks: list[list[int]] = []
+        if text is not None and text.strip():
+            ids = self.model.tokenizer.encode(text, add_special_tokens=False)
+            step = self.settings.seq_len - len(self._bos)
+            chunks = [self._bos + ids[i:i + step] for i in range(0, len(ids), step)]
+        self._chunks = (index, chunks)
+        return chunks
+
+    def _text_step(self) -> bool:
+        """Take the next chunk of the corpus (kept or dropped); False once
+        the corpus is used up."""
+        state, counters = self.state, self.counters["text"]
+        while state["next_file"] < len(self.files):
+            index = state["next_file"]
+            chunks = self._file_chunks(index)
+            if state["next_chunk"] == 0:
+                counters["files" if chunks else "skipped_files"] += 1
+            if state["next_chunk"] < len(chunks):
+                break
+            state["next_file"], state["next_chunk"] = index + 1, 0
+        else:
+            state["corpus_done"] = True
+            self._chunks = None
+            return False
+        at = state["next_chunk"]
+        chunk = chunks[at]
+        decode = self.model.tokenizer.decode
+        text = decode(chunk, skip_special_tokens=True)
+        before = decode(chunks[at - 1], skip_special_tokens=True) if at else ""
+        after = (decode(chunks[at + 1], skip_special_tokens=True) if at + 1 < len(chunks)
+                 else "")
+        key = text_key(text)
+        reason = ("short" if len(chunk) < MIN_CHUNK else
+                  "degenerate" if degenerate(chunk) else
+                  "bench_overlap" if self.bench.overlaps(
+                      before + text + after, span=(len(before), len(before) + len(text)))
+                  else self.dedup.check(text, near=False, key=key))
+        if reason is None:
+            source = f"{self.files[state['next_file']]}#{at}"
+            self.writer.add(Record(np.array(chunk, dtype=np.int32), "text", 0, source=source,
+                                   key=key))
+            self.dedup.add(None, near=False, key=key)
+        counters["made"] += 1
+        if reason is not None:
+            counters["dropped"][reason] += 1
+        else:
+            counters["kept"] += 1
+        state["next_chunk"] += 1
+        return True
+
+
+def _drops(counter: dict[str, Any]) -> str:
+    """``"made 10, dropped: too_long 7, empty 3"``"""
+    parts = [f"{k} {v}" for k, v in counter["dropped"].items() if v]
+    return f"made {counter['made']}, dropped: {', '.join(parts) or 'none'}"

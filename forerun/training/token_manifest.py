@@ -1,0 +1,572 @@
+"""The token data a draft head trains on, on disk: a folder holding
+``manifest.json`` and shards of token ids (``forerun train data`` writes
+it; the trainer reads it with :meth:`TokenManifest.open`).
+
+**Records.**  Each record is one training sequence: its token ids, its kind
+(``"conversation"``: a chat rendered with the target's template, prompt and
+answer; ``"text"``: a chunk of a local file), and ``loss_start``, the first
+position whose token is a training target (the answer's first token for a
+conversation, 0 for text: every token).  A conversation also keeps the
+seed it was synthesised from and its user query; a text chunk its source
+(``file#chunk``).
+
+**Shards.**  ``shard-NNNNN-<sha256[:16]>.bin``: the records' token ids one
+after the other, little-endian int32 (4 bytes a token: 1M tokens are 4 MB).
+A shard holds records until it reaches the manifest's ``shard_tokens``; the
+record that reaches it is its last.  Its entry in the manifest gives its
+size, SHA-256 and records (each record's length and metadata, in order; the
+offsets are the running sum of the lengths).
+
+**Writing.**  :class:`ManifestWriter` flushes the shard it is filling, then
+the manifest, each through a temporary file and a rename
+(:func:`~forerun.machine.output_files.written_whole`).  A shard's name
+carries its digest, so a rewritten open shard is a new file: whatever moment
+a run dies, ``manifest.json`` names only shards that were written whole, and
+a file it does not name is a leftover, removed on resume.
+
+**Reading.**  :meth:`TokenManifest.open` refuses a folder that is not a
+manifest, a format version it does not know, a tokenizer fingerprint other
+than the one expected, and a shard that is missing, truncated or changed,
+each with an error naming the file and what to do.  ``records(split=...)``
+gives a deterministic held-out split by each record's token digest.
+
+**Dedup.**  :class:`Dedup` refuses exact duplicates (the hash of the
+normalised text) and, for queries, near duplicates (Jaccard similarity of
+word bigrams).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import unicodedata
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from forerun.errors import ForerunError
+from forerun.machine.output_files import check_output_dir, written_whole
+
+FORMAT = "forerun-token-manifest"
+VERSION = 1
+MANIFEST = "manifest.json"
+KINDS = ("conversation", "text")
+#: tokens a shard holds before the next record starts a new one (4 MB)
+SHARD_TOKENS = 1 << 20
+#: the share of records the default held-out split sets aside
+HELD_OUT = 0.02
+_SHARD_NAME = re.compile(r"shard-(\d{5})-([0-9a-f]{16})\.bin")
+_DTYPE = np.dtype("<i4")
+
+
+class ManifestError(ForerunError):
+    """A token manifest that can't be read, resumed or written."""
+
+
+# -- records -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Record:
+    """One training sequence: ``tokens`` (int32), ``kind`` (one of
+    :data:`KINDS`), ``loss_start`` (the first position whose token is a
+    target; position 0 is never predicted), the conversation's ``seed``
+    and ``query``, the text chunk's ``source``, and ``key``, the hash of
+    the normalised text its duplicates are found by."""
+
+    tokens: np.ndarray
+    kind: str
+    loss_start: int
+    seed: int | None = None
+    query: str | None = None
+    source: str | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        tokens = np.ascontiguousarray(self.tokens, dtype=_DTYPE)
+        object.__setattr__(self, "tokens", tokens)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError("a record's tokens must be a non-empty 1-d sequence")
+        if not 0 <= self.loss_start < tokens.size:
+            raise ValueError(f"loss_start {self.loss_start} is outside the record's "
+                             f"{tokens.size} tokens")
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def loss_tokens(self) -> int:
+        """How many of its tokens are targets."""
+        return len(self) - max(self.loss_start, 1)
+
+    @property
+    def digest(self) -> str:
+        """A hash of its token ids (what the held-out split is drawn by)."""
+        return hashlib.sha256(self.tokens.tobytes()).hexdigest()[:16]
+
+    def tensor(self):
+        """Its tokens as a 1-d int64 torch tensor."""
+        import torch
+
+        return torch.from_numpy(self.tokens.astype(np.int64))
+
+    def meta(self) -> dict[str, Any]:
+        """What the manifest keeps of it besides its tokens."""
+        out: dict[str, Any] = {"n": len(self), "kind": self.kind,
+                               "loss_start": int(self.loss_start)}
+        for name in ("seed", "query", "source", "key"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+def is_held_out(digest: str, fraction: float = HELD_OUT) -> bool:
+    """Whether a record with this digest belongs to the held-out split of
+    ``fraction`` (the same answer every time, on every machine)."""
+    draw = int(hashlib.sha256(f"held-out:{digest}".encode()).hexdigest()[:12], 16)
+    return draw < fraction * (1 << 48)
+
+
+# -- reading -------------------------------------------------------------------
+
+class TokenManifest:
+    """A token manifest, checked (see the module): its model, tokenizer
+    fingerprint, settings and counts, and its records."""
+
+    def __init__(self, root: Path, data: dict[str, Any]) -> None:
+        self.root = root
+        self.data = data
+
+    @classmethod
+    def open(cls, path: str | Path, *, fingerprint: str | None = None,
+             verify: bool = True) -> TokenManifest:
+        """The manifest in folder ``path`` (or the ``manifest.json`` file
+        ``path``).  ``fingerprint``: the tokenizer fingerprint the caller
+        needs (:meth:`~forerun.tokenizer.Tokenizer.fingerprint`), refused
+        when the manifest was built for another.  ``verify``: checksum every
+        shard (else only their sizes are checked)."""
+        root = Path(path).expanduser()
+        if root.name == MANIFEST and root.is_file():
+            root = root.parent
+        data = _read_manifest(root)
+        manifest = cls(root, data)
+        if fingerprint is not None and data["tokenizer"] != fingerprint:
+            raise ManifestError(
+                f"{root / MANIFEST} was built for another tokenizer (fingerprint "
+                f"{data['tokenizer']}, model {data.get('model')!r}); this model's tokenizer "
+                f"is {fingerprint}: its token ids mean other tokens here. Build the data "
+                f"for this model: forerun train data --model ... --out NEW_FOLDER")
+        for shard in data["shards"]:
+            _check_shard(root, shard, verify)
+        return manifest
+
+    @property
+    def model(self) -> str:
+        return self.data["model"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.data["tokenizer"]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.data["vocab_size"])
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.data["settings"]
+
+    @property
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per kind: records, tokens and loss tokens."""
+        return self.data["counts"]
+
+    @property
+    def complete(self) -> bool:
+        """Whether the run that built it reached its budget (or the end of
+        its corpus, for text alone)."""
+        return bool(self.data["state"].get("complete"))
+
+    @property
+    def tokens(self) -> int:
+        return sum(c["tokens"] for c in self.counts.values())
+
+    def __len__(self) -> int:
+        return sum(len(s["records"]) for s in self.data["shards"])
+
+    def __iter__(self) -> Iterator[Record]:
+        return self.records()
+
+    def records(self, split: str | None = None, held_out: float = HELD_OUT
+                ) -> Iterator[Record]:
+        """Every record in order; ``split="train"`` or ``"held_out"``: only
+        those of that side of the split by digest (:func:`is_held_out`)."""
+        if split not in (None, "train", "held_out"):
+            raise ValueError(f"split must be None, 'train' or 'held_out', got {split!r}")
+        for shard in self.data["shards"]:
+            for record in _shard_records(self.root, shard):
+                if split is None or is_held_out(record.digest, held_out) == (
+                        split == "held_out"):
+                    yield record
+
+
+def _damaged(path: Path, what: str) -> ManifestError:
+    return ManifestError(f"{path} {what}: it was not written whole by forerun train data, or "
+                         f"was changed since. Delete the folder {path.parent} and build the "
+                         f"data again (forerun train data --out ...)")
+
+
+def _read_manifest(root: Path) -> dict[str, Any]:
+    file = root / MANIFEST
+    if not file.is_file():
+        what = "does not exist" if not root.exists() else "holds no manifest.json"
+        raise ManifestError(f"{root} {what}: it is not a token manifest (build one with "
+                            f"forerun train data --out {root})")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise _damaged(file, f"can't be read ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ManifestError(f"{file} is not a forerun token manifest (its format is "
+                            f"{data.get('format') if isinstance(data, dict) else None!r}, "
+                            f"not {FORMAT!r}); give the folder forerun train data wrote")
+    if data.get("version") != VERSION:
+        raise ManifestError(f"{file} has format version {data.get('version')!r}; this forerun "
+                            f"reads version {VERSION}. Build the data again with this forerun "
+                            f"(forerun train data --out NEW_FOLDER), or read it with the "
+                            f"forerun that wrote it")
+    for key, kind in (("model", str), ("tokenizer", str), ("vocab_size", int),
+                      ("settings", dict), ("counts", dict), ("state", dict),
+                      ("counters", dict), ("shards", list)):
+        if not isinstance(data.get(key), kind):
+            raise _damaged(file, f"lacks a valid {key!r}")
+    for shard in data["shards"]:
+        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str)
+                and _SHARD_NAME.fullmatch(shard["file"])
+                and isinstance(shard.get("bytes"), int)
+                and isinstance(shard.get("records"), list)):
+            raise _damaged(file, "lists a shard it can't describe")
+        if sum(r.get("n", 0) for r in shard["records"]) * _DTYPE.itemsize != shard["bytes"]:
+            raise _damaged(file, f"gives shard {shard['file']} records that don't add up "
+                                 f"to its size")
+    return data
+
+
+def _check_shard(root: Path, shard: dict[str, Any], verify: bool) -> None:
+    path = root / shard["file"]
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise ManifestError(f"{path} is missing (named by {root / MANIFEST}). Restore it, "
+                            f"or delete the folder {root} and build the data again") from None
+    if size != shard["bytes"]:
+        raise ManifestError(f"{path} is truncated or changed: it holds {size} bytes, the "
+                            f"manifest says {shard['bytes']}. Restore it, or delete the "
+                            f"folder {root} and build the data again "
+                            f"(forerun train data --out ...)")
+    if verify and _sha256(path) != shard.get("sha256"):
+        raise ManifestError(f"{path} was changed since it was written (its SHA-256 is not "
+                            f"the manifest's). Restore it, or delete the folder {root} and "
+                            f"build the data again (forerun train data --out ...)")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _shard_records(root: Path, shard: dict[str, Any]) -> Iterator[Record]:
+    tokens = np.fromfile(root / shard["file"], dtype=_DTYPE)
+    if tokens.size * _DTYPE.itemsize != shard["bytes"]:
+        raise ManifestError(f"{root / shard['file']} changed while it was read; read it again")
+    at = 0
+    for meta in shard["records"]:
+        n = meta["n"]
+        yield Record(tokens[at:at + n], meta["kind"], meta["loss_start"], meta.get("seed"),
+                     meta.get("query"), meta.get("source"), meta.get("key"))
+        at += n
+
+
+# -- writing -------------------------------------------------------------------
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and to the disk (a seam for the tests)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        with contextlib.suppress(OSError):
+            os.fsync(f.fileno())
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    with written_whole(path) as tmp:
+        _write_bytes(tmp, data)
+        # as an ordinary file, not the temporary file's owner-only mode
+        os.chmod(tmp, 0o666 & ~_UMASK)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
+def check_new_folder(path: str | Path) -> Path:
+    """``path`` as the folder of a new manifest: made if needed, writable,
+    and empty (a manifest there is continued with ``--resume``)."""
+    root = check_output_dir(path, "--out")
+    if (root / MANIFEST).exists():
+        raise ManifestError(f"{root} already holds a token manifest; add --resume to "
+                            f"continue it, or choose another --out")
+    if any(root.iterdir()):
+        raise ManifestError(f"{root} is not empty; give a new or empty folder for --out")
+    return root
+
+
+class ManifestWriter:
+    """Adds records to a manifest folder and flushes them (see the module):
+    :meth:`create` a new one, or :meth:`resume` one a run left.
+
+    ``state`` and ``counters`` are the builder's own JSON-able dicts
+    (where it stands in its sources, what it made and dropped); each
+    :meth:`flush` stores them with the records, so a resumed run starts
+    exactly where the flushed one stood."""
+
+    def __init__(self, root: Path, data: dict[str, Any], open_records: list[Record]) -> None:
+        self.root = root
+        self._data = data
+        self._closed: list[dict[str, Any]] = [s for s in data["shards"]
+                                              if s["tokens"] >= data["shard_tokens"]]
+        self._open = list(open_records)
+        self._pending: list[list[Record]] = []   # shards filled since the last flush
+        self.state: dict[str, Any] = data["state"]
+        self.counters: dict[str, Any] = data["counters"]
+        self._counts = {k: dict(v) for k, v in data["counts"].items()}
+
+    @classmethod
+    def create(cls, path: str | Path, *, model: str, fingerprint: str, vocab_size: int,
+               settings: Mapping[str, Any], shard_tokens: int = SHARD_TOKENS,
+               state: Mapping[str, Any] | None = None,
+               counters: Mapping[str, Any] | None = None) -> ManifestWriter:
+        """A new, empty manifest in folder ``path`` (made if needed; it must
+        hold no manifest and nothing else), written at once."""
+        root = check_new_folder(path)
+        if shard_tokens < 1:
+            raise ManifestError(f"shard_tokens must be positive, got {shard_tokens}")
+        data = {"format": FORMAT, "version": VERSION, "model": model,
+                "tokenizer": fingerprint, "vocab_size": int(vocab_size),
+                "settings": dict(settings), "shard_tokens": int(shard_tokens),
+                "counts": {k: {"records": 0, "tokens": 0, "loss_tokens": 0} for k in KINDS},
+                "state": dict(state or {}), "counters": dict(counters or {}),
+                "runs": [], "shards": []}
+        writer = cls(root, data, [])
+        writer.flush()
+        return writer
+
+    @classmethod
+    def resume(cls, path: str | Path, *, fingerprint: str,
+               check_settings: Callable[[dict[str, Any]], None] | None = None
+               ) -> ManifestWriter:
+        """The writer of the manifest in ``path``, continuing after its last
+        record: refused (as :meth:`TokenManifest.open` refuses) when it is
+        damaged or for another tokenizer, or when ``check_settings`` raises
+        on its settings.  Files a dead run left behind are removed."""
+        manifest = TokenManifest.open(path, fingerprint=fingerprint)
+        data = manifest.data
+        if not isinstance(data.get("shard_tokens"), int):
+            raise _damaged(manifest.root / MANIFEST, "lacks a valid 'shard_tokens'")
+        if check_settings is not None:
+            check_settings(data["settings"])
+        shards = data["shards"]
+        open_records: list[Record] = []
+        if shards and shards[-1]["tokens"] < data["shard_tokens"]:
+            open_records = list(_shard_records(manifest.root, shards[-1]))
+        writer = cls(manifest.root, data, open_records)
+        writer._remove_leftovers()
+        return writer
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self._data["settings"]
+
+    @property
+    def counts(self) -> dict[str, dict[str, int]]:
+        return self._counts
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in every record added so far."""
+        return sum(c["tokens"] for c in self._counts.values())
+
+    def records(self) -> Iterator[Record]:
+        """Every record added so far, flushed or not."""
+        for shard in self._closed:
+            yield from _shard_records(self.root, shard)
+        for pending in self._pending:
+            yield from pending
+        yield from self._open
+
+    def add(self, record: Record) -> None:
+        """Add ``record`` (kept in memory until the next :meth:`flush`)."""
+        if record.tokens.size and (int(record.tokens.min()) < 0
+                                   or int(record.tokens.max()) >= self._data["vocab_size"]):
+            raise ValueError("a record holds token ids outside the vocabulary")
+        self._open.append(record)
+        counts = self._counts[record.kind]
+        counts["records"] += 1
+        counts["tokens"] += len(record)
+        counts["loss_tokens"] += record.loss_tokens
+        if sum(len(r) for r in self._open) >= self._data["shard_tokens"]:
+            self._pending.append(self._open)
+            self._open = []
+
+    def note_run(self, run: Mapping[str, Any]) -> None:
+        """Add what one invocation did (times, why it stopped) to the
+        manifest's ``runs`` (written at the next flush)."""
+        self._data["runs"].append(dict(run))
+
+    def flush(self) -> None:
+        """Write the records added since the last flush, the state and the
+        counters: the shards first, then the manifest, each whole; then
+        remove the shard files only the previous manifest named (the open
+        shard's earlier versions).  A flush that fails changes nothing: the
+        manifest on disk is the previous one, and a later flush writes
+        everything again."""
+        before = {s["file"] for s in self._data["shards"]}
+        closed = list(self._closed)
+        for records in self._pending:
+            closed.append(self._write_shard(len(closed), records))
+        shards = list(closed)
+        if self._open:
+            shards.append(self._write_shard(len(closed), self._open))
+        data = {**self._data, "shards": shards, "counts": self._counts,
+                "state": self.state, "counters": self.counters}
+        text = json.dumps(data, ensure_ascii=False, indent=1)
+        _write_whole(self.root / MANIFEST, text.encode("utf-8"))
+        self._data, self._closed, self._pending = data, closed, []
+        for name in before - {s["file"] for s in shards}:
+            with contextlib.suppress(OSError):
+                (self.root / name).unlink()
+
+    def _write_shard(self, index: int, records: list[Record]) -> dict[str, Any]:
+        blob = b"".join(r.tokens.tobytes() for r in records)
+        digest = hashlib.sha256(blob).hexdigest()
+        name = f"shard-{index:05d}-{digest[:16]}.bin"
+        path = self.root / name
+        if not (path.is_file() and path.stat().st_size == len(blob)
+                and _sha256(path) == digest):
+            _write_whole(path, blob)
+        return {"file": name, "bytes": len(blob), "sha256": digest,
+                "tokens": len(blob) // _DTYPE.itemsize,
+                "records": [r.meta() for r in records]}
+
+    def _remove_leftovers(self) -> None:
+        """Shard files the manifest does not name and temporary files: what
+        a run that died between two renames left."""
+        named = {s["file"] for s in self._data["shards"]}
+        for f in self.root.iterdir():
+            leftover = (_SHARD_NAME.fullmatch(f.name) and f.name not in named) or (
+                f.name.startswith(".") and f.name.endswith(".tmp")
+                and (f.name.startswith(f".{MANIFEST}.") or f.name.startswith(".shard-")))
+            if leftover and f.is_file():
+                with contextlib.suppress(OSError):
+                    f.unlink()
+
+
+# -- duplicates ---------------------------------------------------------------
+
+def normalise(text: str) -> str:
+    """``text`` compared for duplicates: NFKC, case-folded, its runs of
+    white space one space, trimmed."""
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+def text_key(text: str) -> str:
+    """The hash exact duplicates share."""
+    return hashlib.sha256(normalise(text).encode("utf-8")).hexdigest()[:16]
+
+
+def words(text: str) -> list[str]:
+    """The words of the normalised text (runs of letters and digits)."""
+    return re.findall(r"\w+", normalise(text))
+
+
+def bigrams(text: str) -> set[tuple[str, ...]]:
+    """Its word bigrams (the one word of a one-word text)."""
+    w = words(text)
+    if len(w) < 2:
+        return {tuple(w)} if w else set()
+    return set(zip(w, w[1:]))
+
+
+class Dedup:
+    """Exact duplicates by :func:`text_key`, and near duplicates: texts whose
+    word bigrams have a Jaccard similarity of at least ``near`` with a kept
+    one's (for queries, where a rephrased question is the same example)."""
+
+    def __init__(self, near: float = 0.7) -> None:
+        if not 0 < near <= 1:
+            raise ValueError(f"near must lie in (0, 1], got {near}")
+        self.near = near
+        self._keys: set[str] = set()
+        self._sets: list[set[tuple[str, ...]]] = []
+        self._index: dict[tuple[str, ...], list[int]] = {}
+
+    def check(self, text: str, *, near: bool = True, key: str | None = None) -> str | None:
+        """``"duplicate"``, ``"near_duplicate"`` or ``None`` for a new text."""
+        if (key or text_key(text)) in self._keys:
+            return "duplicate"
+        if near and self._nearest(bigrams(text)) >= self.near:
+            return "near_duplicate"
+        return None
+
+    def add(self, text: str | None, *, near: bool = True, key: str | None = None) -> None:
+        """Remember a kept text (``key`` alone for a text that is only
+        checked for exact duplicates)."""
+        if key is None:
+            assert text is not None
+            key = text_key(text)
+        self._keys.add(key)
+        if near and text is not None:
+            grams = bigrams(text)
+            n = len(self._sets)
+            self._sets.append(grams)
+            for g in grams:
+                self._index.setdefault(g, []).append(n)
+
+    def _nearest(self, grams: set[tuple[str, ...]]) -> float:
+        if not grams:
+            return 0.0
+        shared: Counter[int] = Counter()
+        for g in grams:
+            shared.update(self._index.get(g, ()))
+        best = 0.0
+        for i, common in shared.items():
+            best = max(best, common / (len(grams) + len(self._sets[i]) - common))
+        return best
+
+
+def rebuild_dedup(records: Iterable[Record], near: float) -> Dedup:
+    """The :class:`Dedup` of a run that kept ``records`` (for a resume)."""
+    dedup = Dedup(near)
+    for r in records:
+        if r.query is not None:
+            dedup.add(r.query, key=r.key)
+        elif r.key is not None:
+            dedup.add(None, near=False, key=r.key)
+    return dedup
