@@ -42,7 +42,7 @@ from forerun.decoding.draft_length import refine_seconds
 from forerun.decoding.sampling import TokenSampler
 from forerun.drafters.draft_context import DraftContext
 from forerun.drafters.draft_model import STALE_STEP
-from forerun.drafters.tree_drafting import DraftedNodes, TreeDrafting
+from forerun.drafters.tree_drafting import DraftedNodes, TreeDrafting, level_mask
 from forerun.errors import ConfigError
 from forerun.protocol.decoder import Decoder
 
@@ -162,14 +162,7 @@ class DraftModelTreeDrafter(TreeDrafting):
         attending to the committed cache, its fed ancestors and itself."""
         decoder = self.decoder
         base = decoder.length
-        mask = torch.zeros(len(frontier), base + len(frontier), dtype=torch.bool)
-        mask[:, :committed] = True
-        for i, node in enumerate(frontier):
-            mask[i, base + i] = True
-            parent = nodes.parents[node]
-            while parent > 0:
-                mask[i, slot[parent]] = True
-                parent = nodes.parents[parent]
+        mask = level_mask(nodes, frontier, slot, committed, base)
         positions = [committed - 1 + level] * len(frontier)
         out = decoder.forward([nodes.tokens[n] for n in frontier], positions,
                               mask.to(decoder.device))

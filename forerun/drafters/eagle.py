@@ -44,7 +44,7 @@ from forerun.decoding.draft_length import refine_seconds
 from forerun.decoding.drafter import Draft
 from forerun.decoding.sampling import TokenSampler
 from forerun.drafters.draft_window import DEFAULT_DRAFT_WINDOW, SINK_TOKENS, window_problem
-from forerun.drafters.tree_drafting import DraftedNodes, TreeDrafting
+from forerun.drafters.tree_drafting import DraftedNodes, TreeDrafting, level_mask
 from forerun.engines.eagle_head import EagleHead
 from forerun.errors import ConfigError
 from forerun.protocol.token_sequences import common_prefix
@@ -239,14 +239,7 @@ class EagleDrafter(TreeDrafting):
         parent's output and attending to the committed slots, its fed
         ancestors and itself."""
         base = self.cache.length
-        mask = torch.zeros(len(frontier), base + len(frontier), dtype=torch.bool)
-        mask[:, :committed] = True
-        for i, node in enumerate(frontier):
-            mask[i, base + i] = True
-            parent = nodes.parents[node]
-            while parent > 0:
-                mask[i, slot[parent]] = True
-                parent = nodes.parents[parent]
+        mask = level_mask(nodes, frontier, slot, committed, base)
         features = torch.stack([output[nodes.parents[n]] for n in frontier])
         logits, out = self.head.forward(
             torch.tensor([nodes.tokens[n] for n in frontier]), features,

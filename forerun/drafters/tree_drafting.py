@@ -41,6 +41,22 @@ class DraftedNodes:
         return len(self.tokens) - 1
 
 
+def level_mask(nodes: DraftedNodes, frontier: list[int], slot: dict[int, int], committed: int,
+               base: int) -> torch.Tensor:
+    """The attention mask of one level's forward: the nodes ``frontier``, fed
+    at cache slots ``base ..``, each see the ``committed`` slots, their fed
+    ancestors (at ``slot[node]``) and themselves."""
+    mask = torch.zeros(len(frontier), base + len(frontier), dtype=torch.bool)
+    mask[:, :committed] = True
+    for i, node in enumerate(frontier):
+        mask[i, base + i] = True
+        parent = nodes.parents[node]
+        while parent > 0:
+            mask[i, slot[parent]] = True
+            parent = nodes.parents[parent]
+    return mask
+
+
 class TreeDrafting:
     """The choices of a tree drafter.  ``width``: children per expanded node
     (at most, for sampled children); ``beam``: nodes expanded per level;

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from forerun.errors import ConfigError, ModelFormatError
+from forerun.protocol.model_config import ModelConfig
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -132,6 +133,17 @@ class Eagle3Config:
         if not isinstance(self.norm_before_residual, bool):
             raise ModelFormatError(f"EAGLE-3 config: norm_before_residual must be true or "
                                    f"false, got {self.norm_before_residual!r}")
+
+    def rope_config(self) -> ModelConfig:
+        """The head's rotary embedding, as a model config states it (what
+        its layer rotates queries and keys by)."""
+        return ModelConfig(
+            architecture="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=False,
+            attention_bias=False, rope_scaling=self.rope_scaling)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor of the head, by its published name, and its shape."""

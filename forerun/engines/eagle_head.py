@@ -43,7 +43,6 @@ from forerun.engines.rope import RotaryEmbedding, apply_rotary
 from forerun.engines.transformer import causal_mask, rms_norm
 from forerun.errors import ConfigError
 from forerun.protocol.kv_cache import KVCache
-from forerun.protocol.model_config import ModelConfig
 
 #: What a token's embedding is computed by: the target's input embedding.
 Embed = Callable[[torch.Tensor], torch.Tensor]
@@ -88,7 +87,7 @@ class EagleHead:
         self.draft_ids = weights.draft_ids().to(self.device)
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        self.rope = RotaryEmbedding(_rope_config(weights), self.device)
+        self.rope = RotaryEmbedding(c.rope_config(), self.device)
 
     @property
     def hidden_size(self) -> int:
@@ -160,13 +159,3 @@ class EagleHead:
         logits = self.lm_head(rms_norm(out, self.norm, eps)).float()
         return logits, out
 
-
-def _rope_config(weights: Eagle3Weights) -> ModelConfig:
-    """The head's rotary embedding, as a model config states it."""
-    c = weights.config
-    return ModelConfig(
-        architecture="llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, num_layers=1, num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=False, attention_bias=False, rope_scaling=c.rope_scaling)

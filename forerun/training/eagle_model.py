@@ -42,7 +42,6 @@ from forerun.engines.eagle3_weights import NORM_NAMES, TENSOR_NAMES, Eagle3Confi
 from forerun.engines.rope import RotaryEmbedding, apply_rotary
 from forerun.engines.transformer import rms_norm
 from forerun.errors import ConfigError
-from forerun.protocol.model_config import ModelConfig
 
 #: the standard deviation of the random matrices a new head starts with
 INIT_STD = 0.02
@@ -103,7 +102,7 @@ class TrainableEagle3(nn.Module):
         for name, p in self.named_parameters():
             with torch.no_grad():
                 p.fill_(1.0 if name in NORM_NAMES else 0.0)
-        self.rope = RotaryEmbedding(_rope_config(config), torch.device("cpu"))
+        self.rope = RotaryEmbedding(config.rope_config(), torch.device("cpu"))
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
 
@@ -255,13 +254,3 @@ class TrainableEagle3(nn.Module):
             outs.append(self._finish(residual, attn))
         return outs
 
-
-def _rope_config(c: Eagle3Config) -> ModelConfig:
-    """The head's rotary embedding, as a model config states it (what
-    :class:`~forerun.engines.eagle_head.EagleHead` rotates by)."""
-    return ModelConfig(
-        architecture="llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, num_layers=1, num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=False, attention_bias=False, rope_scaling=c.rope_scaling)
