@@ -52,6 +52,9 @@ def add_eagle_parser(tsub) -> None:
     p.add_argument("--checkpoint", default=None, metavar="FILE",
                    help=f"the training checkpoint (default: HEAD{CHECKPOINT_SUFFIX}, beside "
                         f"the folder)")
+    p.add_argument("--init", default=None, metavar="HEAD",
+                   help="go on training this head (its weights and draft vocabulary; one an "
+                        "earlier run wrote) on --data, instead of a new one")
     p.add_argument("--resume", action="store_true",
                    help="continue the run of --checkpoint (same options and data)")
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
@@ -171,6 +174,11 @@ def cmd_eagle(args: argparse.Namespace) -> int:
               f"{sum(m.tokens for m in manifests):,} tokens from {' '.join(args.data)}",
               file=sys.stderr)
     records = itertools.chain.from_iterable(m.records() for m in manifests)
+    init = None
+    if args.init is not None:
+        from forerun.loading.eagle3_files import load_eagle3
+
+        init = load_eagle3(args.init, target_layers=model.decoder.model.config.num_layers)
     stop = threading.Event()
     caught: list[int] = []
 
@@ -191,7 +199,7 @@ def cmd_eagle(args: argparse.Namespace) -> int:
                               eos_ids=model.eos_token_ids, checkpoint=checkpoint,
                               resume=args.resume, max_seconds=args.max_seconds,
                               checkpoint_every=args.checkpoint_every, stop=stop,
-                              progress=not args.quiet, log=log, dtype=args.dtype)
+                              progress=not args.quiet, log=log, dtype=args.dtype, init=init)
         except FeaturesStopped as exc:
             print(f"forerun: stopped by {signal_name()} while computing the target's features "
                   f"({exc}); they are cached: the same command continues where this one "

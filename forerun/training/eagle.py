@@ -385,8 +385,10 @@ class EagleTrainer:
     def __init__(self, decoder, records: Iterable[Any], *, model_name: str,
                  settings: EagleSettings, fingerprint: str | None = None,
                  eos_ids: Iterable[int] = (), feature_root: str | Path | None = None,
-                 progress: bool = True, log: Callable[[str], None] | None = None) -> None:
+                 progress: bool = True, log: Callable[[str], None] | None = None,
+                 init: Eagle3Weights | None = None) -> None:
         settings.validate()
+        self.init = init
         self.decoder = decoder
         self.settings = settings
         self.model_name = model_name
@@ -397,6 +399,8 @@ class EagleTrainer:
         c = decoder.model.config
         self.target_config = c
         self.aux_layers = tuple(settings.aux_layers or default_aux_layers(c.num_layers))
+        if init is not None:
+            _check_init(init, settings, self.aux_layers, c, model_name)
         self.store = FeatureStore(decoder, model_name, self.aux_layers, top_k=settings.top_k,
                                   root=feature_root)
         self.train, self.held_out = split_records(as_records(records), settings.held_out)
@@ -498,11 +502,17 @@ class EagleTrainer:
                               f"{checkpoint_every}")
         saved = _read_checkpoint(ckpt) if resume and ckpt is not None else None
         features = self.prepare_features(stop)
-        draft_ids = self.choose_vocabulary()
+        draft_ids = self.choose_vocabulary() if self.init is None else self.init.draft_ids()
         identity = {"settings": s.to_json(), "data": self.data_identity(draft_ids)}
+        if self.init is not None:
+            h = hashlib.sha256()
+            for name in sorted(self.init.tensors):
+                h.update(self.init.tensors[name].float().numpy().tobytes())
+            identity["data"]["init"] = h.hexdigest()
         if saved is not None:
             _check_identity(ckpt, saved["identity"], identity)
-        model = self.new_model(draft_ids)
+        model = (self.new_model(draft_ids) if self.init is None
+                 else TrainableEagle3.from_weights(self.init))
         local = torch.full((self.target_config.vocab_size,), -1, dtype=torch.long)
         local[draft_ids] = torch.arange(draft_ids.numel())
         decay = [p for n, p in model.named_parameters() if "norm" not in n]
@@ -654,18 +664,41 @@ def train_eagle(decoder, records: Iterable[Any], *, model_name: str,
                 on_step: Callable[[int], None] | None = None,
                 feature_root: str | Path | None = None, progress: bool = True,
                 log: Callable[[str], None] | None = None,
-                dtype: torch.dtype | str = torch.bfloat16) -> EagleRun:
+                dtype: torch.dtype | str = torch.bfloat16,
+                init: Eagle3Weights | None = None) -> EagleRun:
     """Train an EAGLE-3 head for the target ``decoder`` (forerun's torch
     engine, as it serves) on ``records`` (module text) and write it to
     ``out`` (:func:`~forerun.loading.eagle3_files.save_eagle3`, in
-    ``dtype``)."""
+    ``dtype``).  ``init``: a head to go on training (its weights and draft
+    vocabulary; a head an earlier run made, trained on on more data),
+    instead of a new one."""
     trainer = EagleTrainer(decoder, records, model_name=model_name,
                            settings=settings or EagleSettings(), fingerprint=fingerprint,
                            eos_ids=eos_ids, feature_root=feature_root, progress=progress,
-                           log=log)
+                           log=log, init=init)
     return trainer.run(out=out, checkpoint=checkpoint, resume=resume, max_seconds=max_seconds,
                        checkpoint_every=checkpoint_every, stop=stop, on_step=on_step,
                        dtype=dtype)
+
+
+def _check_init(init: Eagle3Weights, settings: EagleSettings, aux_layers: tuple[int, ...],
+                target, model_name: str) -> None:
+    """Refuse a head to go on training that the settings or the target don't fit."""
+    c = init.config
+    init.check_target(target.hidden_size, target.vocab_size, target.num_layers, model_name)
+    problems = []
+    if c.intermediate_size != settings.intermediate_size:
+        problems.append(f"its intermediate size is {c.intermediate_size}, "
+                        f"--intermediate-size {settings.intermediate_size}")
+    if tuple(c.aux_layers) != aux_layers:
+        problems.append(f"its aux layers are {list(c.aux_layers)}, --aux-layers "
+                        f"{list(aux_layers)}")
+    if c.draft_vocab_size != min(settings.draft_vocab, target.vocab_size):
+        problems.append(f"its draft vocabulary has {c.draft_vocab_size} tokens, --draft-vocab "
+                        f"{settings.draft_vocab}")
+    if problems:
+        raise ConfigError("the head to go on training does not fit these settings: "
+                          + "; ".join(problems) + "; give the options it was made with")
 
 
 # -- checkpoints -----------------------------------------------------------------
@@ -700,7 +733,7 @@ def _check_identity(path: Path | None, stored: dict[str, Any], now: dict[str, An
                             f"checkpoint, {json.dumps(new.get(name))} now")
     what = {"train": "the training records", "held_out": "the held-out records",
             "target": "the target model (name, weight format or weights)",
-            "draft_ids": "the draft vocabulary"}
+            "draft_ids": "the draft vocabulary", "init": "the head it goes on training (--init)"}
     for key, text in what.items():
         if stored["data"].get(key) != now["data"].get(key):
             problems.append(f"{text} differ")

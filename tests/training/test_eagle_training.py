@@ -247,3 +247,22 @@ def test_resuming_with_other_settings_or_data_is_refused(target, records, featur
     again = run(target, records, features, checkpoint=ckpt, resume=True, max_steps=2)
     assert again.steps == 2 and again.history == done.history
     assert again.final.to_json() == done.final.to_json()
+
+
+def test_a_head_goes_on_training_from_where_it_stopped(target, records, features):
+    """``init``: a head trained for 2 epochs, trained 2 more, starts where
+    it ended (its held-out metrics, its draft vocabulary) and ends as a run
+    of 4 epochs' weights would not (the schedule restarts) but at least as
+    good on the held-out text; a head made with other settings is refused."""
+    from forerun.errors import ConfigError
+
+    first = run(target, records, features, epochs=2)
+    again = train_eagle(target, records, model_name="tiny", settings=settings(epochs=2),
+                        feature_root=features, progress=False, init=first.weights)
+    assert again.initial.top1 == pytest.approx(first.final.top1, abs=1e-4)
+    assert torch.equal(again.weights.draft_ids(), first.weights.draft_ids())
+    assert again.final.accepted >= first.final.accepted
+    with pytest.raises(ConfigError, match="intermediate size is 64, --intermediate-size 32"):
+        train_eagle(target, records, model_name="tiny",
+                    settings=settings(intermediate_size=32), feature_root=features,
+                    progress=False, init=first.weights)
