@@ -63,6 +63,19 @@ from forerun.errors import ConfigError, ModelFormatError
 from forerun.protocol.model_config import ModelConfig
 
 
+def d2t_out_of_range(d2t: torch.Tensor, vocab: int) -> str | None:
+    """What is wrong with the offsets ``d2t`` (target id ``i + d2t[i]``) for a
+    target vocabulary of ``vocab`` ids, or ``None``: the first entry mapping
+    outside it."""
+    ids = d2t.to(torch.int64) + torch.arange(d2t.numel())
+    bad = torch.nonzero((ids < 0) | (ids >= vocab)).flatten()
+    if not bad.numel():
+        return None
+    i = int(bad[0])
+    return (f"d2t[{i}] = {int(d2t[i])} maps draft index {i} to target id {int(ids[i])}, "
+            f"outside the target's vocabulary 0..{vocab - 1} ({bad.numel()} such entries)")
+
+
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """vLLM's (and SGLang's, and SpecForge's) default aux layers for a
     target of ``num_layers`` layers, in vLLM's meaning."""
@@ -244,12 +257,9 @@ class Eagle3Weights:
             raise ModelFormatError(f"EAGLE-3 head: d2t has {d2t.numel()} entries, expected "
                                    f"draft_vocab_size = {n}")
         ids = d2t + torch.arange(n)
-        bad = torch.nonzero((ids < 0) | (ids >= vocab)).flatten()
-        if bad.numel():
-            i = int(bad[0])
-            raise ModelFormatError(f"EAGLE-3 head: d2t[{i}] = {int(d2t[i])} maps draft index "
-                                   f"{i} to target id {int(ids[i])}, outside the target's "
-                                   f"vocabulary 0..{vocab - 1} ({bad.numel()} such entries)")
+        problem = d2t_out_of_range(d2t, vocab)
+        if problem:
+            raise ModelFormatError(f"EAGLE-3 head: {problem}")
         bad = torch.nonzero(ids[1:] <= ids[:-1]).flatten()
         if bad.numel():
             i = int(bad[0]) + 1

@@ -45,6 +45,7 @@ from forerun.engines.eagle3_weights import (
     TENSOR_NAMES,
     Eagle3Config,
     Eagle3Weights,
+    d2t_out_of_range,
     default_aux_layers,
 )
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
@@ -507,12 +508,9 @@ def _draft_ids(reader: _TensorReader, names: dict[str, str], config: Eagle3Confi
         raise ModelFormatError(f"{where}: d2t is {d2t.dtype} {list(d2t.shape)}, expected "
                                f"an integer tensor [{n}] (draft_vocab_size)")
     ids = d2t.to(torch.int64) + torch.arange(n)
-    bad = torch.nonzero((ids < 0) | (ids >= vocab)).flatten()
-    if bad.numel():
-        i = int(bad[0])
-        raise ModelFormatError(f"{where}: d2t[{i}] = {int(d2t[i])} maps draft index {i} to "
-                               f"target id {int(ids[i])}, outside the target's vocabulary "
-                               f"0..{vocab - 1} ({bad.numel()} such entries)")
+    problem = d2t_out_of_range(d2t, vocab)
+    if problem:
+        raise ModelFormatError(f"{where}: {problem}")
     if torch.unique(ids).numel() != n:
         raise ModelFormatError(f"{where}: d2t maps two draft indices to the same target id; "
                                f"each target token must have one row of lm_head")
