@@ -286,9 +286,11 @@ def dispatch(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("generate", "chat", "bench", "medusa", "serve"):
+        from forerun.cli.collector import freeze_at_exit, frozen_imports
         from forerun.cli.exits import signals_deferred
 
-        with signals_deferred():
+        freeze_at_exit()
+        with signals_deferred(), frozen_imports("torch"):
             import torch  # noqa: F401  (the long import; a signal in it is held)
     if args.command == "generate":
         return cmd_generate(args)

@@ -135,7 +135,7 @@ def load_gguf_files(spec: str | Path, *, engine: str = "llama.cpp",
 
     Parsing a header with a large vocabulary takes seconds, so the config and
     tokenizer are kept in ``<cache>/gguf-header/`` (a few MB, keyed like the
-    conversion cache by the file's SHA-256)."""
+    conversion cache by the file's SHA-256, and by :data:`GGUF_HEADER_VERSION`)."""
     path = resolve_spec(spec, progress=progress)
     name = str(spec) if str(spec) in PRESETS else path.name
     if path.is_dir():
@@ -149,7 +149,11 @@ def load_gguf_files(spec: str | Path, *, engine: str = "llama.cpp",
     return ModelFiles(name, config, {}, tokenizer, gguf_path=path)
 
 
-GGUF_HEADER_VERSION = "2"
+# 3: the tokenizer saved in the form it loads fastest from (Tokenizer.save).
+# The version is part of an entry's name, so that forerun versions sharing a
+# cache each keep their own entry instead of rebuilding each other's; the
+# other's is listed as written by another version, which a prune deletes.
+GGUF_HEADER_VERSION = "3"
 
 
 def _gguf_header(path: Path, digest: str | None = None) -> tuple[ModelConfig, Any]:
@@ -161,30 +165,34 @@ def _gguf_header(path: Path, digest: str | None = None) -> tuple[ModelConfig, An
     from forerun.errors import CacheError
     from forerun.loading.cache_entry import CacheEntry, ensure
     from forerun.loading.content_key import file_digest
-    from forerun.loading.gguf_file import GGUFFile
     from forerun.machine.paths import cache_dir
-    from forerun.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
+    from forerun.tokenizer import Tokenizer
 
     parsed: list = []
 
-    def parse(out: Path) -> dict:
+    def read_header() -> list:
+        # (the gguf package, and the yaml it imports, only where the header is parsed)
+        from forerun.loading.gguf_file import GGUFFile
+        from forerun.tokenizer import tokenizer_from_gguf_metadata
+
         gguf = GGUFFile(path)
-        config = gguf.config()
-        tokenizer = tokenizer_from_gguf_metadata(gguf.metadata)
-        parsed[:] = [config, tokenizer]
+        return [gguf.config(), tokenizer_from_gguf_metadata(gguf.metadata)]
+
+    def parse(out: Path) -> dict:
+        parsed[:] = read_header()
+        config, tokenizer = parsed
         (out / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
         tokenizer.save(out / "tokenizer")
         return {"source": str(path.resolve()), "name": path.name}
 
     try:
         digest = digest or file_digest(path)
-        entry = CacheEntry(cache_dir() / "gguf-header" / digest[:32],
+        entry = CacheEntry(cache_dir() / "gguf-header" / f"{digest[:32]}-v{GGUF_HEADER_VERSION}",
                            f"the parsed header of {path.name}", version=GGUF_HEADER_VERSION)
         folder = ensure(entry, parse, progress=False)
     except CacheError as exc:
         if not parsed:
-            gguf = GGUFFile(path)
-            parsed[:] = [gguf.config(), tokenizer_from_gguf_metadata(gguf.metadata)]
+            parsed[:] = read_header()
         warnings.warn(f"forerun: the GGUF header cache is not used: {exc}", stacklevel=3)
         return parsed[0], parsed[1]
     if parsed:

@@ -90,11 +90,13 @@ def packed_network(gguf_path: Path, config: ModelConfig, fmt: str, device: torch
     """The ``fmt`` (``"q4"``, ``"q8"`` or ``"q4-all"``) network of
     ``gguf_path`` on ``device``: read from the cache, or built from the GGUF and stored."""
     from forerun.loading.content_key import file_digest
-    from forerun.loading.gguf_quantized import GGUFQuantizedWeights
 
     built: list[Transformer] = []
 
     def build_network() -> Transformer:
+        # (the gguf package, and the yaml it imports, only where the GGUF is read)
+        from forerun.loading.gguf_quantized import GGUFQuantizedWeights
+
         if progress:
             print(f"forerun: packing {gguf_path.name} into {fmt} weights (first load only)",
                   file=sys.stderr, flush=True)

@@ -137,6 +137,35 @@ def test_save_load_roundtrip_tiny(tmp_path):
         Tokenizer.load(tmp_path / "tok")
 
 
+def test_saved_in_the_quick_form_that_reads_back_the_same(tmp_path):
+    """Compact, the vocabulary in its tokens' byte order, the merges as
+    "a b" strings (what tokenizers reads fastest), and the same tokenizer."""
+    tok = tiny()
+    tok.save(tmp_path)
+    text = (tmp_path / "tokenizer.json").read_text(encoding="utf-8")
+    data = json.loads(text)
+    assert "\n" not in text
+    assert data["model"]["merges"] == ["a b", "Ġ ab"]
+    vocab = list(data["model"]["vocab"])
+    assert vocab == sorted(vocab, key=str.encode)
+    assert Tokenizer.load(tmp_path).backend.to_str() == tok.backend.to_str()
+
+
+@pytest.mark.parametrize("tokens, merge", [
+    (["a", "b c", "ab c"], ("a", "b c")),                        # a token with a space
+    (["#version", "x", "#versionx"], ("#version", "x")),         # read as a comment line
+])
+def test_merges_a_string_cant_hold_keep_their_pairs(tmp_path, tokens, merge):
+    import tokenizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[merge]))
+    tok = Tokenizer(backend)
+    tok.save(tmp_path)
+    assert (tmp_path / "tokenizer.json").read_text(encoding="utf-8") == backend.to_str()
+    assert Tokenizer.load(tmp_path).backend.to_str() == backend.to_str()
+
+
 def test_fingerprint_depends_on_vocab_and_merges():
     base = tiny().fingerprint()
     assert base == tiny(**{"tokenizer.chat_template": None}).fingerprint()
@@ -155,6 +184,7 @@ def test_save_load_roundtrip_real(name, tmp_path):
     tok = forerun_tokenizer(name)
     tok.save(tmp_path)
     back = Tokenizer.load(tmp_path)
+    assert back.backend.to_str() == tok.backend.to_str()
     assert back.fingerprint() == tok.fingerprint()
     assert back.vocab_size == tok.vocab_size
     assert back.special_token_ids == tok.special_token_ids
