@@ -19,9 +19,9 @@ CHECKPOINT_SUFFIX = ".checkpoint"
 #: :class:`~forerun.training.eagle.EagleSettings`' defaults, for the help
 #: (that module imports torch, which building the parser must not; a test
 #: keeps the two the same)
-DEFAULTS = {"ttt_steps": 7, "intermediate_size": 4096, "draft_vocab": 32768, "lr": 1e-4,
-            "warmup": 0.02, "weight_decay": 0.0, "batch_tokens": 8192, "epochs": 1,
-            "seed": 0, "held_out": 0.02}
+DEFAULTS = {"ttt_steps": 2, "intermediate_size": 4096, "draft_vocab": 16384, "lr": 1e-3,
+            "warmup": 0.02, "weight_decay": 0.0, "batch_tokens": 128, "piece_tokens": 128,
+            "epochs": 1, "seed": 0, "held_out": 0.02}
 
 
 def add_eagle_parser(tsub) -> None:
@@ -77,6 +77,9 @@ def add_eagle_parser(tsub) -> None:
                         "--resume continues")
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
                    help=f"tokens per optimiser step (default {d.batch_tokens})")
+    p.add_argument("--piece-tokens", type=int, default=d.piece_tokens,
+                   help=f"records train as pieces of this many positions, each attending "
+                        f"within itself (default {d.piece_tokens})")
     p.add_argument("--lr", type=float, default=d.lr,
                    help=f"peak learning rate (AdamW; default {d.lr})")
     p.add_argument("--warmup", type=float, default=d.warmup,
@@ -90,8 +93,11 @@ def add_eagle_parser(tsub) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="the run's seed (default 0)")
     p.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS",
                    help="write the checkpoint every this many steps (default 100)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                   help="the saved head's dtype (default bfloat16, as published heads)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "int8"),
+                   default="bfloat16",
+                   help="the saved head's dtype (default bfloat16, as published heads; int8: "
+                        "forerun's own int8 rows, half the size, which vLLM and SGLang read "
+                        "after forerun export eagle3)")
     p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
                    help="the target's weight format on the torch engine (default auto: the "
                         "one it serves with on this machine)")
@@ -122,6 +128,7 @@ def _settings(args: argparse.Namespace):
         ttt_steps=args.ttt_steps, intermediate_size=args.intermediate_size,
         draft_vocab=args.draft_vocab, aux_layers=_aux_layers(args.aux_layers), lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, batch_tokens=args.batch_tokens,
+        piece_tokens=args.piece_tokens,
         epochs=args.epochs, max_steps=args.max_steps, seed=args.seed, held_out=args.held_out)
     settings.validate()
     return settings

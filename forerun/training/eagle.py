@@ -15,7 +15,9 @@ The pipeline, each stage restartable:
    by id), the end-of-sequence ids always among them.
 4. **The head** (:class:`~forerun.training.eagle_model.TrainableEagle3`):
    ``lm_head`` starts as the target's LM head rows of the draft vocabulary
-   and ``norm`` as its final norm; the other matrices small and random
+   and ``norm`` as its final norm, ``fc`` as the identity on the deepest
+   aux layer's state and the layer's output projections at zero (its
+   output starts as that state), the other matrices small and random
    (seeded), the other norms one.
 5. **Training-time test**: each record runs ``ttt_steps`` (``K``) chain
    steps from every position at once
@@ -33,8 +35,12 @@ The pipeline, each stage restartable:
 6. **Optimiser**: AdamW (betas (0.9, 0.95); weight decay 0 by default,
    never on the norms), a linear warmup over the first ``warmup`` share of the planned steps,
    then a cosine decay to a tenth of ``lr``; gradients clipped to a norm of
-   ``clip`` (0.5).  Batches are consecutive records of a seeded shuffle
-   (one per epoch) until they hold ``batch_tokens`` tokens.
+   ``clip`` (0.5).  Records are cut into pieces of ``piece_tokens``
+   predicting positions (:func:`record_pieces`; a piece attends within
+   itself), and batches are consecutive pieces of a
+   seeded shuffle (one per epoch) until they hold ``batch_tokens`` tokens:
+   many small steps learn far more from the few tokens a CPU can afford
+   than a few large ones (``docs/training-eagle.md``).
 7. **Held-out metrics** before training, after each epoch and at the end:
    top-1 agreement per step (the head's argmax, as a target id, equals the
    target's argmax at that position) over the rows predicting a training
@@ -102,17 +108,18 @@ class EagleSettings:
     """Everything that decides a trained head (a resumed run must have the
     same).  ``aux_layers`` ``None``: vLLM's default for the target."""
 
-    ttt_steps: int = 7
+    ttt_steps: int = 2
     intermediate_size: int = 4096
-    draft_vocab: int = 32768
+    draft_vocab: int = 16384
     aux_layers: tuple[int, ...] | None = None
-    lr: float = 1e-4
+    lr: float = 1e-3
     warmup: float = 0.02
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.0
     clip: float = 0.5
     step_decay: float = 0.8
-    batch_tokens: int = 8192
+    batch_tokens: int = 128
+    piece_tokens: int = 128
     epochs: int = 1
     max_steps: int | None = None
     seed: int = 0
@@ -125,7 +132,7 @@ class EagleSettings:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("ttt_steps", "intermediate_size", "draft_vocab", "batch_tokens",
-                     "epochs", "top_k"):
+                     "piece_tokens", "epochs", "top_k"):
             positive(name.replace("_", "-"), getattr(self, name))
         if self.max_steps is not None:
             positive("max-steps", self.max_steps)
@@ -196,6 +203,11 @@ class _Record:
 
     def __len__(self) -> int:
         return int(self.argmax.numel())
+
+    def piece(self, a: int, b: int) -> _Record:
+        """Its tokens ``a .. b - 1`` as a record of their own."""
+        return _Record(self.embeds[a:b], self.aux[a:b], self.argmax[a:b], self.top_ids[a:b],
+                       self.top_logp[a:b], max(0, self.loss_start - a))
 
 
 def _rows(record: _Record, j: int, local: torch.Tensor, *, in_vocab: bool) -> torch.Tensor:
@@ -358,19 +370,46 @@ def head_config(target_config, settings: EagleSettings, draft_vocab: int) -> Eag
         max_position_embeddings=c.max_position_embeddings)
 
 
-def epoch_batches(records: Sequence[TokenRecord], epoch: int, settings: EagleSettings
+@dataclass(frozen=True)
+class Piece:
+    """Tokens ``start .. end - 1`` of training record ``record``: the unit
+    of a batch (module text, 6)."""
+
+    record: int
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+def record_pieces(records: Sequence[TokenRecord], piece_tokens: int) -> list[Piece]:
+    """The records cut into pieces of ``piece_tokens + 1`` tokens, each
+    starting at the last token of the one before, so that every position
+    predicts its next-but-one token in exactly one piece; pieces in which
+    no row predicts a training target (all prompt) are left out."""
+    out = []
+    for i, r in enumerate(records):
+        for a in range(0, max(1, len(r) - 1), piece_tokens):
+            b = min(len(r), a + piece_tokens + 1)
+            if b >= 2 and b >= r.loss_start:
+                out.append(Piece(i, a, b))
+    return out
+
+
+def epoch_batches(pieces: Sequence[Piece], epoch: int, settings: EagleSettings
                   ) -> list[list[int]]:
-    """Epoch ``epoch``'s batches: record indices in a shuffle seeded by the
+    """Epoch ``epoch``'s batches: piece indices in a shuffle seeded by the
     seed and the epoch, cut whenever a batch holds ``batch_tokens``."""
     draw = hashlib.sha256(f"eagle3-epoch:{settings.seed}:{epoch}".encode()).hexdigest()
     gen = torch.Generator().manual_seed(int(draw[:15], 16))
-    order = torch.randperm(len(records), generator=gen).tolist()
+    order = torch.randperm(len(pieces), generator=gen).tolist()
     batches: list[list[int]] = []
     batch: list[int] = []
     tokens = 0
     for i in order:
         batch.append(i)
-        tokens += len(records[i])
+        tokens += len(pieces[i])
         if tokens >= settings.batch_tokens:
             batches.append(batch)
             batch, tokens = [], 0
@@ -520,7 +559,8 @@ class EagleTrainer:
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}],
                                 lr=s.lr, betas=s.betas)
-        epochs = [epoch_batches(self.train, e, s) for e in range(s.epochs)]
+        pieces = record_pieces(self.train, s.piece_tokens)
+        epochs = [epoch_batches(pieces, e, s) for e in range(s.epochs)]
         planned = sum(len(b) for b in epochs)
         if s.max_steps is not None:
             planned = min(planned, s.max_steps)
@@ -566,7 +606,7 @@ class EagleTrainer:
                 "initial": initial.to_json(), "history": history})
 
         planned_batches = [b for e in epochs for b in e][:planned]
-        bar = tqdm(total=sum(len(self.train[i]) for b in planned_batches for i in b),
+        bar = tqdm(total=sum(len(pieces[i]) for b in planned_batches for i in b),
                    initial=trained_tokens, unit="tok", desc="training the head",
                    disable=not self.progress, dynamic_ncols=True, leave=False)
         stopped = "done"
@@ -590,7 +630,7 @@ class EagleTrainer:
             if max_seconds is not None and time.perf_counter() - started >= max_seconds:
                 stopped = "time"
                 break
-            batch = [self.train[i] for i in epochs[epoch][batch_index]]
+            batch = [pieces[i] for i in epochs[epoch][batch_index]]
             last_loss = self._step(model, opt, batch, local, lr_at(step))
             step += 1
             batch_index += 1
@@ -634,10 +674,14 @@ class EagleTrainer:
                         trained_tokens, train_seconds, ckpt, data)
 
     def _step(self, model: TrainableEagle3, opt: torch.optim.Optimizer,
-              batch: Sequence[TokenRecord], local: torch.Tensor, lr: float) -> float:
+              batch: Sequence[Piece], local: torch.Tensor, lr: float) -> float:
         """One optimiser step over ``batch``; returns its loss."""
         s = self.settings
-        records = [self.features(r) for r in batch]
+        loaded: dict[int, _Record] = {}
+        for piece in batch:
+            if piece.record not in loaded:
+                loaded[piece.record] = self.features(self.train[piece.record])
+        records = [loaded[piece.record].piece(piece.start, piece.end) for piece in batch]
         counts = [sum(int(_rows(r, j, local, in_vocab=True).numel()) for r in records)
                   for j in range(s.ttt_steps)]
         scales = [s.step_decay ** j / c if c else 0.0 for j, c in enumerate(counts)]

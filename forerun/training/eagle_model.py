@@ -108,11 +108,22 @@ class TrainableEagle3(nn.Module):
 
     # -- building and exporting -------------------------------------------------
     def initialise(self, *, lm_head_rows: torch.Tensor, final_norm: torch.Tensor,
-                   seed: int) -> TrainableEagle3:
+                   seed: int, carry: bool = True) -> TrainableEagle3:
         """A new head: ``lm_head`` from the target's LM head rows of the draft
         vocabulary (``[draft_vocab, H]``), ``norm`` from the target's final
         norm, the other norms one, the other matrices normal with standard
-        deviation :data:`INIT_STD` from a generator seeded with ``seed``."""
+        deviation :data:`INIT_STD` from a generator seeded with ``seed``.
+
+        ``carry`` (the default): ``fc`` starts as the identity on the block
+        of the deepest aux layer (zero on the others), and the layer's two output
+        projections (``o_proj``, ``down_proj``) at zero, so that the new
+        head's output is the target's state entering that layer,
+        read through the target's own final norm and LM head: a head that
+        starts from the target's view of the text instead of noise.  On the
+        1.5B target it learned about twice as fast (held-out top-1 0.18
+        against 0.10 after 33k tokens; ``docs/training-eagle.md``).  The
+        zero projections get their gradient first and pass it on from
+        their first step."""
         c = self.config
         if tuple(lm_head_rows.shape) != (c.draft_vocab_size, c.hidden_size):
             raise ConfigError(f"the LM head rows are {list(lm_head_rows.shape)}, expected "
@@ -128,6 +139,13 @@ class TrainableEagle3(nn.Module):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * INIT_STD)
+            if carry:
+                h = c.hidden_size
+                deepest = max(range(len(c.aux_layers)), key=lambda i: c.aux_layers[i])
+                self.fc.weight.zero_()
+                self.fc.weight[:, deepest * h:(deepest + 1) * h].copy_(torch.eye(h))
+                self.midlayer.self_attn.o_proj.weight.zero_()
+                self.midlayer.mlp.down_proj.weight.zero_()
         return self
 
     @classmethod
@@ -218,7 +236,10 @@ class TrainableEagle3(nn.Module):
         embeddings of its ``T`` tokens, ``states`` ``[T, 3H]`` the target's
         states (row ``T - 1`` is not read).  Element ``j`` is ``[T - 1 - j,
         H]``: step ``j``'s output at positions ``0 .. T - 2 - j`` (fewer
-        elements where the sequence is shorter than ``steps + 1``)."""
+        elements where the sequence is shorter than ``steps + 1``).  Its
+        first token is at position 0: the rotary embedding makes the
+        attention depend on distances alone, so a piece of a longer
+        sequence computes the same from 0 as from where it starts."""
         c = self.config
         t = embeds.shape[0]
         groups = c.num_heads // c.num_kv_heads

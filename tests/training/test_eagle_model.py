@@ -4,6 +4,8 @@ step with the head, and to :class:`EagleDrafter`'s greedy chain."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.drafters.eagle import EagleDrafter
 from forerun.engines.eagle3_weights import Eagle3Config, Eagle3Weights
 from forerun.engines.eagle_head import EagleHead
+from forerun.engines.transformer import rms_norm
 from forerun.training.eagle_model import TrainableEagle3
 
 H, VOCAB, DRAFT_VOCAB = 64, 300, 128
@@ -81,13 +84,33 @@ def test_to_weights_and_back_keep_every_tensor():
 def test_initialise_takes_the_targets_rows_and_norm_and_is_seeded():
     c = config()
     rows, norm = torch.randn(DRAFT_VOCAB, H), torch.rand(H)
-    a = TrainableEagle3(c).initialise(lm_head_rows=rows, final_norm=norm, seed=5)
-    b = TrainableEagle3(c).initialise(lm_head_rows=rows, final_norm=norm, seed=5)
-    other = TrainableEagle3(c).initialise(lm_head_rows=rows, final_norm=norm, seed=6)
+    a = TrainableEagle3(c).initialise(lm_head_rows=rows, final_norm=norm, seed=5, carry=False)
+    b = TrainableEagle3(c).initialise(lm_head_rows=rows, final_norm=norm, seed=5, carry=False)
+    other = TrainableEagle3(c).initialise(lm_head_rows=rows, final_norm=norm, seed=6,
+                                          carry=False)
     assert torch.equal(a.lm_head.weight, rows) and torch.equal(a.norm.weight, norm)
     assert torch.equal(a.midlayer.hidden_norm.weight, torch.ones(H))
     assert torch.equal(a.fc.weight, b.fc.weight) and not torch.equal(a.fc.weight, other.fc.weight)
     assert 0.01 < float(a.fc.weight.detach().std()) < 0.03
+
+
+def test_a_carrying_head_starts_as_the_deepest_states_read_by_the_targets_head():
+    """carry: fc picks the deepest aux layer's block unchanged and the
+    layer adds nothing, so the logits are the target's LM head rows on the
+    target's final norm of that state, whatever the token and the other
+    blocks; the other matrices are still random and seeded."""
+    c = dataclasses.replace(config(), aux_layers=(1, 3, 2))      # the deepest is the 2nd block
+    rows, norm = torch.randn(DRAFT_VOCAB, H), torch.rand(H) + 0.5
+    head = TrainableEagle3(c).initialise(lm_head_rows=rows, final_norm=norm, seed=5)
+    states = torch.randn(6, 3 * H)
+    embeds = torch.randn(6, H)
+    logits, out = head(embeds, states, torch.arange(6))
+    assert torch.allclose(out, states[:, H:2 * H])
+    want = rms_norm(states[:, H:2 * H], norm, c.rms_norm_eps) @ rows.T
+    assert torch.allclose(logits, want, atol=1e-5)
+    again = TrainableEagle3(c).initialise(lm_head_rows=rows, final_norm=norm, seed=5)
+    assert torch.equal(head.midlayer.mlp.gate_proj.weight, again.midlayer.mlp.gate_proj.weight)
+    assert float(head.midlayer.self_attn.q_proj.weight.detach().std()) > 0.01
 
 
 def chain_by_head(head, tokens, states, p, steps):
