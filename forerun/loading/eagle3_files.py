@@ -29,6 +29,17 @@ target ids out of order is reordered (with ``lm_head``'s rows), which
 changes nothing it computes.  Its own ``embed_tokens.weight``, which
 SpecForge's exports carry (a copy of the target's), is left out: forerun
 drafts with the target's embedding.
+
+**forerun's int8 storage** (``dtype="int8"``, what forerun ships: half the
+bytes of bfloat16).  Every matrix is stored as the int8 rows forerun's
+engine runs beside a quantized target (symmetric, one float32 scale a row,
+:func:`~forerun.engines.linear.quantize_int8`): the int8 values under the
+published name and the scales under ``<name>_scale``; the norms in
+float32.  ``config.json`` says so with ``quantization_config:
+{"quant_method": "forerun-int8-rows"}``, which vLLM and SGLang refuse by
+name rather than misread; ``forerun export eagle3`` writes such a head in
+bfloat16 for them.  Read back, the matrices are ``q * scale`` in float32,
+and quantizing them to int8 rows again gives the very same int8 values.
 """
 
 from __future__ import annotations
@@ -58,6 +69,11 @@ DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.f
                                   "float32": torch.float32}
 #: What published heads use (SpecForge's and Red Hat's are bfloat16).
 DEFAULT_DTYPE = torch.bfloat16
+#: ``dtype`` of forerun's own int8 storage (module text), and the
+#: ``quant_method`` its config names.
+INT8 = "int8"
+INT8_METHOD = "forerun-int8-rows"
+_SCALE = "_scale"
 #: The version of the ``"forerun"`` entry of ``config.json``.
 FORMAT_VERSION = 1
 
@@ -77,9 +93,11 @@ def save_eagle3(weights: Eagle3Weights, directory: str | Path,
     ``model.safetensors`` and ``config.json``, each written whole through a
     temporary file and a rename (the weights first, the config last); the
     float tensors in ``dtype`` (bfloat16, float16 or float32; float32 keeps
-    them bit for bit).  A folder that holds other weight files is refused:
-    the engines would load them too.  Returns the folder."""
-    dtype = _dtype(dtype)
+    them bit for bit; ``"int8"``: forerun's own int8 rows, module text).
+    A folder that holds other weight files is refused: the engines would
+    load them too.  Returns the folder."""
+    int8 = dtype in (INT8, torch.int8)
+    dtype = torch.float32 if int8 else _dtype(dtype)
     out = check_output_dir(directory, "the output folder")
     others = sorted(p.name for p in out.iterdir()
                     if p.name != WEIGHTS_FILE and _WEIGHT_FILE.fullmatch(p.name))
@@ -91,9 +109,18 @@ def save_eagle3(weights: Eagle3Weights, directory: str | Path,
 
     tensors = {name: weights.tensors[name].detach().to("cpu", dtype).contiguous()
                for name in TENSOR_NAMES}
+    config = eagle3_config_json(weights, dtype)
+    if int8:
+        from forerun.engines.linear import quantize_int8
+
+        for name in TENSOR_NAMES:
+            if tensors[name].dim() == 2:
+                rows = quantize_int8(tensors[name])
+                tensors[name], tensors[name + _SCALE] = rows.q, rows.scale.float()
+        config["quantization_config"] = {"quant_method": INT8_METHOD}
     tensors["d2t"] = weights.d2t.detach().to("cpu", torch.int64).contiguous()
     tensors["t2d"] = weights.t2d()
-    text = json.dumps(eagle3_config_json(weights, dtype), indent=2, allow_nan=False) + "\n"
+    text = json.dumps(config, indent=2, allow_nan=False) + "\n"
     with written_whole(out / WEIGHTS_FILE) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     with written_whole(out / CONFIG_FILE) as tmp:
@@ -158,13 +185,17 @@ def load_eagle3(path: str | Path, *, target_layers: int | None = None) -> Eagle3
     flat = _speculators_config(cfg, config_file) if speculators else cfg
     reader = _TensorReader(path)
     config = _parse_config(flat, config_file, speculators, target_layers)
-    names = _normalised_names(reader, config_file)
+    int8 = _int8_storage(cfg, config_file)
+    names = _normalised_names(reader, config_file, int8)
     tensors, ignored = {}, []
     for published, stored in names.items():
         if published in _IGNORED:
             ignored.append(stored)
-        elif published not in ("d2t", "t2d"):
+        elif published not in ("d2t", "t2d") and not published.endswith(_SCALE):
             tensors[published] = reader.get(stored)
+    if int8:
+        for name in list(tensors):
+            tensors[name] = _dequantize(name, tensors[name], names, reader)
     for name in TENSOR_NAMES:
         if name not in tensors:
             raise ModelFormatError(f"{reader.describe()}: tensor {name} is missing (expected "
@@ -444,11 +475,46 @@ class _TensorReader:
         return str(self.files[0]) if len(self.files) == 1 else str(self.files[0].parent)
 
 
-def _normalised_names(reader: _TensorReader, config_file: Path) -> dict[str, str]:
-    """Published name -> stored name; anything forerun can't run refused."""
+def _int8_storage(cfg: Mapping[str, Any], file: Path) -> bool:
+    """Whether the config says forerun's int8 storage; another quantization
+    is refused by name."""
+    quant = cfg.get("quantization_config")
+    if quant is None:
+        return False
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method != INT8_METHOD:
+        raise ModelFormatError(f"{file}: quantization_config names {method!r}; forerun reads "
+                               f"EAGLE-3 heads in float (bfloat16, float16, float32) or in "
+                               f"its own {INT8_METHOD!r} storage")
+    return True
+
+
+def _dequantize(name: str, q: torch.Tensor, names: Mapping[str, str],
+                reader: _TensorReader) -> torch.Tensor:
+    """A matrix of forerun's int8 storage as float32 (a norm is float)."""
+    if q.is_floating_point():
+        return q
+    if q.dtype != torch.int8 or q.dim() != 2 or name + _SCALE not in names:
+        missing = "" if name + _SCALE in names else f" without {name}{_SCALE}"
+        raise ModelFormatError(f"{reader.describe()}: tensor {name} is {q.dtype} "
+                               f"{list(q.shape)}{missing}; forerun's int8 storage holds int8 "
+                               f"matrices with a float32 scale per row")
+    scale = reader.get(names[name + _SCALE])
+    if not scale.is_floating_point() or tuple(scale.shape) != (q.shape[0],):
+        raise ModelFormatError(f"{reader.describe()}: {name}{_SCALE} is {scale.dtype} "
+                               f"{list(scale.shape)}, expected float32 [{q.shape[0]}]")
+    return q.float() * scale.float()[:, None]
+
+
+def _normalised_names(reader: _TensorReader, config_file: Path,
+                      int8: bool = False) -> dict[str, str]:
+    """Published name -> stored name; anything forerun can't run refused
+    (``int8``: the scales of forerun's int8 storage are known too)."""
     out: dict[str, str] = {}
     unknown = []
     known = set(TENSOR_NAMES) | {"d2t", "t2d", *_IGNORED}
+    if int8:
+        known |= {name + _SCALE for name in TENSOR_NAMES}
     for stored in reader.names():
         name = stored
         if name.startswith("layers.0."):                 # the speculators layout

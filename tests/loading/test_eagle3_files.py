@@ -410,5 +410,54 @@ def test_the_dtype_must_be_one_of_three(tmp_path):
     from forerun.errors import ConfigError
 
     with pytest.raises(ConfigError, match="bfloat16, float16, float32"):
-        save_eagle3(tiny_head(), tmp_path / "head", dtype="int8")
+        save_eagle3(tiny_head(), tmp_path / "head", dtype="int4")
     assert eagle3_files.DEFAULT_DTYPE == torch.bfloat16
+
+
+# -- forerun's int8 storage ----------------------------------------------------------
+
+def test_int8_storage_reads_back_as_the_int8_rows_the_engine_runs(tmp_path):
+    """Every matrix comes back as q * scale of its int8 rows, which quantize
+    to the very same int8 values; norms and d2t are exact; the file is
+    about half of bfloat16's."""
+    from forerun.engines.linear import quantize_int8
+
+    head = tiny_head()
+    folder = save_eagle3(head, tmp_path / "head", dtype="int8")
+    back = load_eagle3(folder)
+    assert back.config == head.config and back.info == head.info
+    assert torch.equal(back.d2t, head.d2t)
+    for name in TENSOR_NAMES:
+        original, read = head.tensors[name], back.tensors[name]
+        assert read.dtype == torch.float32, name
+        if original.dim() == 1:
+            assert torch.equal(read, original), name
+            continue
+        rows = quantize_int8(original)
+        assert torch.equal(read, rows.q.float() * rows.scale[:, None]), name
+        again = quantize_int8(read)
+        assert torch.equal(again.q, rows.q), name
+        torch.testing.assert_close(again.scale, rows.scale, rtol=1e-6, atol=0)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "forerun-int8-rows"}
+    stored = load_file(str(folder / "model.safetensors"))
+    assert stored["fc.weight"].dtype == torch.int8
+    assert stored["fc.weight_scale"].dtype == torch.float32
+    bf16 = save_eagle3(head, tmp_path / "bf16", dtype="bfloat16") / "model.safetensors"
+    matrices = sum(head.tensors[n].numel() for n in TENSOR_NAMES if head.tensors[n].dim() == 2)
+    assert (bf16.stat().st_size - (folder / "model.safetensors").stat().st_size
+            > 0.9 * matrices)
+
+
+@pytest.mark.parametrize("edit,words", [
+    (dict(config=lambda c: c.update(quantization_config={"quant_method": "fp8"})), "'fp8'"),
+    (dict(tensors=lambda t: t.pop("fc.weight_scale")), "without fc.weight_scale"),
+    (dict(tensors=lambda t: t.update({"fc.weight_scale": t["fc.weight_scale"][:3]})),
+     "fc.weight_scale is torch.float32 \\[3\\]"),
+    (dict(config=lambda c: c.pop("quantization_config")), "fc.weight_scale"),
+])
+def test_bad_int8_storage_is_refused(tmp_path, edit, words):
+    folder = save_eagle3(tiny_head(), tmp_path / "head", dtype="int8")
+    rewrite(folder, **edit)
+    with pytest.raises(ModelFormatError, match=words):
+        load_eagle3(folder)
