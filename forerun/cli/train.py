@@ -89,6 +89,11 @@ def _add_data_parser(tsub) -> None:
                       help="a prompt file in Spec-Bench's question.jsonl format whose prompts "
                            "must not appear in the data, besides forerun's own benchmark "
                            "prompts (repeatable)")
+    data.add_argument("--topic", action="append", default=None, metavar="SYSTEM",
+                      dest="topics",
+                      help="a system message that steers the queries (repeatable; taken in "
+                           "turn), e.g. 'You are an assistant that translates texts between "
+                           "languages.'; the answers are asked without it")
     data.add_argument("--checkpoint-seconds", type=float, default=30.0,
                       help="flush the records made so far at least this often (default 30)")
     data.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
@@ -169,7 +174,10 @@ def cmd_data(args: argparse.Namespace) -> int:
                                        settings={**settings.to_json(), **extra},
                                        state=new_state(), counters=new_counters())
     if prefix is not None and not args.quiet:
-        print(f"forerun: Magpie prefix of {model.name}: {prefix.text!r}", file=sys.stderr)
+        topics = (f" (queries under {len(settings.topics)} topics, each the system message "
+                  f"in its place)" if settings.topics else "")
+        print(f"forerun: Magpie prefix of {model.name}: {prefix.text!r}{topics}",
+              file=sys.stderr)
     stop = threading.Event()
     caught: list[int] = []
     builder = DataBuilder(model, writer, settings, files=files, bench=bench,
@@ -239,6 +247,8 @@ def _settings(args: argparse.Namespace, saved: dict[str, Any]):
     files = corpus_files(corpus) if corpus else []
     exclude = (tuple(str(Path(p).expanduser().resolve()) for p in args.exclude_prompts)
                if args.exclude_prompts else base.exclude_prompts)
+    if args.topics:
+        values["topics"] = tuple(args.topics)
     prompt_files: list[str | Path] = [DEFAULT_PROMPTS, *exclude]
     turns = [t for path in prompt_files for p in load_prompts(path) for t in p.turns]
     bench = BenchOverlap(turns)

@@ -15,6 +15,14 @@ followed by exactly the tokens it generated, its end-of-turn token
 included; its loss starts at the answer.  A draft head trained on it learns
 the target's own continuations, on the target's own tokenisation.
 
+**Topics** (``topics``, optional).  Plain Magpie writes what the model
+asks most readily, which for a coder model is rarely code, translation or
+a summary.  With topics, item ``i``'s query is written after the prefix of
+a conversation whose system message is topic ``i mod n`` (say, "You are an
+assistant that translates texts between languages."): the request follows
+the topic.  The answer is asked as usual, under the template's default
+system prompt, so the record is what a user gets.
+
 Queries are sampled (temperature 1, top-p 0.99) with a seed of their own
 (:func:`item_seed`: the run's seed and the item's index), answers are
 greedy by default; generation goes through forerun's public API only
@@ -99,10 +107,11 @@ class MagpiePrefix:
     stop: tuple[str, ...]
 
 
-def magpie_prefix(tokenizer) -> MagpiePrefix:
+def magpie_prefix(tokenizer, system: str | None = None) -> MagpiePrefix:
     """The Magpie prefix of a tokenizer's chat template: a conversation of
     one user message (a sentinel) rendered and cut where the sentinel
-    begins, so it includes the system prompt the template adds by default.
+    begins, so it includes the system prompt the template adds by default,
+    or the ``system`` message (a topic) before it.
 
     Refused, with a :class:`~forerun.errors.ConfigError`, when there is no
     template, when it can't render a lone user message or does not write
@@ -112,7 +121,10 @@ def magpie_prefix(tokenizer) -> MagpiePrefix:
         raise ConfigError("the model has no chat template: Magpie prompts an instruct "
                           "model with its template's user prefix; use an instruct model, "
                           "or build text-only data (--text-share 1 with --corpus)")
-    rendered = _render(tokenizer, "user")
+    rendered = _render(tokenizer, "user", system)
+    if rendered is None and system is not None:
+        raise ConfigError("the model's chat template can't render a system message before a "
+                          "user's: it can't take --topic; leave the topics out")
     if rendered is None:
         raise ConfigError("the model's chat template can't render a conversation of one "
                           "user message, so it has no user turn to prompt; use an instruct "
@@ -146,10 +158,12 @@ def magpie_prefix(tokenizer) -> MagpiePrefix:
     return MagpiePrefix(head, ids, tail, (), stop)
 
 
-def _render(tokenizer, role: str) -> str | None:
+def _render(tokenizer, role: str, system: str | None = None) -> str | None:
+    messages = [{"role": role, "content": SENTINEL}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     try:
-        return tokenizer.apply_chat_template([{"role": role, "content": SENTINEL}],
-                                             add_generation_prompt=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=False)
     except TokenizerError:
         return None
 
@@ -265,6 +279,8 @@ class DataSettings:
     #: prompt files besides forerun's benchmark whose prompts are kept out
     exclude_prompts: tuple[str, ...] = ()
     bench_digest: str = ""
+    #: system messages that steer the queries, taken in turn (module text)
+    topics: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raise :class:`~forerun.errors.ConfigError` naming the first bad value."""
@@ -293,18 +309,22 @@ class DataSettings:
                               f"{self.near_duplicate}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ConfigError(f"--seed must be an integer in 0..2**63-1, got {self.seed!r}")
+        for topic in self.topics:
+            if not isinstance(topic, str) or not topic.strip():
+                raise ConfigError(f"--topic must be a non-empty system message, got {topic!r}")
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["corpus"] = list(self.corpus)
         out["exclude_prompts"] = list(self.exclude_prompts)
+        out["topics"] = list(self.topics)
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DataSettings:
         names = {f.name for f in fields(cls)}
         known = {k: v for k, v in data.items() if k in names}
-        for name in ("corpus", "exclude_prompts"):
+        for name in ("corpus", "exclude_prompts", "topics"):
             if name in known:
                 known[name] = tuple(known[name])
         return cls(**known)
@@ -346,18 +366,22 @@ class Magpie:
         self.model = model
         self.settings = settings
         self.prefix = magpie_prefix(model.tokenizer)
+        self.topic_prefixes = [magpie_prefix(model.tokenizer, t) for t in settings.topics]
         self.answer_speculative = answer_speculative
         self.cancel = cancel
         self._specials = model.tokenizer.special_token_ids
 
-    def query(self, seed: int) -> Outcome:
-        """A user request sampled after the Magpie prefix."""
+    def query(self, seed: int, index: int = 0) -> Outcome:
+        """A user request sampled after the Magpie prefix (of item
+        ``index``'s topic, where there are topics)."""
         s = self.settings
+        prefix = (self.topic_prefixes[index % len(self.topic_prefixes)]
+                  if self.topic_prefixes else self.prefix)
         start = time.perf_counter()
         r = self.model.generate(
-            prompt_ids=list(self.prefix.ids), max_new_tokens=s.max_query_tokens,
+            prompt_ids=list(prefix.ids), max_new_tokens=s.max_query_tokens,
             temperature=s.query_temperature, top_p=s.query_top_p, seed=seed,
-            stop=list(self.prefix.stop), stop_token_ids=list(self.prefix.stop_token_ids),
+            stop=list(prefix.stop), stop_token_ids=list(prefix.stop_token_ids),
             speculative=PLAIN, cancel=self.cancel)
         out = Outcome(text=r.text.strip(), tokens=list(r.tokens),
                       seconds=time.perf_counter() - start)
@@ -605,7 +629,7 @@ class DataBuilder:
         leaves nothing changed)."""
         index = self.state["next_item"]
         seed = item_seed(self.settings.seed, index)
-        q = self.magpie.query(seed)
+        q = self.magpie.query(seed, index)
         report.query_seconds += q.seconds
         report.query_tokens += len(q.tokens)
         reason = q.dropped

@@ -187,6 +187,16 @@ def test_item_seeds_are_fixed_and_distinct():
     assert len(set(seeds)) == 1000 and item_seed(1, 0) != item_seed(0, 0)
 
 
+def test_a_topic_is_the_system_message_of_the_prefix():
+    tok = tokenizer(QWEN25)
+    topic = "You are an assistant that translates texts between languages."
+    prefix = magpie_prefix(tok, topic)
+    assert prefix.text == f"<|im_start|>system\n{topic}<|im_end|>\n<|im_start|>user\n"
+    assert prefix.stop_token_ids == magpie_prefix(tok).stop_token_ids
+    with pytest.raises(ConfigError, match="--topic"):
+        magpie_prefix(tokenizer(LLAMA2), topic)      # roles must alternate from the user's
+
+
 def test_settings_that_change_the_data_are_differences_and_the_draft_only_when_sampling():
     a = DataSettings(seed=1, answer_draft="ngram")
     assert a.differences(DataSettings(seed=1, answer_draft="none")) == []
@@ -194,8 +204,12 @@ def test_settings_that_change_the_data_are_differences_and_the_draft_only_when_s
     sampled = DataSettings(answer_temperature=0.7, answer_draft="ngram")
     assert sampled.differences(DataSettings(answer_temperature=0.7)) != []
     assert DataSettings.from_json(a.to_json()) == a
+    topics = DataSettings(seed=1, topics=("Translate.", "Summarise."))
+    assert DataSettings.from_json(topics.to_json()) == topics
+    assert topics.differences(DataSettings(seed=1))[0].startswith("topics: ()")
     for bad in (dict(query_temperature=0), dict(query_top_p=0), dict(text_share=2),
-                dict(max_answer_tokens=0), dict(seq_len=8), dict(seed=-1)):
+                dict(max_answer_tokens=0), dict(seq_len=8), dict(seed=-1),
+                dict(topics=("",))):
         with pytest.raises(ConfigError):
             DataSettings(**bad).validate()
 
@@ -383,3 +397,33 @@ def test_greedy_answers_with_prompt_lookup_and_a_model_whose_data_is_all_dropped
     assert counters["answers"]["made"] > 0
     assert counters["answers"]["dropped"]["empty"] == counters["answers"]["made"]
     assert TokenManifest.open(tmp_path / "m").data["runs"][-1]["stopped"] == "error"
+
+
+def test_queries_take_the_topics_in_turn_and_answers_none(chat_model):
+    """Item i's query is written after topic i mod n's prefix; the answer's
+    prompt is the plain chat template, whatever the topic."""
+    from forerun.training.magpie import Magpie
+
+    class Recorder:
+        def __init__(self, model) -> None:
+            self.model, self.prompts = model, []
+            self.tokenizer, self.decoder, self.name = model.tokenizer, model.decoder, model.name
+
+        def encode_prompt(self, *args, **kwargs):
+            return self.model.encode_prompt(*args, **kwargs)
+
+        def generate(self, *args, **kwargs):
+            self.prompts.append(list(kwargs["prompt_ids"]))
+            return self.model.generate(*args, **kwargs)
+
+    topics = ("You write poems.", "You translate texts.")
+    model = Recorder(chat_model)
+    magpie = Magpie(model, DataSettings(topics=topics, max_query_tokens=4,
+                                        max_answer_tokens=4))
+    for index in range(3):
+        magpie.query(seed=index, index=index)
+    tok = chat_model.tokenizer
+    wanted = [list(magpie_prefix(tok, topics[i % 2]).ids) for i in range(3)]
+    assert model.prompts == wanted and wanted[0] != wanted[1]
+    prompt = magpie.prompt("Hello there")
+    assert prompt == chat_model.encode_prompt(messages=[{"role": "user", "content": "Hello there"}])
