@@ -64,8 +64,9 @@ def contents(out: Path):
     (["--draft", "ngram"], "--draft speeds up greedy answers only"),
     (["--model", " "], "--model is empty"),
     (["--exclude-prompts", "/nonexistent.jsonl"], "does not exist"),
+    (["--topic", " "], "--topic must be a non-empty system message"),
 ], ids=["max-tokens", "max-seconds", "top-p", "query-temperature", "text-share", "seq-len",
-        "answer-tokens", "corpus", "draft-sampled", "model", "exclude-prompts"])
+        "answer-tokens", "corpus", "draft-sampled", "model", "exclude-prompts", "topic"])
 def test_bad_input_is_a_clear_error_before_anything_loads(tmp_path, capsys, corpus, extra,
                                                           message):
     args = data_args(tmp_path / "no-model", tmp_path / "out", corpus, *extra)
@@ -90,6 +91,21 @@ def test_bad_output_folders_are_clear_errors(tmp_path, capsys, corpus):
         assert err.startswith("forerun: error: ") and message in err, err
     assert main(["train", "data", "--out", str(tmp_path / "x"), "--text-share", "0.5"]) == 1
     assert "--text-share takes text from --corpus" in capsys.readouterr().err
+
+
+def test_topics_are_the_manifests_and_a_resume_keeps_them(tmp_path, capsys, model_dir, corpus):
+    out = tmp_path / "out"
+    topics = ["You write poems.", "You translate texts."]
+    extra = ["--text-share", "0", "--max-tokens", "40", "--topic", topics[0], "--topic",
+             topics[1]]
+    assert main(data_args(model_dir, out, corpus, *extra)) == 0
+    assert TokenManifest.open(out).data["settings"]["topics"] == topics
+    # a resume takes the manifest's topics, and refuses others
+    assert main(data_args(model_dir, out, corpus, "--resume", "--max-tokens", "80")) == 0
+    assert TokenManifest.open(out).data["settings"]["topics"] == topics
+    capsys.readouterr()
+    assert main(data_args(model_dir, out, corpus, "--resume", "--topic", "Other.")) == 1
+    assert "topics:" in capsys.readouterr().err
 
 
 def run_cli(args: list[str]) -> subprocess.Popen:
