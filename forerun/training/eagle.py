@@ -386,8 +386,10 @@ class Piece:
 def record_pieces(records: Sequence[TokenRecord], piece_tokens: int) -> list[Piece]:
     """The records cut into pieces of ``piece_tokens + 1`` tokens, each
     starting at the last token of the one before, so that every position
-    predicts its next-but-one token in exactly one piece; pieces in which
-    no row predicts a training target (all prompt) are left out."""
+    predicts its next-but-one token in exactly one piece (at step 0; a
+    chain step ``j >= 1`` needs ``j`` more tokens of its piece, so the last
+    ``j`` positions of each piece go without it); pieces in which no row
+    predicts a training target (all prompt) are left out."""
     out = []
     for i, r in enumerate(records):
         for a in range(0, max(1, len(r) - 1), piece_tokens):
