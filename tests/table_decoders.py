@@ -226,13 +226,15 @@ class CountingDecoder:
     def fed_tokens(self) -> int:
         return sum(len(f) for f in self.feeds)
 
-    def feed(self, tokens, *, last_only=False, return_hidden=False):
+    def feed(self, tokens, **kwargs):
+        """``kwargs``: the Decoder's (``last_only``, ``return_hidden``,
+        ``hidden_layers``), passed on as given."""
         self.feeds.append([int(t) for t in tokens])
-        return self.inner.feed(tokens, last_only=last_only, return_hidden=return_hidden)
+        return self.inner.feed(tokens, **kwargs)
 
-    def forward(self, tokens, positions, attention_mask, *, return_hidden=False):
+    def forward(self, tokens, positions, attention_mask, **kwargs):
         self.feeds.append([int(t) for t in tokens])
-        return self.inner.forward(tokens, positions, attention_mask, return_hidden=return_hidden)
+        return self.inner.forward(tokens, positions, attention_mask, **kwargs)
 
     def rollback(self, length: int) -> None:
         self.rollbacks.append(length)

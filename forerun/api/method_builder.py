@@ -137,7 +137,9 @@ def _async(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMet
 
 def _eagle(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMethod:
     """An EAGLE-3 head drafting chains (``config.length`` long or chosen every
-    round) or trees (``config.nodes`` nodes or a budget chosen every round)."""
+    round), trees (``config.nodes`` nodes or a budget chosen every round), or
+    chains beside prompt lookup, each round drafting with the one expected
+    to pay more (:mod:`forerun.drafters.lookup_or_draft_planner`)."""
     from forerun.decoding.draft_length import ChainPlanner
     from forerun.decoding.draft_tree_planner import DraftTreePlanner
     from forerun.decoding.speculative import SpeculativeDecoding
@@ -146,6 +148,12 @@ def _eagle(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMet
     drafter = EagleDrafter(eagle_head(model, config.draft), model.decoder.context_length,
                            window=config.window, name=config.method)
     model.verification_grouping()
+    if config.method == "eagle-lookup":
+        from forerun.drafters.lookup_or_draft_planner import LookupOrDraftPlanner
+
+        return SpeculativeDecoding(model.decoder,
+                                   planner=LookupOrDraftPlanner(drafter, name="eagle+lookup"),
+                                   cost_store=cost_store(model))
     if config.method == "eagle-tree":
         return SpeculativeDecoding(model.decoder,
                                    planner=DraftTreePlanner(drafter, nodes=config.nodes),
@@ -197,7 +205,8 @@ def eagle_head(model: Model, draft: Any):
 
 _BUILDERS = {"ngram": _chain, "drafter": _chain, "draft": _chain, "medusa": _medusa,
              "draft-lookup": _lookup_or_draft, "draft-tree": _draft_tree,
-             "draft-async": _async, "eagle": _eagle, "eagle-tree": _eagle}
+             "draft-async": _async, "eagle": _eagle, "eagle-tree": _eagle,
+             "eagle-lookup": _eagle}
 
 
 def _draft_decoder(model: Model, draft: Any, drafts: list):

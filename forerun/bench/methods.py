@@ -179,17 +179,22 @@ register_method("medusa", lambda: ForerunMethod("medusa", draft="medusa",
 
 
 def _eagle(match: re.Match) -> BenchMethod:
-    tree, path = match.group(1), match.group(2)
+    shape, path = match.group(1), match.group(2)
     head = f"eagle:{path}" if path else "eagle"
     where = f"the head in {path}" if path else "the preset's shipped head"
-    if tree:
+    if shape == "-tree":
         return ForerunMethod(match.group(0), draft=head, options={"draft_tree": True},
                              description=f"EAGLE-3 head drafting trees, {where}")
+    if shape == "-lookup":
+        return ForerunMethod(match.group(0), draft=head, options={"draft_lookup": True},
+                             description=f"prompt lookup or the EAGLE-3 head's chains, "
+                                         f"whichever pays more each round, {where}")
     return ForerunMethod(match.group(0), draft=head,
                          description=f"EAGLE-3 head drafting chains, {where}")
 
 
-register_pattern(r"eagle(-tree)?(?::(.+))?", _eagle, "eagle[-tree][:HEAD]",
-                 "an EAGLE-3 head trained for the model drafts chains (or, -tree, token "
-                 "trees) from the model's own states: Model.generate(draft='eagle'); :HEAD "
-                 "names a head folder instead of the preset's shipped one (torch engine)")
+register_pattern(r"eagle(-tree|-lookup)?(?::(.+))?", _eagle, "eagle[-tree|-lookup][:HEAD]",
+                 "an EAGLE-3 head trained for the model drafts chains (-tree: token trees; "
+                 "-lookup: chains or prompt lookup, whichever pays more each round) from the "
+                 "model's own states: Model.generate(draft='eagle'); :HEAD names a head "
+                 "folder instead of the preset's shipped one (torch engine)")

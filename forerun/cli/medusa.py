@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 from forerun.errors import ForerunError
@@ -22,8 +23,12 @@ def add_parser(sub) -> None:
     train.add_argument("--model", "-m", default="qwen2.5-coder-1.5b",
                        help="preset name, .gguf file or Hugging Face folder "
                             "(default: qwen2.5-coder-1.5b)")
-    train.add_argument("--corpus", nargs="+", required=True, metavar="PATH",
-                       help="text files or folders (searched recursively)")
+    source = train.add_mutually_exclusive_group(required=True)
+    source.add_argument("--corpus", nargs="+", metavar="PATH",
+                        help="text files or folders (searched recursively)")
+    source.add_argument("--data", nargs="+", metavar="FOLDER",
+                        help="token manifests (forerun train data --out FOLDER), held out "
+                             "by their own split, as an EAGLE head's training holds them")
     train.add_argument("--heads", type=int, default=3, help="number of heads (default 3)")
     train.add_argument("--out", "-o", required=True, help="output .safetensors file")
     train.add_argument("--epochs", type=int, default=2)
@@ -31,7 +36,7 @@ def add_parser(sub) -> None:
                        help="training tokens to use (default: the whole corpus)")
     train.add_argument("--held-out-tokens", type=int, default=None,
                        help="held-out tokens for the accuracy report (default: a tenth of "
-                            "--max-tokens)")
+                            "--max-tokens; --corpus only)")
     train.add_argument("--seq-len", type=int, default=512,
                        help="tokens per corpus chunk fed to the model (default 512)")
     train.add_argument("--lr", type=float, default=1e-3)
@@ -72,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from forerun.api import load
     from forerun.training.medusa import TrainSettings, train_medusa
+    from forerun.training.token_manifest import TokenManifest
 
     settings = TrainSettings(heads=args.heads, epochs=args.epochs, lr=args.lr,
                              batch_size=args.batch_size, own_lm_head=args.own_lm_head,
@@ -86,6 +92,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ForerunError("--off-path-weight must lie in 0..1")
     if args.out is not None:   # before minutes of training, not after
         check_output_file(args.out, "--out")
+    if args.data and args.held_out_tokens is not None:
+        raise ForerunError("--held-out-tokens applies to --corpus; --data holds out records "
+                           "by the manifests' own split")
+    for folder in args.data or ():
+        TokenManifest.open(folder, verify=False)      # before the model loads
     model = load(args.model, context_length=args.seq_len, device=args.device,
                  progress=not args.quiet)
     caps = model.decoder.capabilities
@@ -96,11 +107,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
+    records = None
+    if args.data:
+        manifests = [TokenManifest.open(folder, fingerprint=model.tokenizer.fingerprint())
+                     for folder in args.data]
+        records = itertools.chain.from_iterable(m.records() for m in manifests)
     train_medusa(model.decoder, lambda text: model.tokenizer.encode(text), model.name,
-                 args.corpus, args.out, settings=settings, seq_len=args.seq_len,
+                 args.corpus or [], args.out, settings=settings, seq_len=args.seq_len,
                  max_tokens=args.max_tokens, held_out_tokens=args.held_out_tokens,
                  top_k=args.teacher_top_k, cache=not args.no_cache,
-                 progress=not args.quiet, log=log)
+                 progress=not args.quiet, log=log, records=records)
     return 0
 
 

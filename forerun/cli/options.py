@@ -72,11 +72,11 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
 
 def add_lookup_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-lookup", action=argparse.BooleanOptionalAction, default=None,
-                   help="prompt lookup beside the draft model: each round drafts from the "
-                        "prompt and the text so far, or with the draft model, whichever "
-                        "is expected to pay more (default: on for a draft model drafting "
-                        "chains of a chosen length; --no-draft-lookup: the draft model "
-                        "alone)")
+                   help="prompt lookup beside the draft model or EAGLE head: each round "
+                        "drafts from the prompt and the text so far, or with the model or "
+                        "head, whichever is expected to pay more (default: on for a draft "
+                        "model drafting chains of a chosen length, off for an EAGLE head; "
+                        "--no-draft-lookup: the draft model alone)")
 
 
 def add_async_options(p: argparse.ArgumentParser) -> None:

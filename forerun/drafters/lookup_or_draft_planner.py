@@ -1,5 +1,5 @@
-"""Prompt lookup and a draft model together: each round drafts with
-whichever is expected to commit more tokens per second.
+"""Prompt lookup and a draft model (or an EAGLE head) together: each round
+drafts with whichever is expected to commit more tokens per second.
 
 Prompt lookup (:mod:`forerun.drafters.ngram`) costs microseconds and is
 right where the text repeats itself: a document quoted or summarised, code
@@ -29,6 +29,15 @@ The draft model catches up on the tokens committed in lookup rounds the
 next time it drafts, in one forward.  Both drafters see the same committed
 sequence, so the output is the target's either way: a round verifies a
 chain, whatever proposed it.
+
+The model drafter is any chain drafter that times its steps: a draft model
+(:class:`~forerun.drafters.draft_model.DraftModelDrafter`, which also says
+what reading the committed tokens will cost,
+:class:`~forerun.decoding.drafter.ReadsContext`) or an EAGLE-3 head
+(:class:`~forerun.drafters.eagle.EagleDrafter`, which drafts from the
+target's states: the planner asks the verification loop for them and hands
+them on every round, lookup rounds included, so the head reads the
+positions those committed the next time it drafts).
 """
 
 from __future__ import annotations
@@ -46,8 +55,8 @@ from forerun.decoding.draft_length import (
     expected_tokens,
 )
 from forerun.decoding.draft_tree import DraftTree
+from forerun.decoding.drafter import ReadsContext, ReadsTargetStates
 from forerun.decoding.sampling import TokenSampler
-from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.ngram import NgramDrafter
 from forerun.protocol.decoder import Decoder
 from forerun.protocol.token_sequences import common_prefix
@@ -59,19 +68,22 @@ LOOKUP_PRIOR = 0.5
 
 class LookupOrDraftPlanner:
     """A :class:`~forerun.decoding.speculative.Planner` of chains from
-    prompt lookup or a draft model (see the module's text), up to ``max_k``
-    tokens a round."""
+    prompt lookup or a model drafter (a draft model or an EAGLE head; see
+    the module's text), up to ``max_k`` tokens a round.  ``name``: the
+    planner's name in statistics (default ``"draft+lookup"``)."""
 
     needs_hidden = False
-    hidden_layers: tuple[int, ...] = ()
     drafts_trees = False
 
-    def __init__(self, model: DraftModelDrafter, lookup: NgramDrafter | None = None, *,
-                 max_k: int = 8) -> None:
+    def __init__(self, model, lookup: NgramDrafter | None = None, *,
+                 max_k: int = 8, name: str = "draft+lookup") -> None:
         check_count("max_k", max_k, MAX_DRAFT_LENGTH)
         self.model = model
         self.lookup = lookup if lookup is not None else NgramDrafter()
-        self.name = "draft+lookup"
+        self.name = name
+        #: a drafter from the target's states gets them every round
+        self.hidden_layers: tuple[int, ...] = (
+            tuple(model.hidden_layers) if isinstance(model, ReadsTargetStates) else ())
         self.max_k = max_k
         # The verification costs, the model's acceptance and its exploration.
         self.policy = AdaptiveDraftLength(max_k)
@@ -104,7 +116,8 @@ class LookupOrDraftPlanner:
         """How many tokens the draft model would draft this round (0: a
         plain step): the adaptive draft length, counting what the model
         must read first, with its exploration."""
-        self._read = self.model.catch_up_seconds(sequence, self.rounds_now)
+        self._read = (self.model.catch_up_seconds(sequence, self.rounds_now)
+                      if isinstance(self.model, ReadsContext) else 0.0)
         return max(0, min(self.policy.choose(self.model.step_seconds(), self._read), room))
 
     def lookup_length(self, found: list[int], k_model: int) -> int:
@@ -122,6 +135,8 @@ class LookupOrDraftPlanner:
     def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
               sampler: TokenSampler) -> DraftTree:
         self.rounds_now += 1
+        if self.hidden_layers and hidden is not None:
+            self.model.take_states(sequence, hidden)
         k_model = self.model_length(sequence, room)
         found = self.lookup.propose(sequence, min(self.max_k, room), sampler).tokens
         self._found, self._drafted_at = found, len(sequence)

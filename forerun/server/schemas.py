@@ -31,9 +31,9 @@ class Speculative(BaseModel):
     ``draft_tree``: the draft model drafts a token tree (its node budget
     adaptive); ``tree_nodes``: a fixed node budget for that tree, or the
     node count of a Medusa tree; ``draft_lookup``: prompt lookup beside the
-    draft model, each round drafting with whichever pays more (default:
-    wherever it applies, a draft model drafting chains of a chosen length;
-    ``false``: the draft model alone); ``draft_window``: the most prompt
+    draft model or EAGLE head, each round drafting with whichever pays more
+    (default: wherever it applies, a draft model drafting chains of a chosen
+    length; ``false``: the draft model alone); ``draft_window``: the most prompt
     tokens a draft model reads (``"all"``: the whole prompt)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)

@@ -10,14 +10,15 @@ and ``forerun bench``) turns its speculation options into one frozen
 * ``"medusa"``, ``"medusa:PATH"``, :class:`~forerun.drafters.medusa.MedusaHeads`
   or a tree drafter object: Medusa heads, verified as a tree;
 * ``"eagle"``, ``"eagle:PATH"`` or :class:`~forerun.engines.eagle3_weights.Eagle3Weights`:
-  an EAGLE-3 head drafting chains, or trees (:mod:`forerun.drafters.eagle`);
+  an EAGLE-3 head drafting chains, trees, or chains beside prompt lookup
+  (:mod:`forerun.drafters.eagle`);
 * a :class:`~forerun.decoding.drafter.Drafter` object: used as it is;
 * anything else, a :class:`~forerun.api.model.Model`, a preset name, a
   ``.gguf`` path or a Hugging Face folder: a draft model sharing the
   target's tokenizer.
 
 The options that shape a drafter (a fixed length, a tree, prompt lookup
-beside a draft model, asynchronous drafting) are checked here against the
+beside a draft model or an EAGLE head, asynchronous drafting) are checked here against the
 draft and each other.  Errors name options the way the front end that asked
 spells them (:data:`API`, :data:`CLI`, :data:`SERVER`), and carry the
 option's canonical name in ``option``.
@@ -43,7 +44,7 @@ BUILTIN_DRAFTS = ("ngram", "medusa", "eagle")
 #: prompt lookup, as trees, or in a thread of its own; an EAGLE-3 head
 #: drafting chains or trees.
 METHODS = ("none", "ngram", "medusa", "drafter", "draft", "draft-lookup", "draft-tree",
-           "draft-async", "eagle", "eagle-tree")
+           "draft-async", "eagle", "eagle-tree", "eagle-lookup")
 
 #: The options :func:`resolve` takes, by their canonical (API) names.
 OPTIONS = ("draft", "draft_k", "draft_lookup", "draft_tree", "tree_nodes", "draft_async",
@@ -115,7 +116,7 @@ class SpeculativeConfig:
         shape = (f", trees of {self.nodes} nodes" if self.nodes is not None else
                  ", trees" if self.method in ("draft-tree", "eagle-tree") else
                  f", k={self.length}" if self.length is not None else
-                 ", with prompt lookup" if self.method == "draft-lookup" else
+                 ", with prompt lookup" if self.method.endswith("-lookup") else
                  ", asynchronous" if self.method == "draft-async" else "")
         return f"{name}{shape}"
 
@@ -188,11 +189,12 @@ def resolve(draft: Any = None, *, draft_k: Any = None, draft_lookup: Any = None,
     :class:`SpeculativeConfigError` that spells options as ``names`` does.
 
     ``draft_k``: a fixed chain length (Medusa: its tree's node count).
-    ``draft_lookup``: prompt lookup beside a draft model; ``None`` for
-    wherever it applies (a draft model drafting chains of a chosen length in
-    the model's own thread), ``True`` to insist, ``False`` for the draft
-    model alone.  ``draft_tree``/``tree_nodes``: a draft-model tree, its
-    node budget chosen every round or fixed (``tree_nodes`` also fixes a
+    ``draft_lookup``: prompt lookup beside a draft model or an EAGLE head;
+    ``None`` for wherever it applies (a draft model drafting chains of a
+    chosen length in the model's own thread), ``True`` to insist (an EAGLE
+    head's chains take it only then), ``False`` for the draft alone.
+    ``draft_tree``/``tree_nodes``: a draft-model tree, its node budget
+    chosen every round or fixed (``tree_nodes`` also fixes a
     Medusa tree's node count).  ``draft_async``, ``draft_threads``,
     ``target_threads``: a draft model drafting in a thread of its own.
     ``draft_window``: the most prompt tokens a draft model reads (``None``:
@@ -252,11 +254,11 @@ def resolve(draft: Any = None, *, draft_k: Any = None, draft_lookup: Any = None,
                                       f"{n['tree_nodes']}")
     draft_tree_wanted = tree and kind in ("model", "eagle")
     if draft_lookup:
-        if kind != "model":
+        if kind not in ("model", "eagle"):
             raise fail("draft_lookup", f"{n['draft_lookup']} adds prompt lookup to a draft "
-                                       f"model (a model, preset or path), got {n['draft']}="
-                                       f"{draft!r}; for prompt lookup alone draft with "
-                                       f"'ngram'")
+                                       f"model (a model, preset or path) or an EAGLE head, "
+                                       f"got {n['draft']}={draft!r}; for prompt lookup alone "
+                                       f"draft with 'ngram'")
         if draft_k is not None:
             raise fail("draft_lookup", f"{n['draft_lookup']} chooses each round's drafter "
                                        f"and length from measured costs; drop "
@@ -284,6 +286,8 @@ def resolve(draft: Any = None, *, draft_k: Any = None, draft_lookup: Any = None,
     if kind == "eagle":
         if draft_tree_wanted:
             return SpeculativeConfig("eagle-tree", draft, nodes=tree_nodes, window=window)
+        if draft_lookup:
+            return SpeculativeConfig("eagle-lookup", draft, window=window)
         return SpeculativeConfig("eagle", draft, length=draft_k, window=window)
     if draft_async:
         return SpeculativeConfig("draft-async", draft, length=draft_k,

@@ -184,6 +184,50 @@ def _split(token_lists: Iterable[list[int]], *, seq_len: int, max_tokens: int | 
     return corpus, whole
 
 
+def corpus_from_records(records: Iterable, *, seq_len: int = 512,
+                        max_tokens: int | None = None,
+                        held_out: float | None = None) -> Corpus:
+    """The corpus of token-manifest records (``forerun train data``), in
+    chunks of at most ``seq_len`` tokens: a record goes to the held-out set
+    by the manifest's own split (:func:`~forerun.training.token_manifest.is_held_out`,
+    the split an EAGLE head's training takes, so the two measure on the same
+    text), and training takes records in order until it has ``max_tokens``
+    (default: all).  Every token is a training position: a Medusa head
+    learns the model's own predictions, which the prompt has too."""
+    from forerun.training.token_manifest import HELD_OUT, is_held_out
+
+    if seq_len < MIN_CHUNK:
+        raise ConfigError(f"seq_len must be at least {MIN_CHUNK}, got {seq_len}")
+    if max_tokens is not None and max_tokens < MIN_CHUNK:
+        raise ConfigError(f"--max-tokens must be at least {MIN_CHUNK}, got {max_tokens}")
+    share = HELD_OUT if held_out is None else held_out
+    corpus = Corpus([], [])
+    count = 0
+    for record in records:
+        count += 1
+        tokens = [int(t) for t in record.tokens]
+        if is_held_out(record.digest, share):
+            chunks = _chunks(tokens, seq_len)
+            corpus.held_out += chunks
+            corpus.held_out_files += bool(chunks)
+            continue
+        if max_tokens is not None:
+            room = max_tokens - corpus.train_tokens
+            if room < MIN_CHUNK:
+                continue
+            tokens = tokens[:room]
+        chunks = _chunks(tokens, seq_len)
+        corpus.train += chunks
+        corpus.train_files += bool(chunks)
+    if not corpus.train or not corpus.held_out:
+        side = "training" if not corpus.train else "held-out"
+        raise ConfigError(f"the token manifests' {count} records leave the {side} set empty "
+                          f"(records go to the held-out set by their manifest's split, "
+                          f"{share:.0%}, and chunks need at least {MIN_CHUNK} tokens); give "
+                          f"more data (forerun train data --resume)")
+    return corpus
+
+
 # -- the teacher: the base model's hidden states and predictions -------------
 
 @dataclass
@@ -528,9 +572,12 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
                  settings: TrainSettings | None = None, seq_len: int = 512,
                  max_tokens: int | None = None, held_out_tokens: int | None = None,
                  top_k: int = 10, cache: bool = True, progress: bool = True,
-                 log: Callable[[str], None] | None = print) -> TrainResult:
+                 log: Callable[[str], None] | None = print,
+                 records: Iterable | None = None) -> TrainResult:
     """The whole pipeline: corpus, cached teacher data, training, held-out
-    accuracy, and the heads written to ``out`` (forerun's format)."""
+    accuracy, and the heads written to ``out`` (forerun's format).
+    ``records``: token-manifest records to train on instead of the text
+    files ``corpus`` (:func:`corpus_from_records`)."""
     from forerun.machine.output_files import check_output_file
     from forerun.machine.paths import cache_dir
 
@@ -545,11 +592,19 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
         raise ConfigError(f"seq_len {seq_len} exceeds the model's context "
                           f"({decoder.context_length})")
     log = log or (lambda _msg: None)
-    files = corpus_files(corpus)
-    data = build_corpus(files, encode, seq_len=seq_len, max_tokens=max_tokens,
-                        held_out_tokens=held_out_tokens, seed=settings.seed)
-    log(f"corpus: {data.train_tokens} training tokens from {data.train_files} files, "
-        f"{data.held_out_tokens} held-out tokens from {data.held_out_files} files")
+    if records is not None:
+        if held_out_tokens is not None:
+            raise ConfigError("--held-out-tokens applies to a text corpus; token manifests "
+                              "hold out records by their own split")
+        data = corpus_from_records(records, seq_len=seq_len, max_tokens=max_tokens)
+        what = "records"
+    else:
+        data = build_corpus(corpus_files(corpus), encode, seq_len=seq_len,
+                            max_tokens=max_tokens, held_out_tokens=held_out_tokens,
+                            seed=settings.seed)
+        what = "files"
+    log(f"corpus: {data.train_tokens} training tokens from {data.train_files} {what}, "
+        f"{data.held_out_tokens} held-out tokens from {data.held_out_files} {what}")
     where = cache_dir() / "medusa-cache" / model_key(decoder, model_name) if cache else None
     t0 = time.perf_counter()
     held = collect_teacher(decoder, data.held_out, top_k=top_k, cache=where,

@@ -212,16 +212,19 @@ def test_api_eagle_heads_match_plain_as_objects_and_folders(tiny, tmp_path):
     weights = _eagle_weights(target)
     save_eagle3(weights, tmp_path / "head")
     for draft in (weights, f"eagle:{tmp_path / 'head'}"):
-        for options in ({}, {"draft_k": 3}, {"draft_tree": True}, {"tree_nodes": 4}):
+        for options in ({}, {"draft_k": 3}, {"draft_tree": True}, {"tree_nodes": 4},
+                        {"draft_lookup": True}):
             out = target.generate(prompt_ids=[1, 2, 3], max_new_tokens=12, ignore_eos=True,
                                   draft=draft, **options)
             assert out.tokens == plain.tokens, (draft, options)
             assert out.stats.method.startswith("eagle"), out.stats.method
+            assert out.stats.method.endswith("+lookup") == bool(options.get("draft_lookup"))
             if options.get("draft_k") or options.get("tree_nodes"):
                 # (an adaptive policy drafts only where measured costs say it pays)
                 assert out.stats.drafted > 0
     wrong = [
-        (dict(draft=weights, draft_lookup=True), GenerationConfigError, "adds prompt lookup"),
+        (dict(draft=weights, draft_lookup=True, draft_k=2), GenerationConfigError,
+         "drop draft_k"),
         (dict(draft=weights, draft_async=True), GenerationConfigError, "needs a draft model"),
         (dict(draft=_eagle_weights(target, vocab_size=999)), ConfigError,
          "trained for another model"),

@@ -291,6 +291,22 @@ def test_ngram_method_runs_or_fails_cleanly(tiny):
         assert not report.mismatches()
 
 
+@pytest.mark.parametrize("name, method, draft", [
+    ("eagle", "eagle", "eagle"),
+    ("eagle-tree:/heads/h", "eagle-tree", "eagle:/heads/h"),
+    ("eagle-lookup", "eagle-lookup", "eagle"),
+    ("eagle-lookup:/heads/h", "eagle-lookup", "eagle:/heads/h"),
+])
+def test_eagle_methods_name_their_shape_and_head(name, method, draft):
+    from forerun.bench.registry import make_method
+
+    from forerun.speculation.config import resolve
+
+    made = make_method(name)
+    config = resolve(made.draft, **made.options)
+    assert (config.method, config.draft, made.name) == (method, draft, name)
+
+
 def test_unknown_method_and_bad_settings():
     with pytest.raises(BenchError, match="unknown method 'turbo'.*draft-kN"):
         settings(methods=("turbo",)).validate()

@@ -1,8 +1,8 @@
 """Sampling with an EAGLE-3 head keeps exactly the target's distribution:
 the joint distribution of 3 sampled tokens from a tiny real target (a
 vocabulary of 6, so every continuation is enumerated) drafted by a head of
-its own, as chains, as trees of sampled siblings and with a cut draft
-vocabulary, against the exact distribution computed from the target's
+its own, as chains, as trees of sampled siblings, as chains beside prompt
+lookup and with a cut draft vocabulary, against the exact distribution computed from the target's
 logits; and a broken twin, a head that reports other probabilities than it
 drew from, is caught."""
 
@@ -20,6 +20,7 @@ from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.decoding.stats import GenerationStats
 from forerun.drafters.eagle import EagleDrafter
+from forerun.drafters.lookup_or_draft_planner import LookupOrDraftPlanner
 from forerun.engines.eagle3_weights import Eagle3Config, Eagle3Weights
 from forerun.engines.eagle_head import EagleHead
 from method_runs import run_method
@@ -79,10 +80,12 @@ class MisreportingDrafter(EagleDrafter):
         return token, probs
 
 
-def counts_of(model, draft_ids, *, tree=False, drafter_cls=EagleDrafter, n=N_SEQUENCES):
+def counts_of(model, draft_ids, *, shape="chain", drafter_cls=EagleDrafter, n=N_SEQUENCES):
     target = forerun_decoder(model)
     drafter = drafter_cls(head_for(target, draft_ids), target.context_length)
-    planner = DraftTreePlanner(drafter, nodes=4) if tree else ChainPlanner(drafter, k=3)
+    planner = (DraftTreePlanner(drafter, nodes=4) if shape == "tree" else
+               LookupOrDraftPlanner(drafter) if shape == "lookup" else
+               ChainPlanner(drafter, k=3))
     method = SpeculativeDecoding(target, planner=planner)
     sampler = TokenSampler(PARAMS, seed=123)
     stats = GenerationStats()
@@ -95,10 +98,12 @@ def counts_of(model, draft_ids, *, tree=False, drafter_cls=EagleDrafter, n=N_SEQ
     return np.bincount(codes, minlength=V ** N_TOKENS)
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "lookup"])
 @pytest.mark.parametrize("draft_ids", [list(range(V)), [0, 2, 3, 5]], ids=["full", "cut"])
-def test_eagle_sampling_is_exact(model, tree, draft_ids):
-    p, text = chi_square_pvalue(counts_of(model, draft_ids, tree=tree), exact_joint(model))
+def test_eagle_sampling_is_exact(model, shape, draft_ids):
+    """``lookup``: the head's chains beside prompt lookup (whichever the
+    measured costs pick each round: the output is exact either way)."""
+    p, text = chi_square_pvalue(counts_of(model, draft_ids, shape=shape), exact_joint(model))
     assert p > PASS_P, text
 
 

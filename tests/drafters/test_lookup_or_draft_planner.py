@@ -17,6 +17,7 @@ from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.decoding.stats import GenerationStats
 from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.drafters.eagle import EagleDrafter
 from forerun.drafters.lookup_or_draft_planner import LookupOrDraftPlanner
 from method_runs import greedy_tokens
 from table_decoders import ClockedWrapper, single_thread  # noqa: F401 (autouse fixture)
@@ -232,3 +233,55 @@ def test_what_the_model_must_read_first_counts_against_drafting_with_it():
     # less than 0.078 s: 2 s spread over 26 rounds.  (Exploring would have
     # read it at round 8.)
     assert rounds_before_drafting == 25
+
+
+# -- an EAGLE head beside prompt lookup -------------------------------------------------
+
+
+class CountingEagle(EagleDrafter):
+    """An :class:`EagleDrafter` that counts the drafts it made and the
+    target states it was handed."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drafts = 0
+        self.states_rounds = 0
+
+    def propose(self, sequence, k, sampler):
+        draft = super().propose(sequence, k, sampler)
+        self.drafts += bool(draft.tokens)
+        return draft
+
+    def take_states(self, sequence, states):
+        self.states_rounds += 1
+        super().take_states(sequence, states)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_eagle_or_lookup_equals_plain(arch, monkeypatch):
+    """Plain decoding's tokens, with rounds of prompt lookup and of the
+    head; the head reads the target's states of every round, lookup rounds
+    included.  The target runs on a fake clock (as above); the head's
+    steps cost nothing on it."""
+    from types import SimpleNamespace
+
+    from forerun.decoding import draft_length, speculative
+    from forerun.drafters import eagle
+
+    from .test_eagle import head_for, targets
+
+    clock = SimpleNamespace(now=0.0)
+    for module in (draft_length, speculative, eagle):
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    plain_target, inner = targets(arch)
+    target = ClockedWrapper(inner, clock, lambda tokens: 0.030 + 0.002 * len(tokens))
+    drafter = CountingEagle(head_for(inner), inner.context_length, window=None)
+    planner = LookupOrDraftPlanner(drafter, name="eagle+lookup")
+    assert planner.hidden_layers == drafter.hidden_layers
+    method = SpeculativeDecoding(target, planner=planner)
+    for prompt in PROMPTS:
+        out = greedy_tokens(method, prompt, 48)
+        assert out == greedy_tokens(PlainDecoding(plain_target), prompt, 48)
+    assert planner.rounds["lookup"] > 0 and drafter.drafts > 0, (planner.rounds,
+                                                                  drafter.drafts)
+    assert drafter.states_rounds == planner.rounds["lookup"] + planner.rounds["model"]

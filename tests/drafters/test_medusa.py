@@ -435,3 +435,72 @@ def test_the_corpus_split_message_says_what_is_wrong(tmp_path):
     (tmp_path / "tiny").mkdir()
     with pytest.raises(ConfigError, match="too small: 1 files with text give 0"):
         build_corpus(_corpus_of(tmp_path / "tiny", [10]), _bytes)
+
+
+# -- training on token manifests (forerun train data) ---------------------------------
+
+def _records(n=40, length=100, seed=0):
+    import numpy as np
+
+    from forerun.training.token_manifest import Record
+
+    rng = np.random.default_rng(seed)
+    return [Record(rng.integers(3, VOCAB, length, dtype=np.int32), "conversation", 10)
+            for _ in range(n)]
+
+
+def test_a_manifest_corpus_holds_out_by_the_manifests_split():
+    """Records go to the held-out set exactly as the manifest's split says
+    (the one an EAGLE head's training takes), whole and in seq_len chunks;
+    training stops taking records at max_tokens."""
+    from forerun.training.medusa import corpus_from_records
+    from forerun.training.token_manifest import is_held_out
+
+    records = _records()
+    held = [r for r in records if is_held_out(r.digest)]
+    assert 0 < len(held) < len(records)
+    corpus = corpus_from_records(records, seq_len=64)
+    assert corpus.held_out == [c for r in held for c in
+                               ([r.tokens[:64].tolist(), r.tokens[64:].tolist()])]
+    assert corpus.held_out_files == len(held)
+    assert corpus.train_tokens == 100 * (len(records) - len(held))
+    assert all(16 <= len(c) <= 64 for c in corpus.train)
+    small = corpus_from_records(records, seq_len=64, max_tokens=250)
+    assert small.train_tokens == 250 and small.held_out == corpus.held_out
+
+
+def test_a_manifest_corpus_with_nothing_to_train_or_hold_out_is_an_error():
+    from forerun.training.medusa import corpus_from_records
+    from forerun.training.token_manifest import is_held_out
+
+    records = _records()
+    with pytest.raises(ConfigError, match="leave the held-out set empty.*--resume"):
+        corpus_from_records([r for r in records if not is_held_out(r.digest)])
+    with pytest.raises(ConfigError, match="leave the training set empty"):
+        corpus_from_records([r for r in records if is_held_out(r.digest)])
+
+
+def test_cli_train_on_token_manifests(tmp_path, monkeypatch, capsys):
+    from forerun.training.token_manifest import ManifestWriter
+
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
+    folder = tiny_folder(tmp_path)
+    root = tmp_path / "data"
+    writer = ManifestWriter.create(root, model="tiny",
+                                   fingerprint=forerun.load(str(folder)).tokenizer.fingerprint(),
+                                   vocab_size=VOCAB, settings={})
+    for record in _records(30, 60):
+        writer.add(record)
+    writer.flush()
+    out = tmp_path / "h.safetensors"
+    args = ["medusa", "train", "--model", str(folder), "--data", str(root), "--heads", "2",
+            "--out", str(out), "--epochs", "1", "--seq-len", "64", "--quiet"]
+    assert cli_main(args) == 0
+    text = capsys.readouterr().out
+    assert "training tokens from" in text and "records" in text and out.is_file()
+    assert MedusaHeads.load(out).num_heads == 2
+    assert cli_main(args + ["--held-out-tokens", "100"]) == 1
+    assert "--held-out-tokens applies to --corpus" in capsys.readouterr().err
+    assert cli_main(args[:5] + [str(tmp_path / "nowhere")] + args[6:]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "nowhere" in err

@@ -98,6 +98,13 @@ W = DEFAULT_DRAFT_WINDOW
      SpeculativeConfig("draft-tree", DRAFT, window=None)),
     (DRAFT, {"draft_window": 32, "draft_async": True},
      SpeculativeConfig("draft-async", DRAFT, window=32)),
+    # an EAGLE head: chains, trees, or chains beside prompt lookup when asked
+    ("eagle:h", {}, SpeculativeConfig("eagle", "eagle:h", window=W)),
+    ("eagle", {"draft_lookup": False}, SpeculativeConfig("eagle", "eagle", window=W)),
+    ("eagle", {"draft_lookup": True}, SpeculativeConfig("eagle-lookup", "eagle", window=W)),
+    ("eagle:h", {"draft_lookup": True, "draft_window": 64},
+     SpeculativeConfig("eagle-lookup", "eagle:h", window=64)),
+    ("eagle", {"draft_tree": True}, SpeculativeConfig("eagle-tree", "eagle", window=W)),
 ])
 def test_each_set_of_options_resolves_to_one_method(draft, options, expected):
     assert resolve(draft, **options) == expected
@@ -127,6 +134,10 @@ def test_each_set_of_options_resolves_to_one_method(draft, options, expected):
     (DRAFT, {"draft_lookup": True, "draft_tree": True}, "draft_lookup", "drop {draft_tree}"),
     (DRAFT, {"draft_lookup": True, "draft_async": True}, "draft_lookup", "{draft_async}"),
     (DRAFT, {"draft_lookup": 1}, "draft_lookup", "{draft_lookup} must be true, false"),
+    ("medusa", {"draft_lookup": True}, "draft_lookup", "or an EAGLE head"),
+    ("eagle", {"draft_lookup": True, "draft_k": 2}, "draft_lookup", "drop {draft_k}"),
+    ("eagle", {"draft_lookup": True, "draft_tree": True}, "draft_lookup",
+     "drop {draft_tree}"),
     ("ngram", {"draft_window": 64}, "draft_window", "{draft_window} is how much of the prompt"),
     (None, {"draft_window": 64}, "draft_window", "{draft_window} is how much of the prompt"),
     (DRAFT, {"draft_window": 4}, "draft_window", "{draft_window} must be an integer above 4"),
