@@ -69,6 +69,19 @@ class Corpus:
     def held_out_tokens(self) -> int:
         return sum(len(c) for c in self.held_out)
 
+    def take_train(self, tokens: list[int], seq_len: int, max_tokens: int | None) -> bool:
+        """Add ``tokens`` to the training set in ``seq_len`` chunks, cut to
+        what ``max_tokens`` leaves room for; ``False`` once it is full."""
+        if max_tokens is not None:
+            room = max_tokens - self.train_tokens
+            if room < MIN_CHUNK:
+                return False
+            tokens = tokens[:room]
+        chunks = _chunks(tokens, seq_len)
+        self.train += chunks
+        self.train_files += bool(chunks)
+        return True
+
 
 def _chunks(tokens: list[int], seq_len: int) -> list[list[int]]:
     out = [tokens[i:i + seq_len] for i in range(0, len(tokens), seq_len)]
@@ -164,15 +177,8 @@ def _split(token_lists: Iterable[list[int]], *, seq_len: int, max_tokens: int | 
             start = rng.randrange(0, len(tokens) - cap + 1)
             cut = [tokens[:start], tokens[start + cap:]]
             tokens = tokens[start:start + cap]
-        if max_tokens is not None:
-            room = max_tokens - corpus.train_tokens
-            if room < MIN_CHUNK:
-                break
-            tokens = tokens[:room]
-        chunks = _chunks(tokens, seq_len)
-        if chunks:
-            corpus.train += chunks
-            corpus.train_files += 1
+        if not corpus.take_train(tokens, seq_len, max_tokens):
+            break
         leftovers += cut
     # A corpus of few files did not fill the budget under the cap: use the
     # rest of its training files.
@@ -210,15 +216,8 @@ def corpus_from_records(records: Iterable, *, seq_len: int = 512,
             chunks = _chunks(tokens, seq_len)
             corpus.held_out += chunks
             corpus.held_out_files += bool(chunks)
-            continue
-        if max_tokens is not None:
-            room = max_tokens - corpus.train_tokens
-            if room < MIN_CHUNK:
-                continue
-            tokens = tokens[:room]
-        chunks = _chunks(tokens, seq_len)
-        corpus.train += chunks
-        corpus.train_files += bool(chunks)
+        else:
+            corpus.take_train(tokens, seq_len, max_tokens)
     if not corpus.train or not corpus.held_out:
         side = "training" if not corpus.train else "held-out"
         raise ConfigError(f"the token manifests' {count} records leave the {side} set empty "
