@@ -172,10 +172,18 @@ register_method("ngram", lambda: ForerunMethod("ngram", draft="ngram",
                 "prompt-lookup (n-gram) speculation: Model.generate(draft='ngram')")
 register_pattern(r"ngram-k(\d+)", _ngram_k, "ngram-kN",
                  "prompt-lookup speculation, draft length fixed at N")
-register_method("medusa", lambda: ForerunMethod("medusa", draft="medusa",
-                                                description="Medusa heads, tree verification"),
-                "Medusa heads with tree verification: Model.generate(draft='medusa') "
-                "(the torch engine; the preset's shipped heads)")
+def _medusa(match: re.Match) -> BenchMethod:
+    path = match.group(1)
+    heads = f"medusa:{path}" if path else "medusa"
+    where = f"the heads in {path}" if path else "the preset's shipped heads"
+    return ForerunMethod(match.group(0), draft=heads,
+                         description=f"Medusa heads, tree verification, {where}")
+
+
+register_pattern(r"medusa(?::(.+))?", _medusa, "medusa[:HEADS]",
+                 "Medusa heads with tree verification: Model.generate(draft='medusa') (the "
+                 "torch engine); :HEADS names a heads file instead of the preset's shipped "
+                 "ones")
 
 
 def _eagle(match: re.Match) -> BenchMethod:

@@ -296,8 +296,10 @@ def test_ngram_method_runs_or_fails_cleanly(tiny):
     ("eagle-tree:/heads/h", "eagle-tree", "eagle:/heads/h"),
     ("eagle-lookup", "eagle-lookup", "eagle"),
     ("eagle-lookup:/heads/h", "eagle-lookup", "eagle:/heads/h"),
+    ("medusa", "medusa", "medusa"),
+    ("medusa:/heads/m.safetensors", "medusa", "medusa:/heads/m.safetensors"),
 ])
-def test_eagle_methods_name_their_shape_and_head(name, method, draft):
+def test_head_methods_name_their_shape_and_head(name, method, draft):
     from forerun.bench.registry import make_method
 
     from forerun.speculation.config import resolve

@@ -1,6 +1,6 @@
 """An EAGLE-3 head on the real 1.5B target (q4, the format users run; the
 head in int8): greedy output is token-identical to plain decoding for
-chains and trees, with the head forerun ships where one ships and a random
+chains, trees and chains beside prompt lookup, with the head forerun ships where one ships and a random
 head of the published shape otherwise (which the target seldom accepts,
 but whose every draft goes through the real target's states and the
 verification loop all the same)."""
@@ -36,7 +36,8 @@ def test_eagle_greedy_is_lossless_on_the_real_target(preset_model):
     for text in CHAT_PROMPTS[:2]:
         ids = target.encode_prompt(messages=messages(text))
         plain = target.generate(prompt_ids=ids, max_new_tokens=40)
-        for options in ({"draft_k": 3}, {"draft_tree": True, "tree_nodes": 6}, {}):
+        for options in ({"draft_k": 3}, {"draft_tree": True, "tree_nodes": 6}, {},
+                        {"draft_lookup": True}):
             out = target.generate(prompt_ids=ids, max_new_tokens=40, draft=head, **options)
             assert_identical(target, ids, plain, out, f"eagle {options} on {text[:30]!r}")
             assert out.finish_reason == plain.finish_reason
