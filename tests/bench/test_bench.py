@@ -301,7 +301,6 @@ def test_ngram_method_runs_or_fails_cleanly(tiny):
 ])
 def test_head_methods_name_their_shape_and_head(name, method, draft):
     from forerun.bench.registry import make_method
-
     from forerun.speculation.config import resolve
 
     made = make_method(name)

@@ -1,7 +1,7 @@
 """An EAGLE-3 head on the real 1.5B target (q4, the format users run; the
 head in int8): greedy output is token-identical to plain decoding for
-chains, trees and chains beside prompt lookup, with the head forerun ships where one ships and a random
-head of the published shape otherwise (which the target seldom accepts,
+chains, trees and chains beside prompt lookup, with the head forerun ships
+where one ships and a random head of the published shape otherwise (which the target seldom accepts,
 but whose every draft goes through the real target's states and the
 verification loop all the same)."""
 
