@@ -159,15 +159,18 @@ class EngineWorker:
             finished = Finished(stream.result, reuse, started - job.submitted, ttft)
             if self.on_finish is not None:      # counted before the client hears of it
                 self.on_finish(finished)
-            job.post("done", finished)
+            outcome: tuple[str, Any] = ("done", finished)
         except ForerunError as exc:
-            job.post("error", exc)
+            outcome = ("error", exc)
         except Exception as exc:  # a bug: log it, keep serving from a clean cache
             log.exception("generation failed")
             try:
                 self.model.decoder.reset()
             except Exception:
                 log.exception("could not reset the engine")
-            job.post("error", exc)
+            outcome = ("error", exc)
         finally:
             self._current = None
+        # Out of flight before the client hears the end: a client that reads
+        # /metrics or /health once its answer is complete sees it finished.
+        job.post(*outcome)
