@@ -83,6 +83,14 @@ class Corpus:
         return True
 
 
+def _check_sizes(seq_len: int, max_tokens: int | None) -> None:
+    """Refuse a chunk length or a token budget below :data:`MIN_CHUNK`."""
+    if seq_len < MIN_CHUNK:
+        raise ConfigError(f"seq_len must be at least {MIN_CHUNK}, got {seq_len}")
+    if max_tokens is not None and max_tokens < MIN_CHUNK:
+        raise ConfigError(f"--max-tokens must be at least {MIN_CHUNK}, got {max_tokens}")
+
+
 def _chunks(tokens: list[int], seq_len: int) -> list[list[int]]:
     out = [tokens[i:i + seq_len] for i in range(0, len(tokens), seq_len)]
     return [c for c in out if len(c) >= MIN_CHUNK]
@@ -97,10 +105,7 @@ def build_corpus(files: Sequence[Path], encode: Callable[[str], list[int]], *,
     files go to training until it has ``max_tokens`` (default: everything).
     A corpus smaller than the default held-out set is split a tenth to
     held-out, the rest to training."""
-    if seq_len < MIN_CHUNK:
-        raise ConfigError(f"seq_len must be at least {MIN_CHUNK}, got {seq_len}")
-    if max_tokens is not None and max_tokens < MIN_CHUNK:
-        raise ConfigError(f"--max-tokens must be at least {MIN_CHUNK}, got {max_tokens}")
+    _check_sizes(seq_len, max_tokens)
     if held_out_tokens is not None and held_out_tokens < MIN_CHUNK:
         raise ConfigError(f"--held-out-tokens must be at least {MIN_CHUNK}, "
                           f"got {held_out_tokens}")
@@ -191,8 +196,7 @@ def _split(token_lists: Iterable[list[int]], *, seq_len: int, max_tokens: int | 
 
 
 def corpus_from_records(records: Iterable, *, seq_len: int = 512,
-                        max_tokens: int | None = None,
-                        held_out: float | None = None) -> Corpus:
+                        max_tokens: int | None = None) -> Corpus:
     """The corpus of token-manifest records (``forerun train data``), in
     chunks of at most ``seq_len`` tokens: a record goes to the held-out set
     by the manifest's own split (:func:`~forerun.training.token_manifest.is_held_out`,
@@ -202,17 +206,13 @@ def corpus_from_records(records: Iterable, *, seq_len: int = 512,
     learns the model's own predictions, which the prompt has too."""
     from forerun.training.token_manifest import HELD_OUT, is_held_out
 
-    if seq_len < MIN_CHUNK:
-        raise ConfigError(f"seq_len must be at least {MIN_CHUNK}, got {seq_len}")
-    if max_tokens is not None and max_tokens < MIN_CHUNK:
-        raise ConfigError(f"--max-tokens must be at least {MIN_CHUNK}, got {max_tokens}")
-    share = HELD_OUT if held_out is None else held_out
+    _check_sizes(seq_len, max_tokens)
     corpus = Corpus([], [])
     count = 0
     for record in records:
         count += 1
         tokens = [int(t) for t in record.tokens]
-        if is_held_out(record.digest, share):
+        if is_held_out(record.digest, HELD_OUT):
             chunks = _chunks(tokens, seq_len)
             corpus.held_out += chunks
             corpus.held_out_files += bool(chunks)
@@ -222,7 +222,7 @@ def corpus_from_records(records: Iterable, *, seq_len: int = 512,
         side = "training" if not corpus.train else "held-out"
         raise ConfigError(f"the token manifests' {count} records leave the {side} set empty "
                           f"(records go to the held-out set by their manifest's split, "
-                          f"{share:.0%}, and chunks need at least {MIN_CHUNK} tokens); give "
+                          f"{HELD_OUT:.0%}, and chunks need at least {MIN_CHUNK} tokens); give "
                           f"more data (forerun train data --resume)")
     return corpus
 
