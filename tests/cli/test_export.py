@@ -46,14 +46,23 @@ def test_export_defaults_to_bfloat16(head_dir, tmp_path):
     assert load_eagle3(tmp_path / "out").tensors["fc.weight"].dtype == torch.bfloat16
 
 
-def test_no_shipped_head_yet(tmp_path):
+def test_the_shipped_head_exports(tmp_path):
+    """``eagle`` names the default preset's shipped head; exported in float32
+    it reads back as exactly the weights forerun drafts with."""
+    from forerun.loading.eagle3_files import shipped_head_path
+
     proc = subprocess.run([sys.executable, "-m", "forerun.cli.main", "export", "eagle3",
-                           "eagle", str(tmp_path / "out")],
+                           "eagle", str(tmp_path / "out"), "--dtype", "float32"],
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 1
-    assert "no EAGLE-3 head ships for this preset yet" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "out").exists()
+    assert proc.returncode == 0, proc.stderr
+    assert "trained for: qwen2.5-coder-1.5b" in proc.stdout
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 14, 25]
+    back, shipped = load_eagle3(tmp_path / "out"), load_eagle3(shipped_head_path("qwen2.5-coder-1.5b"))
+    assert all(torch.equal(back.tensors[n].float(), shipped.tensors[n].float())
+               for n in TENSOR_NAMES)
+    assert torch.equal(back.d2t, shipped.d2t)
 
 
 @pytest.mark.parametrize("case, words", [

@@ -401,8 +401,19 @@ def test_missing_files_are_refused(tmp_path):
         load_eagle3(folder)
 
 
-def test_no_head_ships_yet():
-    assert shipped_head_path("qwen2.5-coder-1.5b") is None
+def test_the_shipped_head_fits_its_preset():
+    """forerun ships one head, for the default preset, in int8 (the 64 MB the
+    repository allows), shaped for that target and trained by forerun."""
+    folder = shipped_head_path("qwen2.5-coder-1.5b")
+    assert folder is not None
+    assert sum(f.stat().st_size for f in folder.iterdir()) <= 64 * 2**20
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == eagle3_files.INT8_METHOD
+    head = load_eagle3(folder, target_layers=28)
+    head.check_target(1536, 151936, 28, "qwen2.5-coder-1.5b")
+    assert head.config.aux_layers == (2, 14, 25)
+    assert head.info["target_model"] == "qwen2.5-coder-1.5b"
+    assert head.info["trained_with"] == "forerun train eagle"
     assert shipped_head_path("no-such-preset") is None
 
 
