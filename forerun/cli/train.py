@@ -80,8 +80,12 @@ def _add_data_parser(tsub) -> None:
     data.add_argument("--answer-temperature", type=float, default=None,
                       help="sampling temperature of the answers (default 0: greedy)")
     data.add_argument("--max-answer-tokens", type=int, default=None,
-                      help="the longest answer; answers that don't end by then are dropped "
-                           "(default 384)")
+                      help="the longest answer; answers that don't end by then are kept, "
+                           "cut there (default 384)")
+    data.add_argument("--drop-cut-answers", action="store_true", default=None,
+                      dest="drop_cut_answers",
+                      help="drop answers that don't end within --max-answer-tokens instead "
+                           "of keeping them cut (what manifests made before this option did)")
     data.add_argument("--near-duplicate", type=float, default=None,
                       help="drop a query whose word bigrams have at least this Jaccard "
                            "similarity with a kept query's (default 0.7)")
@@ -249,6 +253,8 @@ def _settings(args: argparse.Namespace, saved: dict[str, Any]):
                if args.exclude_prompts else base.exclude_prompts)
     if args.topics:
         values["topics"] = tuple(args.topics)
+    if args.drop_cut_answers:
+        values["keep_cut_answers"] = False
     prompt_files: list[str | Path] = [DEFAULT_PROMPTS, *exclude]
     turns = [t for path in prompt_files for p in load_prompts(path) for t in p.turns]
     bench = BenchOverlap(turns)
@@ -351,7 +357,8 @@ def _print_summary(writer, report, out: Path, model: str, stream) -> None:
         f"  text chunks: {text['records']} ({text['tokens']:,} tokens)",
         f"queries: made {q['made']}, kept {q['kept']}, dropped "
         f"{sum(q['dropped'].values())}{_reasons(q['dropped'])}",
-        f"answers: made {a['made']}, kept {a['kept']}, dropped "
+        f"answers: made {a['made']}, kept {a['kept']} ({a.get('cut', 0)} of them cut at "
+        f"--max-answer-tokens), dropped "
         f"{sum(a['dropped'].values())}{_reasons(a['dropped'])}",
         f"text: {t['files']} files read ({t['skipped_files']} skipped: empty or not text), "
         f"chunks made {t['made']}, kept {t['kept']}, dropped "

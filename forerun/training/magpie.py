@@ -34,7 +34,11 @@ end with an end-of-turn), degenerate (:func:`degenerate`), holds special
 tokens, overlaps one of the benchmark prompts (:class:`BenchOverlap`), or
 duplicates a kept query exactly or nearly
 (:class:`~forerun.training.token_manifest.Dedup`); an answer when it is
-empty, over-long or degenerate.  Text chunks (``seq_len`` tokens of the
+empty or degenerate, and when it is over-long unless ``keep_cut_answers``
+(the default): an answer cut at ``max_answer_tokens`` is still the target's
+own text, token for token, which is all a draft head learns from (in the
+committed topic runs a sixth of the answers ran to 384 tokens: keeping them
+keeps 1.6 times the answer tokens).  Text chunks (``seq_len`` tokens of the
 corpus files, in a seeded order) are dropped when short, degenerate,
 duplicate or overlapping a benchmark prompt.  Every drop is counted by
 reason.
@@ -281,6 +285,9 @@ class DataSettings:
     bench_digest: str = ""
     #: system messages that steer the queries, taken in turn (module text)
     topics: tuple[str, ...] = ()
+    #: keep an answer cut at max_answer_tokens (module text); manifests made
+    #: before this setting existed dropped them (:meth:`from_json`)
+    keep_cut_answers: bool = True
 
     def validate(self) -> None:
         """Raise :class:`~forerun.errors.ConfigError` naming the first bad value."""
@@ -327,6 +334,7 @@ class DataSettings:
         for name in ("corpus", "exclude_prompts", "topics"):
             if name in known:
                 known[name] = tuple(known[name])
+        known.setdefault("keep_cut_answers", False)     # what such a manifest did
         return cls(**known)
 
     def differences(self, saved: DataSettings) -> list[str]:
@@ -353,6 +361,8 @@ class Outcome:
     prompt: list[int] = field(default_factory=list)
     dropped: str | None = None
     seconds: float = 0.0
+    #: an answer cut at max_answer_tokens, kept (keep_cut_answers)
+    cut: bool = False
 
 
 class Magpie:
@@ -407,7 +417,8 @@ class Magpie:
 
     def answer(self, prompt: list[int], seed: int) -> Outcome:
         """The target's answer to ``prompt`` (:meth:`prompt`): its tokens,
-        the end-of-turn token included."""
+        the end-of-turn token included where it ended by then (``cut``:
+        it did not, and ``keep_cut_answers`` keeps it)."""
         s = self.settings
         start = time.perf_counter()
         r = self.model.generate(
@@ -418,7 +429,8 @@ class Magpie:
                       seconds=time.perf_counter() - start)
         if r.finish_reason == "cancelled":
             raise Stopped
-        if r.finish_reason != "stop":
+        out.cut = r.finish_reason == "length" and s.keep_cut_answers
+        if r.finish_reason != "stop" and not out.cut:
             out.dropped = "too_long"
         elif not out.text:
             out.dropped = "empty"
@@ -435,7 +447,7 @@ def new_counters() -> dict[str, Any]:
         "queries": {"made": 0, "kept": 0, "dropped": dict.fromkeys(
             ("too_long", "empty", "special_tokens", "degenerate", "bench_overlap",
              "duplicate", "near_duplicate"), 0)},
-        "answers": {"made": 0, "kept": 0, "dropped": dict.fromkeys(
+        "answers": {"made": 0, "kept": 0, "cut": 0, "dropped": dict.fromkeys(
             ("too_long", "empty", "degenerate"), 0)},
         "text": {"files": 0, "skipped_files": 0, "made": 0, "kept": 0,
                  "dropped": dict.fromkeys(("short", "degenerate", "bench_overlap",
@@ -667,6 +679,8 @@ class DataBuilder:
                 answers["dropped"][a.dropped] += 1
             else:
                 answers["kept"] += 1
+                if a.cut:        # (a manifest older than the count has none)
+                    answers["cut"] = answers.get("cut", 0) + 1
         self.state["next_item"] = index + 1
         self._fruitless = 0 if kept else self._fruitless + 1
         if self._fruitless >= self.give_up_after:

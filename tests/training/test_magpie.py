@@ -207,6 +207,12 @@ def test_settings_that_change_the_data_are_differences_and_the_draft_only_when_s
     topics = DataSettings(seed=1, topics=("Translate.", "Summarise."))
     assert DataSettings.from_json(topics.to_json()) == topics
     assert topics.differences(DataSettings(seed=1))[0].startswith("topics: ()")
+    # cut answers are kept by default; a manifest from before the setting dropped them
+    assert DataSettings().keep_cut_answers
+    old = {k: v for k, v in a.to_json().items() if k != "keep_cut_answers"}
+    assert not DataSettings.from_json(old).keep_cut_answers
+    assert a.differences(DataSettings.from_json(old)) == [
+        "keep_cut_answers: False in the manifest, True now"]
     for bad in (dict(query_temperature=0), dict(query_top_p=0), dict(text_share=2),
                 dict(max_answer_tokens=0), dict(seq_len=8), dict(seed=-1),
                 dict(topics=("",))):
@@ -266,7 +272,7 @@ BENCH_SENTENCE = "alpha beta gamma delta epsilon zeta eta theta iota"
 # Sampled answers: the tiny model's greedy ones are empty, and sampled ones
 # test more (the answer's seed must be the item's again after a resume).
 SETTINGS = DataSettings(seed=3, max_query_tokens=32, answer_temperature=1.0,
-                        max_answer_tokens=48, seq_len=64, text_share=0.3)
+                        max_answer_tokens=24, seq_len=64, text_share=0.3)
 
 
 class StopAt:
@@ -329,14 +335,19 @@ def test_a_run_stopped_twice_and_resumed_makes_the_records_of_one_that_never_sto
     assert counters["queries"]["dropped"]["too_long"] > 0
     assert counters["text"]["dropped"]["duplicate"] > 0
     assert counters["text"]["dropped"]["bench_overlap"] > 0
+    cut = 0
     for r in records:
         if r[1] == "conversation":
             tokens, loss_start = r[0], r[2]
             prompt = chat_model.encode_prompt(messages=[{"role": "user", "content": r[4]}])
             assert tokens[:loss_start] == prompt
-            assert tokens[-1] in chat_model.eos_token_ids      # the answer ended its turn
+            if tokens[-1] not in chat_model.eos_token_ids:     # cut at the longest answer
+                assert len(tokens) - loss_start == SETTINGS.max_answer_tokens
+                cut += 1
         else:
             assert r[2] == 0 and len(r[0]) <= SETTINGS.seq_len
+    assert cut > 0 and counters["answers"]["cut"] == cut      # kept, and counted
+    assert counters["answers"]["dropped"]["too_long"] == 0
 
     out = tmp_path / "stopped"
     first = build(chat_model, out, corpus, max_tokens=2500, stop_at=9)
@@ -352,6 +363,30 @@ def test_a_run_stopped_twice_and_resumed_makes_the_records_of_one_that_never_sto
     # nothing but the manifest and the shards it names is left
     names = {p.name for p in out.iterdir()}
     assert names == {"manifest.json"} | {f for f, _ in shards}
+
+
+def test_an_answer_cut_at_the_longest_is_kept_unless_asked_to_drop_it(chat_model):
+    """Sampled answers of at most 4 tokens: one that doesn't end by then is
+    kept as it stands (the target's own tokens, no end of turn) by default,
+    and dropped as too long with ``keep_cut_answers=False``."""
+    from dataclasses import replace
+
+    from forerun.training.magpie import Magpie
+
+    keep = Magpie(chat_model, replace(SETTINGS, max_answer_tokens=4))
+    drop = Magpie(chat_model, replace(SETTINGS, max_answer_tokens=4, keep_cut_answers=False))
+    prompt = keep.prompt("the quick brown fox")
+    outcomes = [(keep.answer(prompt, seed), drop.answer(prompt, seed)) for seed in range(6)]
+    cut = [(k, d) for k, d in outcomes if k.cut]
+    assert cut, "no answer ran to the limit"
+    for k, d in cut:
+        assert k.dropped is None and len(k.tokens) == 4
+        assert k.tokens[-1] not in chat_model.eos_token_ids
+        assert d.dropped == "too_long" and d.tokens == k.tokens and not d.cut
+    for k, d in outcomes:
+        if not k.cut:        # answers that ended are the same either way
+            assert not d.cut and d.dropped == k.dropped
+            assert k.tokens[-1] in chat_model.eos_token_ids
 
 
 def test_a_time_budget_ends_a_run_and_a_resume_continues_it(chat_model, corpus, tmp_path):
