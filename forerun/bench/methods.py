@@ -197,12 +197,13 @@ def _eagle(match: re.Match) -> BenchMethod:
         return ForerunMethod(match.group(0), draft=head, options={"draft_lookup": True},
                              description=f"prompt lookup or the EAGLE-3 head's chains, "
                                          f"whichever pays more each round, {where}")
-    return ForerunMethod(match.group(0), draft=head,
+    return ForerunMethod(match.group(0), draft=head, options={"draft_lookup": False},
                          description=f"EAGLE-3 head drafting chains, {where}")
 
 
 register_pattern(r"eagle(-tree|-lookup)?(?::(.+))?", _eagle, "eagle[-tree|-lookup][:HEAD]",
                  "an EAGLE-3 head trained for the model drafts chains (-tree: token trees; "
                  "-lookup: chains or prompt lookup, whichever pays more each round) from the "
-                 "model's own states: Model.generate(draft='eagle'); :HEAD names a head "
+                 "model's own states: Model.generate(draft='eagle', draft_lookup=False); :HEAD "
+                 "names a head "
                  "folder instead of the preset's shipped one (torch engine)")

@@ -74,9 +74,8 @@ def add_lookup_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-lookup", action=argparse.BooleanOptionalAction, default=None,
                    help="prompt lookup beside the draft model or EAGLE head: each round "
                         "drafts from the prompt and the text so far, or with the model or "
-                        "head, whichever is expected to pay more (default: on for a draft "
-                        "model drafting chains of a chosen length, off for an EAGLE head; "
-                        "--no-draft-lookup: the draft model alone)")
+                        "head, whichever is expected to pay more (default: on for chains of a "
+                        "chosen length; --no-draft-lookup: the draft model or head alone)")
 
 
 def add_async_options(p: argparse.ArgumentParser) -> None:

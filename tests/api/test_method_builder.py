@@ -212,13 +212,15 @@ def test_api_eagle_heads_match_plain_as_objects_and_folders(tiny, tmp_path):
     weights = _eagle_weights(target)
     save_eagle3(weights, tmp_path / "head")
     for draft in (weights, f"eagle:{tmp_path / 'head'}"):
-        for options in ({}, {"draft_k": 3}, {"draft_tree": True}, {"tree_nodes": 4},
-                        {"draft_lookup": True}):
+        # (prompt lookup beside the head unless a length, a tree or False is asked)
+        for options, lookup in (({}, True), ({"draft_k": 3}, False),
+                                ({"draft_tree": True}, False), ({"tree_nodes": 4}, False),
+                                ({"draft_lookup": True}, True), ({"draft_lookup": False}, False)):
             out = target.generate(prompt_ids=[1, 2, 3], max_new_tokens=12, ignore_eos=True,
                                   draft=draft, **options)
             assert out.tokens == plain.tokens, (draft, options)
             assert out.stats.method.startswith("eagle"), out.stats.method
-            assert out.stats.method.endswith("+lookup") == bool(options.get("draft_lookup"))
+            assert out.stats.method.endswith("+lookup") == lookup, (options, out.stats.method)
             if options.get("draft_k") or options.get("tree_nodes"):
                 # (an adaptive policy drafts only where measured costs say it pays)
                 assert out.stats.drafted > 0

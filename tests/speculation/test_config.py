@@ -99,7 +99,8 @@ W = DEFAULT_DRAFT_WINDOW
     (DRAFT, {"draft_window": 32, "draft_async": True},
      SpeculativeConfig("draft-async", DRAFT, window=32)),
     # an EAGLE head: chains, trees, or chains beside prompt lookup when asked
-    ("eagle:h", {}, SpeculativeConfig("eagle", "eagle:h", window=W)),
+    ("eagle:h", {}, SpeculativeConfig("eagle-lookup", "eagle:h", window=W)),
+    ("eagle", {"draft_k": 3}, SpeculativeConfig("eagle", "eagle", length=3, window=W)),
     ("eagle", {"draft_lookup": False}, SpeculativeConfig("eagle", "eagle", window=W)),
     ("eagle", {"draft_lookup": True}, SpeculativeConfig("eagle-lookup", "eagle", window=W)),
     ("eagle:h", {"draft_lookup": True, "draft_window": 64},
