@@ -59,7 +59,8 @@ def test_the_shipped_head_exports(tmp_path):
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 14, 25]
-    back, shipped = load_eagle3(tmp_path / "out"), load_eagle3(shipped_head_path("qwen2.5-coder-1.5b"))
+    back = load_eagle3(tmp_path / "out")
+    shipped = load_eagle3(shipped_head_path("qwen2.5-coder-1.5b"))
     assert all(torch.equal(back.tensors[n].float(), shipped.tensors[n].float())
                for n in TENSOR_NAMES)
     assert torch.equal(back.d2t, shipped.d2t)
