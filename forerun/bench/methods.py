@@ -205,5 +205,4 @@ register_pattern(r"eagle(-tree|-lookup)?(?::(.+))?", _eagle, "eagle[-tree|-looku
                  "an EAGLE-3 head trained for the model drafts chains (-tree: token trees; "
                  "-lookup: chains or prompt lookup, whichever pays more each round) from the "
                  "model's own states: Model.generate(draft='eagle', draft_lookup=False); :HEAD "
-                 "names a head "
-                 "folder instead of the preset's shipped one (torch engine)")
+                 "names a head folder instead of the preset's shipped one (torch engine)")

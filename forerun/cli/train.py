@@ -357,7 +357,7 @@ def _print_summary(writer, report, out: Path, model: str, stream) -> None:
         f"  text chunks: {text['records']} ({text['tokens']:,} tokens)",
         f"queries: made {q['made']}, kept {q['kept']}, dropped "
         f"{sum(q['dropped'].values())}{_reasons(q['dropped'])}",
-        f"answers: made {a['made']}, kept {a['kept']} ({a.get('cut', 0)} of them cut at "
+        f"answers: made {a['made']}, kept {a['kept']} ({a['cut']} of them cut at "
         f"--max-answer-tokens), dropped "
         f"{sum(a['dropped'].values())}{_reasons(a['dropped'])}",
         f"text: {t['files']} files read ({t['skipped_files']} skipped: empty or not text), "

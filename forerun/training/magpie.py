@@ -533,6 +533,7 @@ class DataBuilder:
         self._fruitless = 0       # conversation items in a row that kept nothing
         self.state = writer.state
         self.counters = writer.counters
+        self.counters["answers"].setdefault("cut", 0)   # (manifests older than the count)
         self._deadline: float | None = None
         self._magpie: Magpie | None = None
         self._answer_speculative = answer_speculative
@@ -679,8 +680,7 @@ class DataBuilder:
                 answers["dropped"][a.dropped] += 1
             else:
                 answers["kept"] += 1
-                if a.cut:        # (a manifest older than the count has none)
-                    answers["cut"] = answers.get("cut", 0) + 1
+                answers["cut"] += a.cut
         self.state["next_item"] = index + 1
         self._fruitless = 0 if kept else self._fruitless + 1
         if self._fruitless >= self.give_up_after:
