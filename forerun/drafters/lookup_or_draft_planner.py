@@ -126,7 +126,7 @@ class LookupOrDraftPlanner:
         ``k_model``): the best length at the lookup's acceptance, if its
         expected tokens per second are at least the model's."""
         alpha = self.lookup_acceptance.rate
-        k = best_draft_length(len(found), alpha, 0.0, self.policy.costs)
+        k = best_draft_length(len(found), alpha, 0.0, self.policy.costs, self.policy.margin)
         model_rate = self._rate(k_model, self.policy.acceptance.rate,
                                 (self._read + k_model * self.model.step_seconds())
                                 if k_model else 0.0)

@@ -352,3 +352,51 @@ def test_adaptive_never_exceeds_max_k():
     policy.costs = costs_from({t: 1.0 for t in range(1, 5)}, max_positions=4)
     policy.acceptance = AcceptanceEstimate(prior=0.999)
     assert policy.choose(0.0) == 3
+
+
+# -- the margin ------------------------------------------------------------------
+
+def test_a_draft_within_the_margin_of_a_plain_step_is_not_taken():
+    """One draft accepted 60% of the time, costing 0.3 and verified with the
+    root for 1.2 (a plain step 1.0), commits 1.6 tokens in 1.5: 1.067 tokens
+    per unit against a plain step's 1.  It pays by 6.7%: taken at margins
+    of 0 and 5%, not at 10%."""
+    verify = costs_from({1: 1.0, 2: 1.2, 3: 10.0})
+    assert expected_tokens(1, 0.6) / (0.3 + 1.2) == pytest.approx(1.0667, abs=1e-4)
+    assert best_draft_length(8, 0.6, 0.3, verify) == 1
+    assert best_draft_length(8, 0.6, 0.3, verify, margin=0.05) == 1
+    assert best_draft_length(8, 0.6, 0.3, verify, margin=0.10) == 0
+    # beside a longer draft that pays more, the margin changes nothing
+    flat = costs_from({t: 1.0 for t in range(1, 10)})
+    assert best_draft_length(8, 0.9, 0.05, flat, margin=0.05) == \
+        best_draft_length(8, 0.9, 0.05, flat) > 1
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.15, 0.2, 0.5, 0.8, 0.97])
+@pytest.mark.parametrize("margin", [0.0, 0.05, 0.2])
+def test_the_margin_only_turns_drafts_into_plain_steps(alpha, margin):
+    """With a margin the choice is the best ``k`` or a plain step; the best
+    ``k`` is taken exactly when its tokens per second beat a plain step's by
+    the margin."""
+    verify = costs_from({1: 1.0, 2: 1.1, 3: 1.25, 6: 1.9, 9: 3.0})
+    best = brute_force(8, alpha, 0.02, verify)
+    rate = expected_tokens(best, alpha) / (best * 0.02 + verify(best + 1))
+    chosen = best_draft_length(8, alpha, 0.02, verify, margin=margin)
+    assert chosen == (best if rate > 1.0 * (1 + margin) * 1.0001 else 0)
+
+
+def test_the_policy_drafts_only_past_its_margin():
+    """AdaptiveDraftLength's margin is DRAFT_MARGIN: at an acceptance where
+    drafting pays 4% it takes plain steps (and explores), at one where it
+    pays 20% it drafts."""
+    assert draft_length.DRAFT_MARGIN == 0.05
+    costs = costs_from({1: 1.0, 2: 1.2, 3: 1.3, 9: 3.0})
+    marginal = AdaptiveDraftLength(max_k=8, explore_every=100)
+    marginal.costs = costs
+    marginal.acceptance = AcceptanceEstimate(prior=0.56, weight=1e6)
+    assert best_draft_length(8, 0.56, 0.3, costs) > 0            # pays a little
+    assert [marginal.choose(0.3) for _ in range(10)] == [0] * 10
+    clear = AdaptiveDraftLength(max_k=8, explore_every=100)
+    clear.costs = costs
+    clear.acceptance = AcceptanceEstimate(prior=0.85, weight=1e6)
+    assert clear.choose(0.3) == best_draft_length(8, 0.85, 0.3, costs) > 0
