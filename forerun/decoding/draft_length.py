@@ -228,10 +228,13 @@ class AdaptiveDraftLength:
         self.acceptance = AcceptanceEstimate()
         self.exploration = Exploration(explore_every, stale_every)
 
-    def choose(self, draft_seconds: float, read_seconds: float = 0.0) -> int:
+    def choose(self, draft_seconds: float, read_seconds: float = 0.0,
+               read_whole: float | None = None) -> int:
         """The draft length of this round, each draft token costing
         ``draft_seconds`` and a draft (of any length) ``read_seconds`` more
-        for the committed tokens the drafter must read first."""
+        for the committed tokens the drafter must read first (that read
+        spread over the generation's rounds so far; ``read_whole``: the
+        whole read, default ``read_seconds``)."""
         def cost(k: int) -> float:
             return read_seconds + k * draft_seconds
 
@@ -242,10 +245,19 @@ class AdaptiveDraftLength:
             # generation has lasted long enough to pay it back: no estimate
             # is stale, so there is nothing to explore.
             return 0
+        whole = read_seconds if read_whole is None else read_whole
+        if not k and whole > self.costs(1):
+            # An exploring round would first read more than a plain step
+            # costs (a prompt the drafter never read, a long run of plain
+            # rounds): a draft model that reads a 512-token view to explore
+            # with one token costs about 2.4 s against 4 to 10 s of a
+            # 128-token answer on 2 AVX2 cores.  The read waits for the
+            # policy's own choice, its cost spread over the rounds.
+            return 0
         # Exploring asks whether drafting could pay at all, the read aside:
         # a stale acceptance (learnt on other text) must be able to recover,
         # and an exploring round reads only what the plain rounds since the
-        # last one committed.
+        # last one committed (at most a plain step's worth, above).
         optimistic = max(self.acceptance.rate, OPTIMISTIC_ACCEPTANCE)
         k = self.exploration.adjust(k, lambda: best_draft_length(
             self.max_k, optimistic, draft_seconds, self.costs, self.margin) > 0)
@@ -292,10 +304,11 @@ class ChainPlanner:
         self.rounds += 1
         if self.hidden_layers and hidden is not None:
             self.drafter.take_states(sequence, hidden)
-        read = (self.drafter.catch_up_seconds(sequence, self.rounds)
-                if self.fixed_k is None and isinstance(self.drafter, ReadsContext) else 0.0)
+        reads = self.fixed_k is None and isinstance(self.drafter, ReadsContext)
+        read = self.drafter.catch_up_seconds(sequence, self.rounds) if reads else 0.0
+        whole = self.drafter.catch_up_seconds(sequence, 1) if reads else 0.0
         k = self.fixed_k if self.fixed_k is not None else \
-            self.policy.choose(self.drafter.step_seconds(), read)
+            self.policy.choose(self.drafter.step_seconds(), read, whole)
         k = max(0, min(k, room))
         if not k:
             return DraftTree.chain(sequence[-1], [])

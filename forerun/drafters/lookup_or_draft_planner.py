@@ -116,9 +116,11 @@ class LookupOrDraftPlanner:
         """How many tokens the draft model would draft this round (0: a
         plain step): the adaptive draft length, counting what the model
         must read first, with its exploration."""
-        self._read = (self.model.catch_up_seconds(sequence, self.rounds_now)
-                      if isinstance(self.model, ReadsContext) else 0.0)
-        return max(0, min(self.policy.choose(self.model.step_seconds(), self._read), room))
+        reads = isinstance(self.model, ReadsContext)
+        self._read = self.model.catch_up_seconds(sequence, self.rounds_now) if reads else 0.0
+        whole = self.model.catch_up_seconds(sequence, 1) if reads else 0.0
+        return max(0, min(self.policy.choose(self.model.step_seconds(), self._read, whole),
+                          room))
 
     def lookup_length(self, found: list[int], k_model: int) -> int:
         """How many of the lookup's ``found`` tokens to draft this round,

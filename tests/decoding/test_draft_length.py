@@ -400,3 +400,20 @@ def test_the_policy_drafts_only_past_its_margin():
     clear.costs = costs
     clear.acceptance = AcceptanceEstimate(prior=0.85, weight=1e6)
     assert clear.choose(0.3) == best_draft_length(8, 0.85, 0.3, costs) > 0
+
+
+def test_exploring_never_starts_a_read_longer_than_a_plain_step():
+    """After 8 plain rounds the policy explores, unless the drafter would
+    first read more than a plain step costs (whole read ``read_whole``; its
+    share of this round ``read_seconds``)."""
+    def policy():
+        p = AdaptiveDraftLength(max_k=8, explore_every=8)
+        p.costs = costs_from({1: 1.0, 2: 1.2, 9: 3.0})
+        p.acceptance = AcceptanceEstimate(prior=0.1)
+        return p
+
+    long_read, short_read = policy(), policy()
+    assert [long_read.choose(0.1, 0.1, 1.5) for _ in range(24)] == [0] * 24
+    assert [short_read.choose(0.1, 0.01, 0.5) for _ in range(8)] == [0] * 7 + [1]
+    # without a whole read given, the round's share is the whole read
+    assert [policy().choose(0.1, 1.5) for _ in range(24)] == [0] * 24

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from forerun.decoding.draft_length import AcceptanceEstimate
 from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.drafter import Draft
 from forerun.decoding.plain import PlainDecoding
@@ -233,6 +234,25 @@ def test_what_the_model_must_read_first_counts_against_drafting_with_it():
     # 5% margin (9.55 tokens/s) while the read counts less than 0.065 s: 2 s
     # spread over 31 rounds.  (Exploring would have read it at round 8.)
     assert rounds_before_drafting == 30
+
+
+@pytest.mark.parametrize("read,explores", [(2.0, False), (0.05, True)])
+def test_exploring_never_starts_a_read_longer_than_a_plain_step(read, explores):
+    """A model whose acceptance fell low (on other text) is explored after 8
+    plain rounds, but only if that reads no more than a plain step costs
+    (0.11 s): a prompt of 2 s is read only once drafting, read included,
+    pays, never to explore one token."""
+    sequence = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]      # nothing to look up
+    model = ScriptedModel([7, 7, 7], seconds=0.02, read=read)
+    planner = planner_with_costs(model)
+    planner.policy.acceptance = AcceptanceEstimate(prior=0.05)
+    planner.begin(sequence)
+    for _ in range(40):
+        tree = planner.draft(sequence, None, 100, GREEDY)
+        planner.learn(sequence, tree, [0])
+    assert bool(model.proposed) == explores
+    if explores:
+        assert model.proposed[0] == 1 and len(model.proposed) == 5   # rounds 8, 16, ..
 
 
 # -- an EAGLE head beside prompt lookup -------------------------------------------------
