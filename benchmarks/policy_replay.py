@@ -232,5 +232,6 @@ def main() -> None:
             print(f"| {method} | {margin:g} | " + " | ".join(cells) + f" | {overall:.3f}x |",
                   flush=True)
 
+
 if __name__ == "__main__":
     main()

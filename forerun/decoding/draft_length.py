@@ -305,10 +305,10 @@ class ChainPlanner:
         if self.hidden_layers and hidden is not None:
             self.drafter.take_states(sequence, hidden)
         reads = self.fixed_k is None and isinstance(self.drafter, ReadsContext)
-        read = self.drafter.catch_up_seconds(sequence, self.rounds) if reads else 0.0
+        # the whole read (a generation one round old); a round counts its share
         whole = self.drafter.catch_up_seconds(sequence, 1) if reads else 0.0
         k = self.fixed_k if self.fixed_k is not None else \
-            self.policy.choose(self.drafter.step_seconds(), read, whole)
+            self.policy.choose(self.drafter.step_seconds(), whole / max(1, self.rounds), whole)
         k = max(0, min(k, room))
         if not k:
             return DraftTree.chain(sequence[-1], [])

@@ -116,9 +116,10 @@ class LookupOrDraftPlanner:
         """How many tokens the draft model would draft this round (0: a
         plain step): the adaptive draft length, counting what the model
         must read first, with its exploration."""
-        reads = isinstance(self.model, ReadsContext)
-        self._read = self.model.catch_up_seconds(sequence, self.rounds_now) if reads else 0.0
-        whole = self.model.catch_up_seconds(sequence, 1) if reads else 0.0
+        # the whole read (a generation one round old); a round counts its share
+        whole = (self.model.catch_up_seconds(sequence, 1)
+                 if isinstance(self.model, ReadsContext) else 0.0)
+        self._read = whole / max(1, self.rounds_now)
         return max(0, min(self.policy.choose(self.model.step_seconds(), self._read, whole),
                           room))
 
