@@ -33,7 +33,9 @@ prompt counts), for every policy margin of ``--margins``
 model at the fixed lengths of ``--fixed-k``.  One planner serves all the
 turns of a method, in the bench's order, as in `forerun bench`.
 
-It is a model, not a measurement: it leaves out a round's own overhead; the
+It is a model, not a measurement: it leaves out a round's own overhead and
+the target's confidence (a planner learns only from the rounds it drafts,
+where forerun's also learn from the target's confidence in the others); the
 teacher-forced predictions come from batched feeds; a conversation's second
 turn reads its prompt's whole view again, where forerun's draft keeps its
 cache from the first.  `forerun bench` measures.  It times nothing, so it
@@ -137,11 +139,13 @@ class ReplayedDraft:
         pass
 
 
-def replay(planner, clock: Clock, prompt: list[int], output: list[int]) -> float:
-    """Decoding seconds of ``planner`` generating ``output`` after ``prompt``."""
+def replay(planner, clock: Clock, prompt: list[int], output: list[int],
+           max_new_tokens: int | None = None) -> float:
+    """Decoding seconds of ``planner`` generating ``output`` after ``prompt``,
+    in a generation of at most ``max_new_tokens``."""
     sampler = TokenSampler(SamplingParams(temperature=0.0), seed=0)
     clock.seconds = 0.0
-    planner.begin(prompt)
+    planner.begin(prompt, max_new_tokens)
     sequence = list(prompt) + output[:1]          # the prefill's token
     while len(sequence) - len(prompt) < len(output):
         tree = planner.draft(sequence, None, 1 << 20, sampler)
@@ -225,7 +229,7 @@ def main() -> None:
                                         for i in range(1, len(policy.costs.seconds))]
             for t, pred in zip(turns, predicted):
                 draft.turn(t["prompt"], t["output"], pred)
-                spent[t["category"]] += replay(planner, clock, t["prompt"], t["output"])
+                spent[t["category"]] += replay(planner, clock, t["prompt"], t["output"], args.n)
                 plain[t["category"]] += clock.verify(1) * (len(t["output"]) - 1)
             cells = [f"{plain[c] / spent[c]:.3f}x" for c in categories]
             overall = sum(plain.values()) / sum(spent.values())

@@ -25,8 +25,8 @@ class DecodingMethod(Protocol):
     name: str
     target: Decoder
 
-    def run(self, prompt_ids: list[int], sampler: TokenSampler,
-            stats: GenerationStats) -> Generator[list[int], None, None]:
+    def run(self, prompt_ids: list[int], sampler: TokenSampler, stats: GenerationStats,
+            max_new_tokens: int | None = None) -> Generator[list[int], None, None]:
         """Prefill the prompt (:func:`~forerun.decoding.prefill.prefill`:
         the target's cache then holds exactly the prompt, whatever it held
         before) and yield the tokens committed in each round, forever: the
@@ -34,7 +34,9 @@ class DecodingMethod(Protocol):
         ``stats.prefill_seconds`` to the time spent on the target's prompt
         forward and ``stats.reused_prompt_tokens`` to the prompt positions the
         cache kept; speculative methods also record their counters in
-        ``stats``."""
+        ``stats``.  ``max_new_tokens``: the most tokens the runner will take
+        (``None``: not known), which a drafting policy may weigh a cost
+        against."""
         ...
 
     def settle(self, length: int) -> None:

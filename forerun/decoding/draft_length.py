@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from forerun.decoding.base import check_count
+from forerun.decoding.confidence import ConfidenceCalibration
 from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.drafter import ReadsContext, ReadsTargetStates
 from forerun.decoding.sampling import TokenSampler
@@ -115,6 +116,13 @@ class AcceptanceEstimate:
             return
         self.successes = self.successes * self.decay + accepted
         self.failures = self.failures * self.decay + (1 if accepted < drafted else 0)
+
+    def expect(self, agreement: float) -> None:
+        """Evidence short of a drafted round: a one-token draft here would
+        have been accepted with probability ``agreement`` (counted as that
+        fraction of a hit and the rest of a miss)."""
+        self.successes = self.successes * self.decay + agreement
+        self.failures = self.failures * self.decay + (1.0 - agreement)
 
     @property
     def rate(self) -> float:
@@ -226,26 +234,59 @@ class AdaptiveDraftLength:
         self.margin = margin
         self.costs = VerifyCosts(max_k + 1)
         self.acceptance = AcceptanceEstimate()
+        self.calibration = ConfidenceCalibration()
         self.exploration = Exploration(explore_every, stale_every)
 
+    def learn(self, drafted: int, accepted: int,
+              confidence: Sequence[float] | None = None) -> None:
+        """A round's verdict: its draft of ``drafted`` tokens kept its first
+        ``accepted``.  ``confidence``: the target's at each committed
+        position (:mod:`~forerun.decoding.confidence`), or ``None``.  A
+        drafted round teaches the acceptance and how it follows the
+        target's confidence; a round this drafter did not draft (a plain
+        step, or another drafter's round) teaches the acceptance what the
+        target's confidence at each committed position predicts, so an
+        estimate learnt on other text, or in a bad spell, recovers where
+        the text gets easy without a draft spent to find out."""
+        if drafted:
+            self.acceptance.update(drafted, accepted)
+            if confidence:
+                self.calibration.learn(confidence, drafted, accepted)
+        elif confidence:
+            for p in confidence:
+                self.acceptance.expect(self.calibration.agreement(p))
+
     def choose(self, draft_seconds: float, read_seconds: float = 0.0,
-               read_whole: float | None = None) -> int:
+               read_whole: float | None = None, left: int | None = None) -> int:
         """The draft length of this round, each draft token costing
         ``draft_seconds`` and a draft (of any length) ``read_seconds`` more
         for the committed tokens the drafter must read first (that read
         spread over the generation's rounds so far; ``read_whole``: the
-        whole read, default ``read_seconds``)."""
-        def cost(k: int) -> float:
-            return read_seconds + k * draft_seconds
+        whole read, default ``read_seconds``).  ``left``: the most tokens
+        the generation may still make (``None``: not known).
 
-        k = best_chain_length(self.max_k, self.acceptance.rate, cost, self.costs, self.margin)
+        The read is spread over the rounds to come, as many as the
+        generation has had (``read_seconds``), but never over more than
+        ``left`` tokens allow: drafting ``k`` a round leaves about ``left /
+        expected_tokens(k)`` rounds to pay it back in.  A 512-token read
+        that costs 44 plain steps can't be paid back in what is left of a
+        128-token answer, however long the answer has lasted so far."""
+        whole = read_seconds if read_whole is None else read_whole
+        alpha = self.acceptance.rate
+
+        def cost(k: int) -> float:
+            share = read_seconds
+            if whole and left is not None:
+                share = max(share, whole * expected_tokens(k, alpha) / max(1, left))
+            return share + k * draft_seconds
+
+        k = best_chain_length(self.max_k, alpha, cost, self.costs, self.margin)
         if not k and read_seconds and best_draft_length(
                 self.max_k, self.acceptance.rate, draft_seconds, self.costs, self.margin):
             # Drafting would pay but for the read, which waits until the
             # generation has lasted long enough to pay it back: no estimate
             # is stale, so there is nothing to explore.
             return 0
-        whole = read_seconds if read_whole is None else read_whole
         if not k and whole > self.costs(1):
             # An exploring round would first read more than a plain step
             # costs (a prompt the drafter never read, a long run of plain
@@ -287,7 +328,11 @@ class ChainPlanner:
             tuple(drafter.hidden_layers) if isinstance(drafter, ReadsTargetStates) else ())
         self.fixed_k = k
         self.policy = AdaptiveDraftLength(max_k)
+        #: the target's confidence teaches an adaptive length (see learn)
+        self.wants_confidence = k is None
         self.rounds = 0      # rounds of this generation so far
+        self._asked = False  # whether the drafter was asked for a draft this round
+        self._end: int | None = None   # the sequence's most tokens (prompt and output)
 
     def needs_calibration(self) -> bool:
         return self.fixed_k is None
@@ -295,9 +340,10 @@ class ChainPlanner:
     def calibrate(self, target: Decoder, token: int) -> None:
         self.policy.costs.calibrate(target, token)
 
-    def begin(self, prompt_ids: Sequence[int]) -> None:
+    def begin(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> None:
         self.drafter.begin(prompt_ids)
         self.rounds = 0
+        self._end = None if max_new_tokens is None else len(prompt_ids) + max_new_tokens
 
     def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
               sampler: TokenSampler) -> DraftTree:
@@ -307,19 +353,27 @@ class ChainPlanner:
         reads = self.fixed_k is None and isinstance(self.drafter, ReadsContext)
         # the whole read (a generation one round old); a round counts its share
         whole = self.drafter.catch_up_seconds(sequence, 1) if reads else 0.0
+        left = None if self._end is None else self._end - len(sequence)
         k = self.fixed_k if self.fixed_k is not None else \
-            self.policy.choose(self.drafter.step_seconds(), whole / max(1, self.rounds), whole)
+            self.policy.choose(self.drafter.step_seconds(), whole / max(1, self.rounds), whole,
+                               left)
         k = max(0, min(k, room))
+        self._asked = k > 0
         if not k:
             return DraftTree.chain(sequence[-1], [])
         draft = self.drafter.propose(sequence, k, sampler)
         return DraftTree.chain(sequence[-1], draft.tokens, draft.probs)
 
-    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
+    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int],
+              confidence: Sequence[float] | None = None) -> None:
         accepted = len(path) - 1
         self.drafter.observe(sequence, accepted)
-        if tree.num_nodes:
-            self.policy.acceptance.update(tree.num_nodes, accepted)
+        # A round the drafter was asked for and proposed nothing in (a
+        # lookup that found nothing) says nothing of how it does where it
+        # proposes; a round it was not asked for learns from the target's
+        # confidence (AdaptiveDraftLength.learn).
+        if tree.num_nodes or not self._asked:
+            self.policy.learn(tree.num_nodes, accepted, confidence)
 
     def settle(self, length: int) -> None:
         self.drafter.settle(length)

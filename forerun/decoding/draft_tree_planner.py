@@ -177,6 +177,7 @@ class DraftTreePlanner:
     up to ``max_nodes``."""
 
     drafts_trees = True
+    wants_confidence = False
     needs_hidden = False
 
     def __init__(self, drafter, *, nodes: int | None = None, max_nodes: int = 16,
@@ -201,7 +202,7 @@ class DraftTreePlanner:
     def calibrate(self, target, token: int) -> None:
         self.policy.costs.calibrate(target, token)
 
-    def begin(self, prompt_ids: Sequence[int]) -> None:
+    def begin(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> None:
         self.drafter.begin(prompt_ids)
         self._scores = []
         self.rounds = 0
@@ -255,7 +256,8 @@ class DraftTreePlanner:
         self._scores = [nodes.scores[i] for i in chosen[1:]]
         return drafter.tree(nodes, chosen)
 
-    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
+    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int],
+              confidence: Sequence[float] | None = None) -> None:
         accepted = len(path) - 1
         self.drafter.observe(sequence, accepted)
         if self._drafted:

@@ -19,8 +19,8 @@ class PlainDecoding:
     def __init__(self, target: Decoder) -> None:
         self.target = target
 
-    def run(self, prompt_ids: list[int], sampler: TokenSampler,
-            stats: GenerationStats) -> Generator[list[int], None, None]:
+    def run(self, prompt_ids: list[int], sampler: TokenSampler, stats: GenerationStats,
+            max_new_tokens: int | None = None) -> Generator[list[int], None, None]:
         target = self.target
         start = time.perf_counter()
         logits = finite(prefill(target, prompt_ids, stats=stats).logits[-1])

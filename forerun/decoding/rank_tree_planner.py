@@ -343,6 +343,7 @@ class RankTreePlanner:
     """
 
     drafts_trees = True
+    wants_confidence = False
 
     def __init__(self, drafter: RankDrafter, *,
                  tree: TreeShape | Sequence[Sequence[int]] | None = None,
@@ -368,7 +369,7 @@ class RankTreePlanner:
     def calibrate(self, target, token: int) -> None:
         self.policy.calibrate(target, token)
 
-    def begin(self, prompt_ids: Sequence[int]) -> None:
+    def begin(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> None:
         self.drafter.begin(prompt_ids)
 
     def _shape(self, room: int, have_hidden: bool) -> TreeShape:
@@ -401,7 +402,8 @@ class RankTreePlanner:
             shape = self._fit(shape, candidates)
         return DraftTree(shape, shape.tokens(sequence[-1], candidates))
 
-    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
+    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int],
+              confidence: Sequence[float] | None = None) -> None:
         if tree.num_nodes:
             # the tree this planner drafted: its shape is a TreeShape
             self.policy.acceptance.update(cast(TreeShape, tree.shape), path)

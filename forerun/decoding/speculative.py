@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from forerun.decoding.base import DraftAndVerify
+from forerun.decoding.confidence import top_probabilities
 from forerun.decoding.draft_length import MAX_DRAFT_LENGTH, ChainPlanner, VerifyCosts
 from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.drafter import Drafter
@@ -105,6 +106,9 @@ class Planner(Protocol):
     hidden_layers: tuple[int, ...]
     #: whether it drafts trees (else only chains)
     drafts_trees: bool
+    #: whether :meth:`learn` wants the target's confidence at the committed
+    #: positions (:mod:`~forerun.decoding.confidence`)
+    wants_confidence: bool
 
     @property
     def policy(self) -> CostedPolicy:
@@ -119,8 +123,9 @@ class Planner(Protocol):
         """Measure the target's verification costs (then roll back)."""
         ...
 
-    def begin(self, prompt_ids: Sequence[int]) -> None:
-        """A new generation starts from ``prompt_ids``."""
+    def begin(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> None:
+        """A new generation starts from ``prompt_ids``, of at most
+        ``max_new_tokens`` new tokens (``None``: not known)."""
         ...
 
     def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
@@ -134,9 +139,13 @@ class Planner(Protocol):
         ``None``."""
         ...
 
-    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
+    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int],
+              confidence: Sequence[float] | None = None) -> None:
         """The verdict on ``tree``: ``path`` was accepted and ``sequence``
-        is the committed sequence now."""
+        is the committed sequence now.  ``confidence`` (with
+        :attr:`wants_confidence`, else ``None``): the target's probability
+        of its most likely token at each committed position, in order (the
+        row of each node of ``path``)."""
         ...
 
     def settle(self, length: int) -> None:
@@ -195,10 +204,11 @@ class SpeculativeDecoding(DraftAndVerify):
             return
         self._use_stored_or_measure(lambda: self.planner.calibrate(self.target, token))
 
-    def run(self, prompt_ids: list[int], sampler: TokenSampler,
-            stats: GenerationStats) -> Generator[list[int], None, None]:
+    def run(self, prompt_ids: list[int], sampler: TokenSampler, stats: GenerationStats,
+            max_new_tokens: int | None = None) -> Generator[list[int], None, None]:
         target, planner = self.target, self.planner
         want_hidden = bool(planner.needs_hidden)
+        wants_confidence = bool(planner.wants_confidence)
         layers = tuple(planner.hidden_layers)
         # (only asked where wanted: a Decoder without layer states need not take it)
         asked: dict[str, Any] = {"hidden_layers": layers} if layers else {}
@@ -214,7 +224,7 @@ class SpeculativeDecoding(DraftAndVerify):
                 return _hidden(out, rows[-1])
             return None
 
-        planner.begin(prompt_ids)
+        planner.begin(prompt_ids, max_new_tokens)
         sequence = list(prompt_ids)
         start = time.perf_counter()
         # The prefill is plain decoding's (an engine may compute a prefill
@@ -264,7 +274,8 @@ class SpeculativeDecoding(DraftAndVerify):
                 hidden = states(again, slice(None))
             committed = [tree.tokens[i] for i in path[1:]] + [int(extra)]
             sequence.extend(committed)
-            planner.learn(sequence, tree, path)
+            planner.learn(sequence, tree, path,
+                          top_probabilities(logits[rows]) if wants_confidence else None)
             stats.record_round(drafted=tree.depth if tree.num_nodes else 0, accepted=n - 1,
                                draft_seconds=t1 - t0, verify_seconds=t2 - t1)
             self.nodes_verified += len(fed) - 1

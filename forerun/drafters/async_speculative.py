@@ -92,8 +92,8 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
         #: the synchronous method's cost store (None: measured afresh)
         self.reference_store = reference_store
 
-    def run(self, prompt_ids: list[int], sampler: TokenSampler,
-            stats: GenerationStats) -> Generator[list[int], None, None]:
+    def run(self, prompt_ids: list[int], sampler: TokenSampler, stats: GenerationStats,
+            max_new_tokens: int | None = None) -> Generator[list[int], None, None]:
         target, drafter = self.target, self.drafter
         if self.reference is None:
             self.measure_reference(prompt_ids[-1])
@@ -105,7 +105,7 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
                 target.set_threads(self.target_threads)
             stats.target_threads = target.threads
             drafter.use_sampler(sampler)
-            yield from super().run(prompt_ids, sampler, stats)
+            yield from super().run(prompt_ids, sampler, stats, max_new_tokens)
         finally:
             drafter.stop()
             target.set_threads(before)

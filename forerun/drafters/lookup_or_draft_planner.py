@@ -74,6 +74,8 @@ class LookupOrDraftPlanner:
 
     needs_hidden = False
     drafts_trees = False
+    #: the model's policy learns from the target's confidence (see learn)
+    wants_confidence = True
 
     def __init__(self, model, lookup: NgramDrafter | None = None, *,
                  max_k: int = 8, name: str = "draft+lookup") -> None:
@@ -94,6 +96,7 @@ class LookupOrDraftPlanner:
         self.rounds = {"lookup": 0, "model": 0}
         self.rounds_now = 0              # rounds of this generation so far
         self._read = 0.0                 # what the model must read first, in seconds
+        self._end: int | None = None     # the sequence's most tokens (prompt and output)
 
     def needs_calibration(self) -> bool:
         return True
@@ -101,12 +104,13 @@ class LookupOrDraftPlanner:
     def calibrate(self, target: Decoder, token: int) -> None:
         self.policy.costs.calibrate(target, token)
 
-    def begin(self, prompt_ids: Sequence[int]) -> None:
+    def begin(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> None:
         self.model.begin(prompt_ids)
         self.lookup.begin(prompt_ids)
         self.source = None
         self._found = []
         self.rounds_now = 0
+        self._end = None if max_new_tokens is None else len(prompt_ids) + max_new_tokens
 
     def _rate(self, k: int, alpha: float, draft_seconds: float) -> float:
         """Expected committed tokens per second of a ``k``-token draft."""
@@ -120,8 +124,14 @@ class LookupOrDraftPlanner:
         whole = (self.model.catch_up_seconds(sequence, 1)
                  if isinstance(self.model, ReadsContext) else 0.0)
         self._read = whole / max(1, self.rounds_now)
-        return max(0, min(self.policy.choose(self.model.step_seconds(), self._read, whole),
-                          room))
+        left = None if self._end is None else self._end - len(sequence)
+        k = max(0, min(self.policy.choose(self.model.step_seconds(), self._read, whole, left),
+                       room))
+        if k and whole and left is not None:
+            # the read's share as the policy counted it (AdaptiveDraftLength.choose)
+            self._read = max(self._read, whole * expected_tokens(k, self.policy.acceptance.rate)
+                             / max(1, left))
+        return k
 
     def lookup_length(self, found: list[int], k_model: int) -> int:
         """How many of the lookup's ``found`` tokens to draft this round,
@@ -155,14 +165,17 @@ class LookupOrDraftPlanner:
         draft = self.model.propose(sequence, k_model, sampler)
         return DraftTree.chain(sequence[-1], draft.tokens, draft.probs)
 
-    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int]) -> None:
+    def learn(self, sequence: Sequence[int], tree: DraftTree, path: list[int],
+              confidence: Sequence[float] | None = None) -> None:
         accepted = len(path) - 1
         self.model.observe(sequence, accepted)
         self.lookup.observe(sequence, accepted)
-        if tree.num_nodes:
-            estimate = (self.lookup_acceptance if self.source == "lookup"
-                        else self.policy.acceptance)
-            estimate.update(tree.num_nodes, accepted)
+        if self.source == "lookup":
+            self.lookup_acceptance.update(tree.num_nodes, accepted)
+            # the model learns from the target's confidence where it did not draft
+            self.policy.learn(0, 0, confidence)
+        else:
+            self.policy.learn(tree.num_nodes, accepted, confidence)
         if self.source == "model" and self._found:
             # What the lookup's proposal would have kept of this round.
             committed = sequence[self._drafted_at:]

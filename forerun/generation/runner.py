@@ -93,7 +93,7 @@ def run_generation(method: DecodingMethod, tokenizer, prompt_ids: Sequence[int],
     sampler = TokenSampler(params.sampling, params.seed, target.device)
 
     start = time.perf_counter()
-    rounds = method.run(prompt, sampler, stats)
+    rounds = method.run(prompt, sampler, stats, params.max_new_tokens)
     try:
         for tokens in rounds:
             delta = output.add(tokens)

@@ -14,10 +14,13 @@ from forerun.decoding import draft_length
 from forerun.decoding.draft_length import (
     AcceptanceEstimate,
     AdaptiveDraftLength,
+    ChainPlanner,
     VerifyCosts,
     best_draft_length,
     expected_tokens,
 )
+from forerun.decoding.drafter import Draft
+from forerun.decoding.sampling import SamplingParams, TokenSampler
 from table_decoders import ClockedWrapper, TableDecoder, single_thread  # noqa: F401 (autouse fixture)
 
 
@@ -417,3 +420,173 @@ def test_exploring_never_starts_a_read_longer_than_a_plain_step():
     assert [short_read.choose(0.1, 0.01, 0.5) for _ in range(8)] == [0] * 7 + [1]
     # without a whole read given, the round's share is the whole read
     assert [policy().choose(0.1, 1.5) for _ in range(24)] == [0] * 24
+
+
+# -- the target's confidence as evidence ------------------------------------------
+
+def stuck_policy() -> AdaptiveDraftLength:
+    """A policy whose acceptance was learnt low on other text, on a machine
+    where verifying 4 positions costs 1.5 times what one does and a draft token
+    a tenth of that; its drafter would first read more than a plain step
+    (1.5 against 1.0), so it never explores."""
+    policy = AdaptiveDraftLength(max_k=8, explore_every=8)
+    policy.costs = costs_from({1: 1.0, 2: 1.25, 4: 1.5, 9: 3.0})
+    policy.acceptance = AcceptanceEstimate(prior=0.2, weight=20.0)
+    return policy
+
+
+def first_draft(policy: AdaptiveDraftLength, confidence, rounds: int = 40) -> int | None:
+    """The round in which ``policy`` first drafts, each plain round before
+    it teaching the target's ``confidence``; ``None``: not in ``rounds``."""
+    for i in range(rounds):
+        if policy.choose(0.1, 0.05, 1.5):
+            return i
+        policy.learn(0, 0, confidence)
+    return None
+
+
+def test_the_targets_confidence_lets_a_stale_estimate_recover_without_exploring():
+    assert first_draft(stuck_policy(), None) is None
+    assert first_draft(stuck_policy(), [0.2]) is None           # hard text: still plain
+    start = first_draft(stuck_policy(), [0.95])
+    assert start is not None and start <= 15
+    # a lookup round commits several positions at once, each one evidence
+    assert first_draft(stuck_policy(), [0.95] * 4) < start
+
+
+def test_a_weak_drafters_calibration_keeps_it_plain_on_confident_text():
+    policy = stuck_policy()
+    for _ in range(100):         # its drafts were rejected at once where the target was sure
+        policy.learn(2, 0, [0.95, 0.95, 0.95])
+    assert policy.calibration.ratio < 0.2
+    assert first_draft(policy, [0.95]) is None
+
+
+def test_a_drafted_round_counts_once_and_calibrates():
+    policy, twin = AdaptiveDraftLength(), AcceptanceEstimate()
+    ratio = policy.calibration.ratio
+    policy.learn(3, 1, [0.9, 0.9, 0.9, 0.9])
+    twin.update(3, 1)
+    assert policy.acceptance.rate == twin.rate
+    assert policy.calibration.ratio < ratio              # a hit and a miss at 0.9
+    policy.learn(0, 0, None)                             # no evidence: nothing learnt
+    assert policy.acceptance.rate == twin.rate
+
+
+class Silent:
+    """A drafter with nothing to propose (a lookup without a match)."""
+
+    name = "silent"
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, sequence, k, sampler):
+        return Draft([])
+
+    def observe(self, sequence, accepted):
+        pass
+
+    def settle(self, length):
+        pass
+
+    def step_seconds(self):
+        return 0.0
+
+
+def test_a_chain_planner_learns_from_confidence_only_in_rounds_it_did_not_ask_for():
+    planner = ChainPlanner(Silent())
+    planner.policy.costs = costs_from({1: 1.0, 2: 1.0, 9: 3.0})
+    planner.begin([1, 2])
+    greedy = TokenSampler(SamplingParams(), 0, "cpu")
+    tree = planner.draft([1, 2, 3], None, 100, greedy)
+    assert planner._asked and not tree.num_nodes           # asked, proposed nothing
+    before = planner.policy.acceptance.rate
+    planner.learn([1, 2, 3, 4], tree, [0], [0.05])
+    assert planner.policy.acceptance.rate == before
+    planner._asked = False                                  # a plain step the policy chose
+    planner.learn([1, 2, 3, 4, 5], tree, [0], [0.05])
+    assert planner.policy.acceptance.rate < before
+    assert not ChainPlanner(Silent(), k=2).wants_confidence  # a fixed length learns nothing
+
+
+# -- the tokens left pay for a read ------------------------------------------------
+
+def reading_policy() -> AdaptiveDraftLength:
+    """Verifying 2 positions costs 1.25 of one, a draft token 0.1, and the
+    drafter is right 90% of the time: drafting pays, once a read is paid."""
+    policy = AdaptiveDraftLength(max_k=8, explore_every=1000)
+    policy.costs = costs_from({1: 1.0, 2: 1.25, 4: 1.5, 9: 3.0})
+    policy.acceptance = AcceptanceEstimate(prior=0.9, weight=1e6)
+    return policy
+
+
+def test_a_read_waits_for_the_tokens_left_to_pay_it_back():
+    # a read of 20 plain steps, after 100 rounds: 0.2 a round as the rounds go
+    assert reading_policy().choose(0.1, 0.2, 20.0) > 0
+    assert reading_policy().choose(0.1, 0.2, 20.0, left=1000) > 0
+    # 30 tokens left: a few rounds of drafts would have to pay the whole read
+    assert reading_policy().choose(0.1, 0.2, 20.0, left=30) == 0
+    # nothing to read: the tokens left change nothing
+    assert reading_policy().choose(0.1, 0.0, 0.0, left=2) == reading_policy().choose(0.1)
+
+
+class Reading(Silent):
+    """A drafter that would first read ``whole`` seconds, and is always right."""
+
+    name = "reading"
+
+    def __init__(self, whole: float) -> None:
+        self.whole = whole
+
+    def propose(self, sequence, k, sampler):
+        return Draft([5] * k)
+
+    def catch_up_seconds(self, sequence, rounds):
+        return self.whole / max(1, rounds)
+
+    def step_seconds(self):
+        return 0.1
+
+
+def rounds_to_first_draft(max_new_tokens: int | None, rounds: int = 200) -> int | None:
+    planner = ChainPlanner(Reading(20.0))
+    planner.policy = reading_policy()
+    prompt = [1, 2, 3]
+    planner.begin(prompt, max_new_tokens)
+    greedy = TokenSampler(SamplingParams(), 0, "cpu")
+    sequence = prompt + [4]
+    for i in range(rounds):
+        if planner.draft(sequence, None, 100, greedy).num_nodes:
+            return i
+        sequence.append(4)
+    return None
+
+
+def test_a_chain_planner_weighs_a_read_against_the_tokens_its_generation_has_left():
+    # a read of 20 plain steps waits for the rounds so far to pay it back
+    unbounded = rounds_to_first_draft(None)
+    assert unbounded is not None and 5 <= unbounded <= 20
+    assert rounds_to_first_draft(4096) == unbounded
+    assert rounds_to_first_draft(64) is not None
+    # 48 tokens: the 39 left after 9 plain rounds take 39 plain steps, or the
+    # read and 7 rounds of 8 drafts (3.8 steps each, 6.1 tokens): 46
+    assert rounds_to_first_draft(48) is None
+
+
+def test_the_loop_tells_the_planner_how_many_tokens_its_generation_may_make():
+    from forerun.decoding.speculative import SpeculativeDecoding
+    from forerun.decoding.stats import GenerationStats
+
+    table = torch.randn(3, 11, 11, generator=torch.Generator().manual_seed(0))
+    planner = ChainPlanner(Reading(0.0))
+    method = SpeculativeDecoding(TableDecoder(table), planner=planner)
+    greedy = TokenSampler(SamplingParams(), 0, "cpu")
+    rounds = method.run([1, 2], greedy, GenerationStats(), 9)
+    next(rounds)
+    rounds.close()
+    assert planner._end == 2 + 9
+    rounds = method.run([1, 2, 3], greedy, GenerationStats())
+    next(rounds)
+    rounds.close()
+    assert planner._end is None

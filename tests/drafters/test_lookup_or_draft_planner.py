@@ -138,6 +138,32 @@ def test_a_lookup_round_does_not_change_the_models_estimate():
     assert planner.lookup_acceptance.rate < 0.5
 
 
+def test_a_lookup_round_teaches_the_model_what_the_targets_confidence_predicts():
+    model = ScriptedModel([7, 7, 7])
+    planner = planner_with_costs(model)
+    assert planner.wants_confidence
+    planner.begin(REPEATING)
+    before = planner.policy.acceptance.rate
+    tree = planner.draft(REPEATING, None, 100, GREEDY)
+    assert planner.source == "lookup"
+    planner.learn(REPEATING + [3, 4, 8], tree, [0, 1, 2], [0.99, 0.99, 0.99])
+    assert planner.policy.acceptance.rate > before           # three sure positions
+    assert planner.policy.calibration.ratio == 1.0           # the model was not checked
+    raised, lookup = planner.policy.acceptance.rate, planner.lookup_acceptance.rate
+    tree = planner.draft(REPEATING, None, 100, GREEDY)
+    planner.learn(REPEATING + [8], tree, [0], [0.01])        # unsure, and the lookup wrong
+    assert planner.policy.acceptance.rate < raised and planner.lookup_acceptance.rate < lookup
+
+
+def test_a_model_round_teaches_the_model_once_and_its_calibration():
+    planner, tree = model_round_after_failed_lookups()
+    expected = copy.deepcopy(planner.policy.acceptance)
+    expected.update(tree.depth, 1)
+    planner.learn(REPEATING + [3, 8], tree, [0, 1], [0.5, 0.5])
+    assert planner.policy.acceptance.rate == expected.rate
+    assert planner.policy.calibration.ratio != 1.0
+
+
 def test_no_room_drafts_nothing():
     planner = planner_with_costs(ScriptedModel([7, 7, 7]))
     planner.begin(REPEATING)
