@@ -329,7 +329,11 @@ class ChainPlanner:
         self.fixed_k = k
         self.policy = AdaptiveDraftLength(max_k)
         #: the target's confidence teaches an adaptive length (see learn)
-        self.wants_confidence = k is None
+        #: how often a model drafter (a draft model, an EAGLE head) agrees;
+        #: prompt lookup's hits follow repetition, not confidence, and its
+        #: free drafts explore without a read
+        self.wants_confidence = k is None and isinstance(drafter,
+                                                         (ReadsContext, ReadsTargetStates))
         self.rounds = 0      # rounds of this generation so far
         self._asked = False  # whether the drafter was asked for a draft this round
         self._end: int | None = None   # the sequence's most tokens (prompt and output)

@@ -510,6 +510,11 @@ def test_a_chain_planner_learns_from_confidence_only_in_rounds_it_did_not_ask_fo
     assert not ChainPlanner(Silent(), k=2).wants_confidence  # a fixed length learns nothing
 
 
+def test_only_a_model_drafter_asks_for_the_targets_confidence():
+    assert ChainPlanner(Reading(1.0)).wants_confidence         # a draft model reads
+    assert not ChainPlanner(Reading(1.0), k=3).wants_confidence
+    assert not ChainPlanner(Silent()).wants_confidence         # a lookup
+
 # -- the tokens left pay for a read ------------------------------------------------
 
 def reading_policy() -> AdaptiveDraftLength:
