@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from forerun.decoding.drafter import Draft
 from forerun.decoding.sampling import SamplingParams, probabilities
 from forerun.errors import CacheStateError, ContextLengthError, InvalidTokenError
 from forerun.protocol.decoder import Capabilities, EngineSettings, ForwardOutput
@@ -184,6 +185,30 @@ class TableDecoder:
     def next_logits(self, context: Sequence[int]) -> torch.Tensor:
         """The ``[V]`` logits after ``context`` (non-empty), without state."""
         return self.table[(len(context) - 1) % PERIOD, int(context[-1])].clone()
+
+
+
+class SilentDrafter:
+    """A chain drafter (:class:`~forerun.decoding.drafter.Drafter`) with
+    nothing to propose, free and stateless, as prompt lookup is without a
+    match; a test's drafter subclasses it and overrides what it needs."""
+
+    name = "silent"
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, sequence, k, sampler):
+        return Draft([])
+
+    def observe(self, sequence, accepted):
+        pass
+
+    def settle(self, length):
+        pass
+
+    def step_seconds(self):
+        return 0.0
 
 
 class CountingDecoder:

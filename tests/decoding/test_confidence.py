@@ -15,7 +15,7 @@ from forerun.decoding.drafter import Draft
 from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.decoding.stats import GenerationStats
-from table_decoders import TableDecoder, single_thread  # noqa: F401 (autouse fixture)
+from table_decoders import SilentDrafter, TableDecoder, single_thread  # noqa: F401 (autouse fixture)
 
 
 def test_top_probabilities_is_the_softmaxs_maximum():
@@ -90,25 +90,13 @@ class Recording(ChainPlanner):
         super().learn(sequence, tree, path, confidence)
 
 
-class Guessing:
+class Guessing(SilentDrafter):
     """A drafter that proposes a fixed guess, right now and then."""
 
     name = "guessing"
 
-    def begin(self, prompt_ids):
-        pass
-
     def propose(self, sequence, k, sampler):
         return Draft([(sequence[-1] * 7 + i) % 11 for i in range(k)])
-
-    def observe(self, sequence, accepted):
-        pass
-
-    def settle(self, length):
-        pass
-
-    def step_seconds(self):
-        return 0.0
 
 
 def test_the_loop_hands_the_planner_the_targets_confidence_at_each_committed_position():

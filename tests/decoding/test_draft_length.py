@@ -21,7 +21,7 @@ from forerun.decoding.draft_length import (
 )
 from forerun.decoding.drafter import Draft
 from forerun.decoding.sampling import SamplingParams, TokenSampler
-from table_decoders import ClockedWrapper, TableDecoder, single_thread  # noqa: F401 (autouse fixture)
+from table_decoders import ClockedWrapper, SilentDrafter, TableDecoder, single_thread  # noqa: F401 (autouse fixture)
 
 
 def costs_from(seconds: dict[int, float], max_positions: int = 9) -> VerifyCosts:
@@ -473,29 +473,8 @@ def test_a_drafted_round_counts_once_and_calibrates():
     assert policy.acceptance.rate == twin.rate
 
 
-class Silent:
-    """A drafter with nothing to propose (a lookup without a match)."""
-
-    name = "silent"
-
-    def begin(self, prompt_ids):
-        pass
-
-    def propose(self, sequence, k, sampler):
-        return Draft([])
-
-    def observe(self, sequence, accepted):
-        pass
-
-    def settle(self, length):
-        pass
-
-    def step_seconds(self):
-        return 0.0
-
-
 def test_a_chain_planner_learns_from_confidence_only_in_rounds_it_did_not_ask_for():
-    planner = ChainPlanner(Silent())
+    planner = ChainPlanner(SilentDrafter())
     planner.policy.costs = costs_from({1: 1.0, 2: 1.0, 9: 3.0})
     planner.begin([1, 2])
     greedy = TokenSampler(SamplingParams(), 0, "cpu")
@@ -507,13 +486,13 @@ def test_a_chain_planner_learns_from_confidence_only_in_rounds_it_did_not_ask_fo
     planner._asked = False                                  # a plain step the policy chose
     planner.learn([1, 2, 3, 4, 5], tree, [0], [0.05])
     assert planner.policy.acceptance.rate < before
-    assert not ChainPlanner(Silent(), k=2).wants_confidence  # a fixed length learns nothing
+    assert not ChainPlanner(SilentDrafter(), k=2).wants_confidence  # a fixed length learns nothing
 
 
 def test_only_a_model_drafter_asks_for_the_targets_confidence():
     assert ChainPlanner(Reading(1.0)).wants_confidence         # a draft model reads
     assert not ChainPlanner(Reading(1.0), k=3).wants_confidence
-    assert not ChainPlanner(Silent()).wants_confidence         # a lookup
+    assert not ChainPlanner(SilentDrafter()).wants_confidence         # a lookup
 
 # -- the tokens left pay for a read ------------------------------------------------
 
@@ -536,7 +515,7 @@ def test_a_read_waits_for_the_tokens_left_to_pay_it_back():
     assert reading_policy().choose(0.1, 0.0, 0.0, left=2) == reading_policy().choose(0.1)
 
 
-class Reading(Silent):
+class Reading(SilentDrafter):
     """A drafter that would first read ``whole`` seconds, and is always right."""
 
     name = "reading"

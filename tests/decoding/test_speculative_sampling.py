@@ -26,6 +26,7 @@ from forerun.drafters.draft_model import DraftModelDrafter
 from method_runs import run_method
 from quick import draws  # noqa: E402
 from table_decoders import (
+    SilentDrafter,
     TableDecoder,
     chi_square_pvalue,
     joint_distribution,
@@ -253,7 +254,7 @@ def test_broken_residual_is_detected(monkeypatch, rule):
 
 # -- deterministic drafters (probs=None) ----------------------------------------
 
-class FixedRuleDrafter:
+class FixedRuleDrafter(SilentDrafter):
     """Proposes a deterministic, context-dependent continuation: the target's
     most likely token at two positions out of three, its second most likely
     at the third (so drafts are often, but not always, accepted)."""
@@ -264,9 +265,6 @@ class FixedRuleDrafter:
         order = TARGET.argsort(dim=-1, descending=True)
         self.best = order[..., 0].tolist()             # [3][V]
         self.second = order[..., 1].tolist()
-
-    def begin(self, prompt_ids):
-        pass
 
     def propose(self, sequence, k, sampler):
         tokens: list[int] = []
@@ -279,15 +277,6 @@ class FixedRuleDrafter:
             tokens.append(token)
             last, pos = token, pos + 1
         return Draft(tokens, None)
-
-    def observe(self, sequence, accepted):
-        pass
-
-    def settle(self, length):
-        pass
-
-    def step_seconds(self):
-        return 0.0
 
 
 def test_deterministic_drafter_is_exact():
