@@ -256,6 +256,17 @@ class AdaptiveDraftLength:
             for p in confidence:
                 self.acceptance.expect(self.calibration.agreement(p))
 
+    def read_share(self, k: int, read_seconds: float, read_whole: float,
+                   left: int | None) -> float:
+        """What a round drafting ``k`` counts of a read of ``read_whole``
+        seconds (see :meth:`choose`): its share over the rounds so far,
+        ``read_seconds``, or over the rounds ``left`` tokens leave at the
+        current acceptance, whichever is larger."""
+        if not read_whole or left is None:
+            return read_seconds
+        return max(read_seconds,
+                   read_whole * expected_tokens(k, self.acceptance.rate) / max(1, left))
+
     def choose(self, draft_seconds: float, read_seconds: float = 0.0,
                read_whole: float | None = None, left: int | None = None) -> int:
         """The draft length of this round, each draft token costing
@@ -272,15 +283,11 @@ class AdaptiveDraftLength:
         that costs 44 plain steps can't be paid back in what is left of a
         128-token answer, however long the answer has lasted so far."""
         whole = read_seconds if read_whole is None else read_whole
-        alpha = self.acceptance.rate
 
         def cost(k: int) -> float:
-            share = read_seconds
-            if whole and left is not None:
-                share = max(share, whole * expected_tokens(k, alpha) / max(1, left))
-            return share + k * draft_seconds
+            return self.read_share(k, read_seconds, whole, left) + k * draft_seconds
 
-        k = best_chain_length(self.max_k, alpha, cost, self.costs, self.margin)
+        k = best_chain_length(self.max_k, self.acceptance.rate, cost, self.costs, self.margin)
         if not k and read_seconds and best_draft_length(
                 self.max_k, self.acceptance.rate, draft_seconds, self.costs, self.margin):
             # Drafting would pay but for the read, which waits until the

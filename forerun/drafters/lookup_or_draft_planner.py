@@ -127,10 +127,9 @@ class LookupOrDraftPlanner:
         left = None if self._end is None else self._end - len(sequence)
         k = max(0, min(self.policy.choose(self.model.step_seconds(), self._read, whole, left),
                        room))
-        if k and whole and left is not None:
-            # the read's share as the policy counted it (AdaptiveDraftLength.choose)
-            self._read = max(self._read, whole * expected_tokens(k, self.policy.acceptance.rate)
-                             / max(1, left))
+        if k:
+            # the read's share as the policy counted it
+            self._read = self.policy.read_share(k, self._read, whole, left)
         return k
 
     def lookup_length(self, found: list[int], k_model: int) -> int:
