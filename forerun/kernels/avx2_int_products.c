@@ -63,19 +63,21 @@
  * code with an AVX2 stand-in for the instruction, which is how a machine
  * without VNNI tests that code.
  *
- * 512-bit sums (WIDE, the AVX512-VNNI build).  The 4-bit and 6-bit passes
- * put a chunk's low-nibble values in a register's low half and its
- * high-nibble values in its high half, against the 64 activation bytes
- * they pair with (contiguous in the chunk layout), so one 512-bit vpdpbusd
- * does the work of two 256-bit ones; after the block (a 6-bit half block)
- * the two halves are added into the 8 group lanes.  Integer sums, so the
- * same ones as the 256-bit passes, and the float arithmetic after them is
- * unchanged: the results are the AVX2 build's bit for bit.  On an AMD EPYC
- * Zen 5 (2 threads, 128 positions) it ran the 4-bit products 1.45 to 1.55
- * times as fast and the 6-bit ones 1.1 times, one position as fast as
- * before; a 1.5B's prefill went from 150 to 214 tok/s.  Adding the float
- * arithmetic of two positions in one 512-bit register as well was slower
- * (it spills).
+ * 512-bit registers (WIDE: the AVX512-VNNI build).  q4_group_wide and
+ * q6_group_wide put a chunk's low-nibble values in a register's low half
+ * and its high-nibble values in its high half, against the 64 activation
+ * bytes they pair with (contiguous in the chunk layout), so one 512-bit
+ * vpdpbusd does the work of two 256-bit ones; after the block (a 6-bit
+ * half block) the two halves are added into the 8 group lanes.  The float
+ * arithmetic then runs on two weight rows at once, [row r | row r + 1] in
+ * one register (their scales are adjacent in a row group).  Integer sums
+ * are exact, and each float lane gets the same operations in the same
+ * order as in the 256-bit passes, so the results are the AVX2 build's bit
+ * for bit.  On an AMD EPYC Zen 5 (2 threads, 128 positions) the 4-bit
+ * products ran 1.7 to 1.8 times as fast as the 256-bit passes and the
+ * 6-bit ones 1.4 times; one position as fast as before, 4 and 6 positions
+ * 1.08 and 1.2 times.  Pairing two positions instead of two rows was slower
+ * (their registers spill).
  */
 
 #include <immintrin.h>
@@ -133,8 +135,6 @@
 #define FR_DPBUSD_KIND -1
 #endif
 
-/* WIDE: a 4-bit pass sums its products in 512-bit registers (the
- * AVX512-VNNI build; FR_NO_WIDE keeps them in 256-bit ones). */
 #if defined(FR_DPBUSD) && FR_DPBUSD == 512 && defined(__AVX512F__) && ROWS == 4 \
     && !defined(FR_NO_WIDE)
 #define WIDE 1
@@ -301,38 +301,6 @@ static inline __attribute__((always_inline)) void q4_group(
         const int8_t *ab = a + (size_t)g0 * GROUP;
         prefetch_ahead(qb, 128 * ROWS, PREFETCH);
         __m256i sums[ROWS][TILE];
-#if WIDE
-        /* A chunk's low nibbles in a register's low half and its high
-           nibbles in its high half, against 64 contiguous activation bytes:
-           one vpdpbusd does the work of two 256-bit ones.  The halves are
-           added after the block: exact integers, the 256-bit passes' sums,
-           so both builds' results are the same bit for bit. */
-        __m512i wide[ROWS][TILE];
-        for (int r = 0; r < ROWS; r++)
-            for (int t = 0; t < TT; t++) wide[r][t] = _mm512_setzero_si512();
-        for (int p = 0; p < 4; p++) {
-            __m512i w[ROWS];
-            for (int r = 0; r < ROWS; r++) {
-                const __m256i packed = _mm256_loadu_si256((const __m256i *)(qb + 128 * r + 32 * p));
-                w[r] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(packed),
-                                                           _mm256_srli_epi16(packed, 4), 1),
-                                        _mm512_set1_epi8(0x0F));
-            }
-            for (int t = 0; t < TT; t++) {
-                __m512i x = _mm512_loadu_si512((const void *)(ab + (size_t)t * Kp + 64 * p));
-                __asm__("" : "+v"(x));                  /* as below */
-                for (int r = 0; r < ROWS; r++) {
-                    wide[r][t] = _mm512_dpbusd_epi32(wide[r][t], w[r], x);
-                    __asm__("" : "+v"(wide[r][t]));    /* as below */
-                }
-            }
-        }
-        for (int r = 0; r < ROWS; r++)
-            for (int t = 0; t < TT; t++)
-                sums[r][t] = _mm256_add_epi32(_mm512_castsi512_si256(wide[r][t]),
-                                              _mm512_extracti64x4_epi64(wide[r][t], 1));
-        (void)nibble;
-#else
         for (int r = 0; r < ROWS; r++)
             for (int t = 0; t < TT; t++) sums[r][t] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
@@ -359,7 +327,6 @@ static inline __attribute__((always_inline)) void q4_group(
                 }
             }
         }
-#endif
         const uint16_t *sb = scale + (size_t)g0 * ROWS, *mb = min + (size_t)g0 * ROWS;
         for (int r = 0; r < ROWS; r++) {
             const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 8 * r)));
@@ -377,6 +344,82 @@ static inline __attribute__((always_inline)) void q4_group(
         for (int t = 0; t < TT; t++) y[(size_t)t * N + r] = sum_lanes(acc[r][t]);
     (void)ones;
 }
+
+#if WIDE
+/* [lo | hi] as one 512-bit register, and one half of one back. */
+static inline __m512 pair_ps(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                                               _mm256_castps_pd(hi), 1));
+}
+
+static inline __m256 half_ps(__m512 v, int upper) {
+    return upper ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
+                 : _mm512_castps512_ps256(v);
+}
+
+/* Rows r and r + 1's group sums at one position, [r | r + 1]: each 512-bit
+ * sum register's two halves added (see WIDE above). */
+static inline __m512i row_pair_sums(__m512i r0, __m512i r1) {
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(r0, r1, 0x44), _mm512_shuffle_i64x2(r0, r1, 0xEE));
+}
+
+/* q4_group in 512-bit registers, with the same results (see WIDE above). */
+static inline __attribute__((always_inline)) void q4_group_wide(
+        const uint8_t *q, const uint16_t *scale, const uint16_t *min, int ng,
+        const int8_t *a, const float *sa, const float *sasum, int Kp, int TT, int valid,
+        float *y, int N) {
+    __m512 acc[ROWS / 2][TILE];
+    for (int i = 0; i < ROWS / 2; i++)
+        for (int t = 0; t < TT; t++) acc[i][t] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int g0 = 0; g0 < ng; g0 += 8) {
+        const uint8_t *qb = q + (size_t)g0 * 16 * ROWS;          /* ROWS x 128 bytes */
+        const int8_t *ab = a + (size_t)g0 * GROUP;
+        prefetch_ahead(qb, 128 * ROWS, PREFETCH);
+        __m512i sums[ROWS][TILE];
+        for (int r = 0; r < ROWS; r++)
+            for (int t = 0; t < TT; t++) sums[r][t] = _mm512_setzero_si512();
+        for (int p = 0; p < 4; p++) {
+            __m512i w[ROWS];
+            for (int r = 0; r < ROWS; r++) {
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(qb + 128 * r + 32 * p));
+                w[r] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(packed),
+                                                           _mm256_srli_epi16(packed, 4), 1),
+                                        nibble);
+            }
+            for (int t = 0; t < TT; t++) {
+                __m512i x = _mm512_loadu_si512((const void *)(ab + (size_t)t * Kp + 64 * p));
+                __asm__("" : "+v"(x));                  /* as in q4_group */
+                for (int r = 0; r < ROWS; r++) {
+                    sums[r][t] = _mm512_dpbusd_epi32(sums[r][t], w[r], x);
+                    __asm__("" : "+v"(sums[r][t]));    /* as in q4_group */
+                }
+            }
+        }
+        /* Rows r and r + 1's 8 half-float scales and minimums are adjacent. */
+        const uint16_t *sb = scale + (size_t)g0 * ROWS, *mb = min + (size_t)g0 * ROWS;
+        __m512 sc[ROWS / 2], mn[ROWS / 2];
+        for (int i = 0; i < ROWS / 2; i++) {
+            sc[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 16 * i)));
+            mn[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mb + 16 * i)));
+        }
+        for (int t = 0; t < TT; t++) {
+            const __m256 d8 = _mm256_loadu_ps(sa + (size_t)t * ng + g0);
+            const __m256 ds8 = _mm256_loadu_ps(sasum + (size_t)t * ng + g0);
+            const __m512 d = pair_ps(d8, d8), ds = pair_ps(ds8, ds8);
+            for (int i = 0; i < ROWS / 2; i++) {
+                const __m512 dot = _mm512_cvtepi32_ps(row_pair_sums(sums[2 * i][t],
+                                                                    sums[2 * i + 1][t]));
+                acc[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(dot, d), sc[i], acc[i][t]);
+                acc[i][t] = _mm512_fmadd_ps(mn[i], ds, acc[i][t]);
+            }
+        }
+    }
+    for (int r = 0; r < valid; r++)
+        for (int t = 0; t < TT; t++)
+            y[(size_t)t * N + r] = sum_lanes(half_ps(acc[r / 2][t], r % 2));
+}
+#endif
 
 /* One row group of 8-bit weights (q: its Kp / 256 blocks of ROWS x 256
  * bytes; scale: its ROWS row scales) against TT (1..TILE) activation rows;
@@ -478,35 +521,6 @@ static inline __attribute__((always_inline)) void q6_group(
         prefetch_ahead(hb, 64 * ROWS, PREFETCH / 2);
         for (int h = 0; h < 2; h++) {          /* first halves, then second halves */
             __m256i hv[ROWS], s32[ROWS][TILE];
-#if WIDE
-            /* As in q4_group: a chunk's two halves in one 512-bit register. */
-            __m512i wide[ROWS][TILE];
-            for (int r = 0; r < ROWS; r++) {
-                hv[r] = _mm256_loadu_si256((const __m256i *)(hb + 64 * r + 32 * h));
-                for (int t = 0; t < TT; t++) wide[r][t] = _mm512_setzero_si512();
-            }
-            for (int p = 2 * h; p < 2 * h + 2; p++) {
-                __m512i w[ROWS];
-                for (int r = 0; r < ROWS; r++) {
-                    __m256i w0, w1;
-                    q6_chunks(qb + 128 * r, hv[r], p, &w0, &w1);
-                    w[r] = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
-                }
-                for (int t = 0; t < TT; t++) {
-                    __m512i x = _mm512_loadu_si512(
-                        (const void *)(a + (size_t)t * Kp + (size_t)b * BLOCK + 64 * p));
-                    __asm__("" : "+v"(x));              /* as in q4_group */
-                    for (int r = 0; r < ROWS; r++) {
-                        wide[r][t] = _mm512_dpbusd_epi32(wide[r][t], w[r], x);
-                        __asm__("" : "+v"(wide[r][t]));  /* as in q4_group */
-                    }
-                }
-            }
-            for (int r = 0; r < ROWS; r++)
-                for (int t = 0; t < TT; t++)
-                    s32[r][t] = _mm256_add_epi32(_mm512_castsi512_si256(wide[r][t]),
-                                                 _mm512_extracti64x4_epi64(wide[r][t], 1));
-#else
             for (int r = 0; r < ROWS; r++) {
                 hv[r] = _mm256_loadu_si256((const __m256i *)(hb + 64 * r + 32 * h));
                 for (int t = 0; t < TT; t++) s32[r][t] = _mm256_setzero_si256();
@@ -525,7 +539,6 @@ static inline __attribute__((always_inline)) void q6_group(
                     }
                 }
             }
-#endif
             for (int r = 0; r < ROWS; r++) {
                 const __m256 scale = _mm256_mul_ps(
                     _mm256_set1_ps(dw[(size_t)b * ROWS + r]),
@@ -546,6 +559,79 @@ static inline __attribute__((always_inline)) void q6_group(
         for (int t = 0; t < TT; t++) y[(size_t)t * N + r] = sum_lanes(acc[r][t]);
     (void)ones;
 }
+
+#if WIDE
+/* q6_group in 512-bit registers, with the same results (see WIDE above). */
+static inline __attribute__((always_inline)) void q6_group_wide(
+        const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *dw, int ng,
+        const int8_t *a, const float *sa, const int32_t *hs, int Kp, int TT, int valid,
+        float *y, int N) {
+    __m512 acc[ROWS / 2][TILE];
+    for (int i = 0; i < ROWS / 2; i++)
+        for (int t = 0; t < TT; t++) acc[i][t] = _mm512_setzero_ps();
+    for (int g0 = 0; g0 < ng; g0 += 8) {
+        const int b = g0 / 8;
+        const uint8_t *qb = ql + (size_t)b * 128 * ROWS, *hb = qh + (size_t)b * 64 * ROWS;
+        prefetch_ahead(qb, 128 * ROWS, PREFETCH);
+        prefetch_ahead(hb, 64 * ROWS, PREFETCH / 2);
+        for (int h = 0; h < 2; h++) {          /* first halves, then second halves */
+            __m256i hv[ROWS];
+            __m512i sums[ROWS][TILE];
+            for (int r = 0; r < ROWS; r++) {
+                hv[r] = _mm256_loadu_si256((const __m256i *)(hb + 64 * r + 32 * h));
+                for (int t = 0; t < TT; t++) sums[r][t] = _mm512_setzero_si512();
+            }
+            for (int p = 2 * h; p < 2 * h + 2; p++) {
+                __m512i w[ROWS];
+                for (int r = 0; r < ROWS; r++) {
+                    __m256i w0, w1;
+                    q6_chunks(qb + 128 * r, hv[r], p, &w0, &w1);
+                    w[r] = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+                }
+                for (int t = 0; t < TT; t++) {
+                    __m512i x = _mm512_loadu_si512(
+                        (const void *)(a + (size_t)t * Kp + (size_t)b * BLOCK + 64 * p));
+                    __asm__("" : "+v"(x));              /* as in q4_group */
+                    for (int r = 0; r < ROWS; r++) {
+                        sums[r][t] = _mm512_dpbusd_epi32(sums[r][t], w[r], x);
+                        __asm__("" : "+v"(sums[r][t]));  /* as in q4_group */
+                    }
+                }
+            }
+            /* [row r | row r + 1]'s scales: d times the half groups' int8s. */
+            __m512 scale[ROWS / 2];
+            for (int i = 0; i < ROWS / 2; i++) {
+                const int8_t *s0 = sc + (size_t)b * 16 * ROWS + 32 * i + 8 * h;
+                const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)s0),
+                                                        _mm_loadl_epi64((const __m128i *)(s0 + 16)));
+                scale[i] = _mm512_mul_ps(pair_ps(_mm256_set1_ps(dw[(size_t)b * ROWS + 2 * i]),
+                                                 _mm256_set1_ps(dw[(size_t)b * ROWS + 2 * i + 1])),
+                                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)));
+            }
+            for (int t = 0; t < TT; t++) {
+                const __m256i off8 = _mm256_loadu_si256(
+                    (const __m256i *)(hs + (size_t)t * 2 * ng + 2 * g0 + 8 * h));
+                const __m512i offset = _mm512_inserti64x4(_mm512_castsi256_si512(off8), off8, 1);
+                const __m256 sa8 = _mm256_loadu_ps(sa + (size_t)t * ng + g0);
+                const __m512 d = pair_ps(sa8, sa8);
+                for (int i = 0; i < ROWS / 2; i++) {
+                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                        row_pair_sums(sums[2 * i][t], sums[2 * i + 1][t]), offset));
+                    acc[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(dot, scale[i]), d, acc[i][t]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < valid; r++)
+        for (int t = 0; t < TT; t++)
+            y[(size_t)t * N + r] = sum_lanes(half_ps(acc[r / 2][t], r % 2));
+}
+#define Q4_GROUP q4_group_wide
+#define Q6_GROUP q6_group_wide
+#else
+#define Q4_GROUP q4_group
+#define Q6_GROUP q6_group
+#endif
 
 /* The row groups of output rows n0..n1 (n0 a multiple of ROWS) against every
  * activation row, in passes of at most TILE activation rows, of even sizes:
@@ -583,7 +669,7 @@ void fr_q4_matmul(const uint8_t *q, const uint16_t *scale, const uint16_t *min, 
     FOR_CHUNKS {
         const int n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
 #define Q4_CALL(n, t0, TT_, valid)                                              \
-    q4_group(q + (size_t)n * (Kp / 2), scale + (size_t)n * ng, min + (size_t)n * ng, ng, \
+    Q4_GROUP(q + (size_t)n * (Kp / 2), scale + (size_t)n * ng, min + (size_t)n * ng, ng, \
              a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, sasum + (size_t)t0 * ng, Kp, TT_, \
              valid, y + (size_t)t0 * N + n, N)
         FOR_TILES(Q4_CALL)
@@ -613,7 +699,7 @@ static void q6_matmul(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, co
     FOR_CHUNKS {
         const int n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
 #define Q6_CALL(n, t0, TT_, valid)                                              \
-    q6_group(ql + (size_t)n * (Kp / 2), qh + (size_t)n * (Kp / 4), sc + (size_t)n * (Kp / 16), \
+    Q6_GROUP(ql + (size_t)n * (Kp / 2), qh + (size_t)n * (Kp / 4), sc + (size_t)n * (Kp / 16), \
              d + (size_t)n * (Kp / BLOCK), ng, a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, \
              hs + (size_t)t0 * 2 * ng, Kp, TT_, valid, y + (size_t)t0 * N + n, N)
         FOR_TILES(Q6_CALL)
