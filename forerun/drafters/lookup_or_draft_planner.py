@@ -96,6 +96,7 @@ class LookupOrDraftPlanner:
         self.rounds = {"lookup": 0, "model": 0}
         self.rounds_now = 0              # rounds of this generation so far
         self._read = 0.0                 # what the model must read first, in seconds
+        self._start = 0                  # the prompt's tokens
         self._end: int | None = None     # the sequence's most tokens (prompt and output)
 
     def needs_calibration(self) -> bool:
@@ -110,6 +111,7 @@ class LookupOrDraftPlanner:
         self.source = None
         self._found = []
         self.rounds_now = 0
+        self._start = len(prompt_ids)
         self._end = None if max_new_tokens is None else len(prompt_ids) + max_new_tokens
 
     def _rate(self, k: int, alpha: float, draft_seconds: float) -> float:
@@ -125,11 +127,12 @@ class LookupOrDraftPlanner:
                  if isinstance(self.model, ReadsContext) else 0.0)
         self._read = whole / max(1, self.rounds_now)
         left = None if self._end is None else self._end - len(sequence)
-        k = max(0, min(self.policy.choose(self.model.step_seconds(), self._read, whole, left),
-                       room))
+        made = len(sequence) - self._start
+        k = max(0, min(self.policy.choose(self.model.step_seconds(), self._read, whole, left,
+                                          made), room))
         if k:
             # the read's share as the policy counted it
-            self._read = self.policy.read_share(k, self._read, whole, left)
+            self._read = self.policy.read_share(k, self._read, whole, left, made)
         return k
 
     def lookup_length(self, found: list[int], k_model: int) -> int:

@@ -15,6 +15,7 @@ from forerun.decoding.draft_length import (
     AcceptanceEstimate,
     AdaptiveDraftLength,
     ChainPlanner,
+    READ_HORIZON,
     VerifyCosts,
     best_draft_length,
     expected_tokens,
@@ -511,6 +512,12 @@ def test_a_read_waits_for_the_tokens_left_to_pay_it_back():
     assert reading_policy().choose(0.1, 0.2, 20.0, left=1000) > 0
     # 30 tokens left: a few rounds of drafts would have to pay the whole read
     assert reading_policy().choose(0.1, 0.2, 20.0, left=30) == 0
+    # The RAG answer of the bench: 27 tokens made, 101 left.  Spread over as
+    # many rounds again (20 / 27 a round) the read pays; over as many tokens
+    # again it does not, and the answer ended 31 tokens later.
+    assert reading_policy().choose(0.1, 20.0 / 27, 20.0, left=101) > 0
+    assert reading_policy().choose(0.1, 20.0 / 27, 20.0, left=101, made=27) == 0
+    assert reading_policy().choose(0.1, 20.0 / 270, 20.0, left=1000, made=270) > 0
     # nothing to read: the tokens left change nothing
     assert reading_policy().choose(0.1, 0.0, 0.0, left=2) == reading_policy().choose(0.1)
 
@@ -533,8 +540,9 @@ class Reading(SilentDrafter):
         return 0.1
 
 
-def rounds_to_first_draft(max_new_tokens: int | None, rounds: int = 200) -> int | None:
-    planner = ChainPlanner(Reading(20.0))
+def rounds_to_first_draft(max_new_tokens: int | None, rounds: int = 200,
+                          whole: float = 20.0) -> int | None:
+    planner = ChainPlanner(Reading(whole))
     planner.policy = reading_policy()
     prompt = [1, 2, 3]
     planner.begin(prompt, max_new_tokens)
@@ -548,14 +556,26 @@ def rounds_to_first_draft(max_new_tokens: int | None, rounds: int = 200) -> int 
 
 
 def test_a_chain_planner_weighs_a_read_against_the_tokens_its_generation_has_left():
-    # a read of 20 plain steps waits for the rounds so far to pay it back
+    # A read of 20 plain steps waits until the tokens made so far pay it
+    # back, as if the generation lasts as long again: 47 tokens (round 46),
+    # at 3 drafts a round: 20 * 3.44 / 47 = 1.46 steps of read a round, with
+    # the drafts (0.3) and a verification of 4 (1.5) 3.26 steps for 3.44
+    # tokens, 1.054 times plain (the margin is 1.05; at 46 tokens 1.044).
     unbounded = rounds_to_first_draft(None)
-    assert unbounded is not None and 5 <= unbounded <= 20
+    assert unbounded == 46
     assert rounds_to_first_draft(4096) == unbounded
-    assert rounds_to_first_draft(64) is not None
-    # 48 tokens: the 39 left after 9 plain rounds take 39 plain steps, or the
-    # read and 7 rounds of 8 drafts (3.8 steps each, 6.1 tokens): 46
+    assert rounds_to_first_draft(128) == unbounded      # 81 left after 47 made
+    # 64 tokens: never more than 32 made and 32 left at once, too few
+    assert rounds_to_first_draft(64) is None
     assert rounds_to_first_draft(48) is None
+
+
+def test_a_short_read_starts_at_once():
+    # A read of one plain step is paid back over the first READ_HORIZON
+    # tokens: 1 * 6.13 / 32 = 0.19 steps a round drafting 8
+    assert READ_HORIZON == 32
+    assert rounds_to_first_draft(128, whole=1.0) == 0
+    assert rounds_to_first_draft(None, whole=1.0) == 0
 
 
 def test_the_loop_tells_the_planner_how_many_tokens_its_generation_may_make():
