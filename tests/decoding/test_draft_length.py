@@ -12,10 +12,10 @@ import torch
 
 from forerun.decoding import draft_length
 from forerun.decoding.draft_length import (
+    READ_HORIZON,
     AcceptanceEstimate,
     AdaptiveDraftLength,
     ChainPlanner,
-    READ_HORIZON,
     VerifyCosts,
     best_draft_length,
     expected_tokens,
