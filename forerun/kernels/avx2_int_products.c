@@ -66,9 +66,10 @@
  * 512-bit registers (WIDE: the AVX512-VNNI build).  q4_group_wide and
  * q6_group_wide put a chunk's low-nibble values in a register's low half
  * and its high-nibble values in its high half, against the 64 activation
- * bytes they pair with (contiguous in the chunk layout), so one 512-bit
- * vpdpbusd does the work of two 256-bit ones; after the block (a 6-bit
- * half block) the two halves are added into the 8 group lanes.  The float
+ * bytes they pair with (contiguous in the chunk layout), and q8_group_wide
+ * two chunks of 8-bit values, so one 512-bit vpdpbusd does the work of two
+ * 256-bit ones; after the block (a 6-bit half block) the two halves are
+ * added into the 8 group lanes.  The float
  * arithmetic then runs on two weight rows at once, [row r | row r + 1] in
  * one register (their scales are adjacent in a row group).  Integer sums
  * are exact, and each float lane gets the same operations in the same
@@ -76,8 +77,8 @@
  * for bit.  On an AMD EPYC Zen 5 (2 threads, 128 positions) the 4-bit
  * products ran 1.7 to 1.8 times as fast as the 256-bit passes and the
  * 6-bit ones 1.4 times; one position as fast as before, 4 and 6 positions
- * 1.08 and 1.2 times.  Pairing two positions instead of two rows was slower
- * (their registers spill).
+ * 1.08 and 1.2 times; the 8-bit ones 1.5 times at 128 positions.  Pairing
+ * two positions instead of two rows was slower (their registers spill).
  */
 
 #include <immintrin.h>
@@ -633,6 +634,63 @@ static inline __attribute__((always_inline)) void q6_group_wide(
 #define Q6_GROUP q6_group
 #endif
 
+#if WIDE && defined(__AVX512BW__)
+/* q8_group in 512-bit registers, with the same results (see WIDE above):
+ * two chunks of a row in one register (64 contiguous bytes, against 64
+ * contiguous activation bytes), added into the 8 group lanes after the
+ * block, then two rows' float arithmetic in one register.  There is no
+ * 512-bit vpsignb: the weights' magnitudes are vpabsb's (-128 stays 128
+ * unsigned, as vpsignb leaves it) and the activations are negated where
+ * the weight is negative; where it is 0 the product is 0 either way. */
+static inline __attribute__((always_inline)) void q8_group_wide(
+        const int8_t *q, const float *scale, int ng, const int8_t *a, const float *sa, int Kp,
+        int TT, int valid, float *y, int N) {
+    __m512 acc[ROWS / 2][TILE];
+    for (int i = 0; i < ROWS / 2; i++)
+        for (int t = 0; t < TT; t++) acc[i][t] = _mm512_setzero_ps();
+    const __m512i zero = _mm512_setzero_si512();
+    for (int g0 = 0; g0 < ng; g0 += 8) {
+        const int8_t *qb = q + (size_t)g0 * GROUP * ROWS;         /* ROWS x 256 bytes */
+        const int8_t *ab = a + (size_t)g0 * GROUP;
+        prefetch_ahead(qb, 256 * ROWS, 2 * PREFETCH);
+        __m512i sums[ROWS][TILE];
+        for (int r = 0; r < ROWS; r++)
+            for (int t = 0; t < TT; t++) sums[r][t] = _mm512_setzero_si512();
+        for (int i = 0; i < 8; i += 2) {
+            __m512i wabs[ROWS];
+            __mmask64 negative[ROWS];
+            for (int r = 0; r < ROWS; r++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(qb + 256 * r + 32 * i));
+                wabs[r] = _mm512_abs_epi8(w);
+                negative[r] = _mm512_movepi8_mask(w);
+            }
+            for (int t = 0; t < TT; t++) {
+                __m512i x = _mm512_loadu_si512((const void *)(ab + (size_t)t * Kp + 32 * i));
+                __asm__("" : "+v"(x));                  /* as in q4_group */
+                for (int r = 0; r < ROWS; r++) {
+                    sums[r][t] = _mm512_dpbusd_epi32(
+                        sums[r][t], wabs[r], _mm512_mask_sub_epi8(x, negative[r], zero, x));
+                    __asm__("" : "+v"(sums[r][t]));    /* as in q4_group */
+                }
+            }
+        }
+        for (int t = 0; t < TT; t++) {
+            const __m256 d8 = _mm256_loadu_ps(sa + (size_t)t * ng + g0);
+            const __m512 d = pair_ps(d8, d8);
+            for (int i = 0; i < ROWS / 2; i++)
+                acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_pair_sums(
+                    sums[2 * i][t], sums[2 * i + 1][t])), d, acc[i][t]);
+        }
+    }
+    for (int r = 0; r < valid; r++)
+        for (int t = 0; t < TT; t++)
+            y[(size_t)t * N + r] = scale[r] * sum_lanes(half_ps(acc[r / 2][t], r % 2));
+}
+#define Q8_GROUP q8_group_wide
+#else
+#define Q8_GROUP q8_group
+#endif
+
 /* The row groups of output rows n0..n1 (n0 a multiple of ROWS) against every
  * activation row, in passes of at most TILE activation rows, of even sizes:
  * CALL(n, t0, TT, valid)
@@ -683,7 +741,7 @@ void fr_q8_matmul(const int8_t *q, const float *scale, int N, int Kp, const int8
     FOR_CHUNKS {
         const int n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
 #define Q8_CALL(n, t0, TT_, valid)                                              \
-    q8_group(q + (size_t)n * Kp, scale + n, ng, a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, \
+    Q8_GROUP(q + (size_t)n * Kp, scale + n, ng, a + (size_t)t0 * Kp, sa + (size_t)t0 * ng, \
              Kp, TT_, valid, y + (size_t)t0 * N + n, N)
         FOR_TILES(Q8_CALL)
     }

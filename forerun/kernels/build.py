@@ -59,10 +59,12 @@ LAYER_OPS_SOURCE = Path(__file__).with_name("avx2_layer_ops.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Builds whose products use vpdpbusd (see the C file's FR_DPBUSD), best
 # first: a name, the /proc/cpuinfo flags the CPU needs, the extra compiler
-# flags.  256-bit registers either way: the layouts are made for them.
+# flags.  The layouts are made for 256-bit registers; the AVX512-VNNI build
+# also runs 512-bit passes over them (the C file's WIDE).
 DOT_BUILDS = (
-    ("avx512-vnni", ("avx512_vnni", "avx512vl"),
-     ("-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256", "-DFR_DPBUSD=512")),
+    ("avx512-vnni", ("avx512_vnni", "avx512vl", "avx512bw"),
+     ("-mavx512vnni", "-mavx512vl", "-mavx512bw", "-mprefer-vector-width=256",
+      "-DFR_DPBUSD=512")),
     ("avx-vnni", ("avx_vnni",), ("-mavxvnni", "-DFR_DPBUSD=256")),
 )
 # The vpdpbusd code with an AVX2 stand-in for the instruction, in row groups

@@ -548,10 +548,12 @@ def test_the_timing_against_torch_runs(kernels):
 # -- the vpdpbusd build ---------------------------------------------------------------
 
 def test_the_dot_product_build_follows_the_cpu_flags():
-    zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni", "avx512_bf16"}
+    zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni",
+            "avx512_bf16"}
     assert build.dot_build(zen4) == ("avx512-vnni", build.DOT_BUILDS[0][2])
     assert build.dot_build({"avx2", "avx_vnni"}) == ("avx-vnni", build.DOT_BUILDS[1][2])
     assert build.dot_build({"avx2", "avx512_vnni"}) is None       # VNNI needs 512-bit VL here
+    assert build.dot_build(zen4 - {"avx512bw"}) is None           # and byte operations
     assert build.dot_build({"avx2", "fma", "f16c"}) is None
 
 
