@@ -66,10 +66,13 @@ class ReadsContext(Protocol):
         """Seconds a round drafting after ``sequence`` should count for
         reading the committed tokens the drafter has not read yet, beyond
         what a draft step reads, in a generation ``rounds`` rounds old: the
-        read spread over the rounds so far, as if the generation will last
-        as long again.  So a long read (the prompt, or the tokens of plain
-        rounds) waits until the generation has shown it may pay it back,
-        and costs at most about what waiting would have (ski rental)."""
+        read spread over the rounds so far (with ``rounds=1``, the whole
+        read).  The policy also spreads the whole read over the tokens the
+        generation has made and may still make
+        (:meth:`~forerun.decoding.draft_length.AdaptiveDraftLength.read_share`),
+        so a long read (the prompt, or the tokens of plain rounds) waits
+        until the generation has shown it may pay it back, and costs at
+        most about what waiting would have (ski rental)."""
         ...
 
 
