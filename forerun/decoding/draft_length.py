@@ -229,6 +229,7 @@ class Exploration:
 #: floor, held the 0.1 s read of a 68-token math prompt back 30 tokens.
 READ_HORIZON = 32
 
+
 class AdaptiveDraftLength:
     """Chooses k per round.  Where drafting does not pay it takes plain
     steps, exploring as :class:`Exploration` says: one token every
