@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -230,6 +231,29 @@ class Exploration:
 READ_HORIZON = 32
 
 
+@dataclass(frozen=True)
+class GenerationSpan:
+    """Where a generation stands against its prompt and its budget: its
+    sequence starts with ``start`` prompt tokens and holds at most ``end``
+    tokens (``None``: no budget known)."""
+
+    start: int = 0
+    end: int | None = None
+
+    @classmethod
+    def of(cls, prompt_ids: Sequence[int], max_new_tokens: int | None) -> GenerationSpan:
+        return cls(len(prompt_ids),
+                   None if max_new_tokens is None else len(prompt_ids) + max_new_tokens)
+
+    def made(self, sequence: Sequence[int]) -> int:
+        """The tokens the generation has made after its prompt."""
+        return len(sequence) - self.start
+
+    def left(self, sequence: Sequence[int]) -> int | None:
+        """The most tokens it may still make (``None``: not known)."""
+        return None if self.end is None else self.end - len(sequence)
+
+
 class AdaptiveDraftLength:
     """Chooses k per round.  Where drafting does not pay it takes plain
     steps, exploring as :class:`Exploration` says: one token every
@@ -278,8 +302,10 @@ class AdaptiveDraftLength:
         still to come: ``left`` where known, and, where ``made`` is known,
         no more than it has made so far (as if it lasts as long again) or
         :data:`READ_HORIZON`, whichever is more."""
-        horizon = min((n for n in (left, None if made is None else max(made, READ_HORIZON))
-                       if n is not None), default=None)
+        horizon = left
+        if made is not None:
+            again = max(made, READ_HORIZON)
+            horizon = again if horizon is None else min(horizon, again)
         if not read_whole or horizon is None:
             return read_seconds
         return max(read_seconds,
@@ -365,8 +391,7 @@ class ChainPlanner:
                                                          (ReadsContext, ReadsTargetStates))
         self.rounds = 0      # rounds of this generation so far
         self._asked = False  # whether the drafter was asked for a draft this round
-        self._start = 0                # the prompt's tokens
-        self._end: int | None = None   # the sequence's most tokens (prompt and output)
+        self._span = GenerationSpan()  # this generation's prompt and budget
 
     def needs_calibration(self) -> bool:
         return self.fixed_k is None
@@ -377,8 +402,7 @@ class ChainPlanner:
     def begin(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> None:
         self.drafter.begin(prompt_ids)
         self.rounds = 0
-        self._start = len(prompt_ids)
-        self._end = None if max_new_tokens is None else len(prompt_ids) + max_new_tokens
+        self._span = GenerationSpan.of(prompt_ids, max_new_tokens)
 
     def draft(self, sequence: Sequence[int], hidden: torch.Tensor | None, room: int,
               sampler: TokenSampler) -> DraftTree:
@@ -388,10 +412,9 @@ class ChainPlanner:
         reads = self.fixed_k is None and isinstance(self.drafter, ReadsContext)
         # the whole read (a generation one round old); a round counts its share
         whole = self.drafter.catch_up_seconds(sequence, 1) if reads else 0.0
-        left = None if self._end is None else self._end - len(sequence)
         k = self.fixed_k if self.fixed_k is not None else \
             self.policy.choose(self.drafter.step_seconds(), whole / max(1, self.rounds), whole,
-                               left, len(sequence) - self._start)
+                               self._span.left(sequence), self._span.made(sequence))
         k = max(0, min(k, room))
         self._asked = k > 0
         if not k:

@@ -51,6 +51,7 @@ from forerun.decoding.draft_length import (
     MAX_DRAFT_LENGTH,
     AcceptanceEstimate,
     AdaptiveDraftLength,
+    GenerationSpan,
     best_draft_length,
     expected_tokens,
 )
@@ -96,8 +97,7 @@ class LookupOrDraftPlanner:
         self.rounds = {"lookup": 0, "model": 0}
         self.rounds_now = 0              # rounds of this generation so far
         self._read = 0.0                 # what the model must read first, in seconds
-        self._start = 0                  # the prompt's tokens
-        self._end: int | None = None     # the sequence's most tokens (prompt and output)
+        self._span = GenerationSpan()    # this generation's prompt and budget
 
     def needs_calibration(self) -> bool:
         return True
@@ -111,8 +111,7 @@ class LookupOrDraftPlanner:
         self.source = None
         self._found = []
         self.rounds_now = 0
-        self._start = len(prompt_ids)
-        self._end = None if max_new_tokens is None else len(prompt_ids) + max_new_tokens
+        self._span = GenerationSpan.of(prompt_ids, max_new_tokens)
 
     def _rate(self, k: int, alpha: float, draft_seconds: float) -> float:
         """Expected committed tokens per second of a ``k``-token draft."""
@@ -126,8 +125,7 @@ class LookupOrDraftPlanner:
         whole = (self.model.catch_up_seconds(sequence, 1)
                  if isinstance(self.model, ReadsContext) else 0.0)
         self._read = whole / max(1, self.rounds_now)
-        left = None if self._end is None else self._end - len(sequence)
-        made = len(sequence) - self._start
+        left, made = self._span.left(sequence), self._span.made(sequence)
         k = max(0, min(self.policy.choose(self.model.step_seconds(), self._read, whole, left,
                                           made), room))
         if k:

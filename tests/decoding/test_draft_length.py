@@ -589,8 +589,8 @@ def test_the_loop_tells_the_planner_how_many_tokens_its_generation_may_make():
     rounds = method.run([1, 2], greedy, GenerationStats(), 9)
     next(rounds)
     rounds.close()
-    assert planner._end == 2 + 9
+    assert planner._span.end == 2 + 9
     rounds = method.run([1, 2, 3], greedy, GenerationStats())
     next(rounds)
     rounds.close()
-    assert planner._end is None
+    assert planner._span.end is None
