@@ -3,6 +3,7 @@ speculative, and :class:`GenerationStream` iterates a generation's text."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -10,7 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from forerun.api.engine_policy import measured_grouping, model_identity
 from forerun.decoding.sampling import SamplingParams
-from forerun.errors import ConfigError, GenerationConfigError, NonFiniteLogitsError
+from forerun.errors import (
+    ConfigError,
+    ForerunError,
+    GenerationConfigError,
+    NonFiniteLogitsError,
+)
 from forerun.generation.exclusive import GenerationLock, Holds
 from forerun.generation.params import GenerationParams
 from forerun.generation.result import GenerationResult
@@ -153,6 +159,23 @@ class Model:
         it in a ``with`` block."""
         if unknown:
             raise _unknown_arguments(unknown)
+        ids, params, speculative = self._request(
+            prompt, messages=messages, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, cancel=cancel,
+            speculative=speculative, draft=draft, draft_k=draft_k, draft_async=draft_async,
+            draft_threads=draft_threads, target_threads=target_threads,
+            draft_tree=draft_tree, tree_nodes=tree_nodes, draft_lookup=draft_lookup,
+            draft_window=draft_window)
+        method, drafts = self._method(speculative)
+        return GenerationStream(self._run(method, drafts, ids, params, cancel))
+
+    def _request(self, prompt, *, messages, prompt_ids, max_new_tokens, temperature, top_k,
+                 top_p, min_p, seed, stop, stop_token_ids, ignore_eos, cancel, speculative,
+                 draft, **options: Any
+                 ) -> tuple[list[int], GenerationParams, SpeculativeConfig]:
+        """One request's prompt ids, parameters and speculation, every value
+        checked (:meth:`stream`'s arguments)."""
         ids = self.encode_prompt(prompt, messages=messages, prompt_ids=prompt_ids)
         if isinstance(stop, str):
             stop = (stop,)
@@ -167,10 +190,6 @@ class Model:
             ignore_eos=ignore_eos)
         ids = check_request(self.decoder, ids, params, cancel)
         # (resolve checks every value itself)
-        options: dict[str, Any] = dict(
-            draft_k=draft_k, draft_async=draft_async, draft_threads=draft_threads,
-            target_threads=target_threads, draft_tree=draft_tree,
-            tree_nodes=tree_nodes, draft_lookup=draft_lookup, draft_window=draft_window)
         if speculative is None:
             speculative = resolve(draft, **options)
         elif not isinstance(speculative, SpeculativeConfig):
@@ -180,8 +199,96 @@ class Model:
         elif draft is not None or options != _NO_DRAFT_OPTIONS:
             raise GenerationConfigError("give speculative (a resolved SpeculativeConfig) or "
                                         "the draft options (draft, draft_k, ...), not both")
-        method, drafts = self._method(speculative)
-        return GenerationStream(self._run(method, drafts, ids, params, cancel))
+        return ids, params, speculative
+
+    def generate_batch(self, requests: Sequence[Any], *, parallel: int | None = None,
+                       **common: Any) -> list[GenerationResult]:
+        """Generate a completion for each of ``requests``, several at a time
+        with their forwards shared (:mod:`forerun.generation.batch`), and
+        return the results in the order of ``requests``.
+
+        Each request is a prompt string (raw text, as :meth:`generate`'s
+        ``prompt``), a chat (a list of ``{"role", "content"}`` dicts), or a
+        dict of :meth:`generate`'s keyword arguments (``prompt``,
+        ``messages`` or ``prompt_ids``, and any option for that request
+        alone).  ``common`` holds :meth:`generate`'s options for every
+        request.  Every request is checked before any runs.
+
+        Each result is what :meth:`generate` would give for that request
+        alone, token for token, greedy or sampled with a seed: a batch
+        computes each sequence as a forward of its own would (the engine's
+        exact groups, measured on this machine), whatever runs beside it.
+        ``parallel``: the most sequences decoded together (default: the
+        most positions the engine computes exactly in one forward, at most
+        the number of requests).  Plain decoding and prompt lookup
+        (``draft="ngram"``) run batched; the torch engine only."""
+        from forerun.decoding.plain import PlainDecoding
+        from forerun.decoding.speculative import SpeculativeDecoding
+        from forerun.drafters.ngram import NgramDrafter
+        from forerun.generation.batch import run_batch
+
+        if isinstance(requests, (str, bytes, dict)) or not isinstance(requests, Sequence):
+            raise GenerationConfigError(
+                f"requests must be a list of prompts, chats or dicts of generate()'s "
+                f"arguments, got {type(requests).__name__}")
+        known = inspect.signature(Model.stream).parameters
+        prepared = []
+        for n, request in enumerate(requests):
+            if isinstance(request, str):
+                request = {"prompt": request}
+            elif isinstance(request, dict):
+                request = dict(request)
+            elif isinstance(request, Sequence) and not isinstance(request, bytes):
+                request = {"messages": request}
+            else:
+                raise GenerationConfigError(
+                    f"request {n} is a {type(request).__name__}; give a prompt string, a "
+                    f"list of messages or a dict of generate()'s arguments")
+            arguments = {**common, **request}
+            unknown = {k: v for k, v in arguments.items()
+                       if k not in known or k in ("self", "unknown")}
+            if unknown:
+                raise _unknown_arguments(unknown)
+            defaults = {k: p.default for k, p in known.items()
+                        if p.kind is inspect.Parameter.KEYWORD_ONLY}
+            values = {**defaults, **arguments}
+            prompt = values.pop("prompt", None)
+            try:
+                ids, params, config = self._request(prompt, **values)
+            except ForerunError as exc:
+                exc.args = (f"request {n}: {exc}", *exc.args[1:])
+                raise
+            if config.method not in ("none", "ngram"):
+                raise GenerationConfigError(
+                    f"request {n}: generate_batch runs plain decoding and prompt lookup "
+                    f"(draft=None or 'ngram'), not draft={config.draft!r}; use generate() "
+                    f"for it")
+            prepared.append((ids, params, config, values["cancel"]))
+        if parallel is not None and (not isinstance(parallel, int) or isinstance(parallel, bool)
+                                     or parallel < 1):
+            raise GenerationConfigError(f"parallel must be a positive integer, got "
+                                        f"{parallel!r}")
+        if not prepared:
+            return []
+
+        def job(ids: list[int], params: GenerationParams, config: SpeculativeConfig, cancel):
+            def run(decoder) -> GenerationResult:
+                method: Any = (PlainDecoding(decoder) if config.method == "none" else
+                               SpeculativeDecoding(decoder, NgramDrafter(), k=config.length))
+                gen = run_generation(method, self.tokenizer, ids, params,
+                                     eos_token_ids=self.eos_token_ids, cancel=cancel)
+                while True:
+                    try:
+                        next(gen)
+                    except StopIteration as stop:
+                        return stop.value
+            return run
+
+        with Holds([self._lock]):
+            self.verification_grouping()
+            if parallel is None:
+                parallel = min(len(prepared), self.decoder.verify_group or 1)
+            return run_batch(self.decoder, [job(*p) for p in prepared], parallel)
 
     def _run(self, method, drafts: list[Model], ids: list[int], params: GenerationParams,
              cancel):
@@ -356,7 +463,6 @@ def _unknown_arguments(unknown: dict[str, Any]) -> GenerationConfigError:
     """The error for keyword arguments :meth:`Model.stream` does not take,
     naming the nearest it does."""
     import difflib
-    import inspect
 
     known = [name for name, p in inspect.signature(Model.stream).parameters.items()
              if p.kind is inspect.Parameter.KEYWORD_ONLY]

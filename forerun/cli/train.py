@@ -98,6 +98,10 @@ def _add_data_parser(tsub) -> None:
                       help="a system message that steers the queries (repeatable; taken in "
                            "turn), e.g. 'You are an assistant that translates texts between "
                            "languages.'; the answers are asked without it")
+    data.add_argument("--parallel", type=int, default=1, metavar="N",
+                      help="generate N conversations at a time, their forwards shared (the "
+                           "torch engine; the same records as one at a time, for the same "
+                           "seed; default 1)")
     data.add_argument("--checkpoint-seconds", type=float, default=30.0,
                       help="flush the records made so far at least this often (default 30)")
     data.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
@@ -188,7 +192,7 @@ def cmd_data(args: argparse.Namespace) -> int:
                           answer_speculative=answers, max_tokens=max_tokens,
                           max_seconds=args.max_seconds,
                           checkpoint_seconds=args.checkpoint_seconds, stop=stop,
-                          progress=not args.quiet)
+                          progress=not args.quiet, parallel=args.parallel)
     try:
         with _stop_on_signals(stop, caught):
             report = builder.run()
@@ -209,6 +213,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ForerunError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
     if args.max_seconds is not None and not args.max_seconds > 0:
         raise ForerunError(f"--max-seconds must be above 0, got {args.max_seconds}")
+    if args.parallel < 1:
+        raise ForerunError(f"--parallel must be a positive integer, got {args.parallel}")
     if not args.checkpoint_seconds >= 0:
         raise ForerunError(f"--checkpoint-seconds must be 0 or more, got "
                            f"{args.checkpoint_seconds}")

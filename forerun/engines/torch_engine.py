@@ -13,7 +13,13 @@ from forerun.engines.kernel_choice import product_kernels
 from forerun.engines.linear import Linear
 from forerun.engines.prefill_kernel import GEMM_ROWS
 from forerun.engines.transformer import Transformer
-from forerun.errors import CacheStateError, ConfigError, ContextLengthError, InvalidTokenError
+from forerun.errors import (
+    CacheStateError,
+    ConfigError,
+    ContextLengthError,
+    InvalidTokenError,
+    UnsupportedOperationError,
+)
 from forerun.protocol.decoder import Capabilities, EngineSettings, ForwardOutput
 from forerun.protocol.kv_cache import KVCache
 
@@ -46,7 +52,7 @@ class TorchDecoder(EngineDecoder):
     engine = "torch"
     capabilities = Capabilities(hidden_states=True, tree_masks=True, slot_compaction=True,
                                 output_layer=True, fork=True, output_vocabulary=True,
-                                layer_states=True)
+                                layer_states=True, batch=True)
     # A verification attends for each position on its own, through the very
     # call a one-position forward makes (Transformer.forward's ``rowwise``),
     # so a group differs from one-by-one forwards only in its matrix
@@ -223,6 +229,54 @@ class TorchDecoder(EngineDecoder):
         return ForwardOutput(joined(logits_parts),
                              joined(hidden_parts) if return_hidden else None,
                              joined(state_parts) if capture else None)
+
+    def feed_batch(self, feeds: Sequence[tuple[TorchDecoder, Sequence[int] | torch.Tensor]]
+                   ) -> list[ForwardOutput]:
+        """Feed several sequences (this decoder and its forks) in shared
+        forwards; see ``batch`` in :class:`~forerun.protocol.decoder.Capabilities`.
+        Every feed is checked before any runs: on an error nothing changes.
+        Forwards hold at most :attr:`verify_group` positions in all (a
+        sequence's tokens may straddle two of them, in order)."""
+        decoders = [d for d, _ in feeds]
+        for d in decoders:
+            if not isinstance(d, TorchDecoder) or d.model is not self.model:
+                raise ConfigError("feed_batch feeds only this decoder and its forks (decoders "
+                                  "over the same loaded weights)")
+            if d._head is not None:
+                raise UnsupportedOperationError("a decoder with a restricted output vocabulary "
+                                                "can't share a batch's forward; feed it alone")
+        if len({id(d) for d in decoders}) != len(decoders):
+            raise CacheStateError("feed_batch got one decoder twice: feed its tokens together")
+        ids = [d._tokens(tokens) for d, tokens in feeds]
+        total = sum(i.numel() for i in ids)
+        group = self.verify_group or total
+        # Forwards of at most ``group`` rows, filled in feed order:
+        # (decoder index, first token, last token + 1) per part.
+        forwards: list[list[tuple[int, int, int]]] = [[]]
+        room = group
+        for n, seq in enumerate(ids):
+            a = 0
+            while a < seq.numel():
+                if room == 0:
+                    forwards.append([])
+                    room = group
+                b = min(seq.numel(), a + room)
+                forwards[-1].append((n, a, b))
+                room -= b - a
+                a = b
+        logits: list[list[torch.Tensor]] = [[] for _ in feeds]
+        for parts in forwards:
+            tokens = torch.cat([ids[n][a:b] for n, a, b in parts])
+            positions = torch.cat([torch.arange(decoders[n].length, decoders[n].length + b - a,
+                                                device=self.device) for n, a, b in parts])
+            out, _ = self.model.forward_batch(tokens, positions,
+                                              [(decoders[n].cache, b - a) for n, a, b in parts])
+            row = 0
+            for n, a, b in parts:
+                logits[n].append(out[row:row + b - a])
+                row += b - a
+        return [ForwardOutput(rows[0] if len(rows) == 1 else torch.cat(rows))
+                for rows in logits]
 
     def forward(self, tokens: Sequence[int] | torch.Tensor,
                 positions: Sequence[int] | torch.Tensor, attention_mask: torch.Tensor,

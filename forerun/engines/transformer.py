@@ -411,6 +411,42 @@ class Transformer:
         each), in the order of ``capture``: the target's states an EAGLE
         head reads.
         """
+        span = Span(cache, 0, tokens.shape[0], mask)
+        return self._run(tokens, positions, [span], logits_rows=logits_rows,
+                         rowwise=rowwise, head=head, states=states, capture=capture)
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: torch.Tensor, positions: torch.Tensor,
+                      parts: Sequence[tuple[KVCache, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several sequences in one forward: ``parts`` lists ``(cache,
+        count)`` in row order, the next ``count`` rows of ``tokens`` and
+        ``positions`` being that sequence's, appended causally to its own
+        ``cache``.  Every row is computed as a rowwise :meth:`forward`
+        computes it (the matrix products run on all rows at once, attention
+        for each row over its own sequence's slots), so a row's logits
+        depend on the rows beside it only as far as the matrix products'
+        do: a batch of ``R`` rows is as exact as a verification group of
+        ``R`` positions (:mod:`forerun.protocol.grouping_probe`).  Returns
+        every row's logits and hidden states."""
+        spans, row = [], 0
+        for cache, count in parts:
+            spans.append(Span(cache, row, row + count, None))
+            row += count
+        if row != tokens.shape[0] or any(s.end <= s.begin for s in spans):
+            raise ConfigError(f"a batch's parts must cover its {tokens.shape[0]} rows with "
+                              f"at least one row each, got counts "
+                              f"{[count for _, count in parts]}")
+        if len({id(s.cache) for s in spans}) != len(spans):
+            raise ConfigError("each sequence of a batch needs a cache of its own")
+        return self._run(tokens, positions, spans, rowwise=True)
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, spans: list[Span], *,
+             logits_rows: slice | None = None, rowwise: bool = False,
+             head: tuple[torch.Tensor, Linear] | None = None,
+             states: list[torch.Tensor] | None = None, capture: Sequence[int] = ()
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of :meth:`forward` and :meth:`forward_batch`: rows of
+        one or several sequences, each :class:`Span` appended to its cache."""
         c = self.config
         t = tokens.shape[0]
         if capture:
@@ -419,8 +455,9 @@ class Transformer:
                                   f"list to hold them; got {list(capture)}")
             taken: dict[int, torch.Tensor] = {}
             want = set(capture)
-        start = cache.length
-        cache.check_room(t)
+        for span in spans:
+            span.cache.check_room(span.end - span.begin)
+            span.start = span.cache.length
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         x = self.embed(tokens).to(self.dtype)
         ops = self.layer_ops
@@ -428,23 +465,28 @@ class Transformer:
         padded = not native_ops and self.padded_rows is not None and t <= self.padded_rows
         if native_ops and ops is not None:
             # Every position on its own, as a one-position forward computes it.
-            rows = None if mask is None else mask.to(torch.uint8).contiguous()
+            masks = [None if s.mask is None else s.mask.to(torch.uint8).contiguous()
+                     for s in spans]
             cos, sin = cos.contiguous(), sin.contiguous()
             for n, layer in enumerate(self.layers):
                 if capture and n in want:
                     taken[n] = x
                 qkv = layer.qkv(ops.rms_norm(x, layer.attn_norm, c.rms_norm_eps))
-                attn = ops.attention(qkv, cos, sin, cache.keys[n], cache.values[n], start,
-                                     rows, c.num_heads)
+                parts = [ops.attention(qkv[s.begin:s.end], cos[s.begin:s.end],
+                                       sin[s.begin:s.end], s.cache.keys[n], s.cache.values[n],
+                                       s.start, rows, c.num_heads)
+                         for s, rows in zip(spans, masks)]
+                attn = parts[0] if len(parts) == 1 else torch.cat(parts)
                 x = x + layer.o(attn)
                 h = ops.rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
                 x = x + layer.down(ops.silu_mul(layer.gate_up(h)))
         else:
             if padded and self.padded_rows is not None:
                 x = F.pad(x, (0, 0, 0, self.padded_rows - t))
-            x = self._layers_in_torch(x, t, cos, sin, cache, start, mask, rowwise,
+            x = self._layers_in_torch(x, t, cos, sin, spans, rowwise,
                                       taken if capture else None)
-        cache.advance(t)
+        for span in spans:
+            span.cache.advance(span.end - span.begin)
         if capture:
             taken[c.num_layers] = x
             assert states is not None   # checked above
@@ -468,27 +510,33 @@ class Transformer:
         return logits, hidden
 
     def _layers_in_torch(self, x: torch.Tensor, t: int, cos: torch.Tensor, sin: torch.Tensor,
-                         cache: KVCache, start: int, mask: torch.Tensor | None,
-                         rowwise: bool, taken: dict[int, torch.Tensor] | None = None
-                         ) -> torch.Tensor:
+                         spans: list[Span], rowwise: bool,
+                         taken: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """The decoder blocks in torch's operators (any device and dtype).
         ``x``: the ``t`` fed positions' rows, then any zero rows they are
         padded with (:data:`PADDED_ROWS`), which every row-wise operation
-        runs with and attention leaves out.  ``taken``: where to put each
-        layer's input, by layer index."""
+        runs with and attention leaves out.  ``spans``: whose cache each
+        row's keys and values go to.  ``taken``: where to put each layer's
+        input, by layer index."""
         c, rows = self.config, x.shape[0]
-        end = start + t
-        visible: list[torch.Tensor | int] | None = None
-        if rowwise and (t > 1 or mask is not None):
-            # Per row: the end of a causal prefix, or the slots a mask allows
-            # (gathered even for one row: attention over a span with masked
-            # holes sums in another order than over the same slots side by
-            # side, which is how plain decoding of the branch saw them).
-            visible = ([start + i + 1 for i in range(t)] if mask is None else
-                       [torch.nonzero(mask[i]).reshape(-1) for i in range(t)])
-        elif mask is None and t > 1:
-            mask = causal_mask(start, t, self.device)
-        attn_mask = None if mask is None else mask[None, None]
+        # Per span: None (one attention call over its rows, causal or by its
+        # mask), or per row the end of a causal prefix or the slots a mask
+        # allows (gathered even for one row: attention over a span with
+        # masked holes sums in another order than over the same slots side
+        # by side, which is how plain decoding of the branch saw them).
+        visible: list[list[torch.Tensor | int] | None] = []
+        attn_masks: list[torch.Tensor | None] = []
+        for s in spans:
+            n_rows, mask = s.end - s.begin, s.mask
+            if rowwise and (n_rows > 1 or mask is not None):
+                visible.append([s.start + i + 1 for i in range(n_rows)] if mask is None else
+                               [torch.nonzero(mask[i]).reshape(-1) for i in range(n_rows)])
+                attn_masks.append(None)
+                continue
+            if mask is None and n_rows > 1:
+                mask = causal_mask(s.start, n_rows, self.device)
+            visible.append(None)
+            attn_masks.append(None if mask is None else mask[None, None])
         for n, layer in enumerate(self.layers):
             if taken is not None:
                 taken[n] = x
@@ -500,15 +548,19 @@ class Transformer:
             v = v.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
-            cache.write(n, start, k, v)
-            keys, values = cache.layer(n, end)
-            if visible is None:
-                attn = F.scaled_dot_product_attention(
-                    q[None], keys[None], values[None], attn_mask=attn_mask,
-                    enable_gqa=c.num_heads != c.num_kv_heads)
-            else:
-                attn = torch.cat([self._attend_one(q[:, i:i + 1], keys, values, seen)
-                                  for i, seen in enumerate(visible)], dim=2)
+            parts = []
+            for s, seen_by_row, attn_mask in zip(spans, visible, attn_masks):
+                a, b = s.begin, s.end
+                s.cache.write(n, s.start, k[:, a:b], v[:, a:b])
+                keys, values = s.cache.layer(n, s.start + b - a)
+                if seen_by_row is None:
+                    parts.append(F.scaled_dot_product_attention(
+                        q[None, :, a:b], keys[None], values[None], attn_mask=attn_mask,
+                        enable_gqa=c.num_heads != c.num_kv_heads))
+                else:
+                    parts.extend(self._attend_one(q[:, i:i + 1], keys, values, seen)
+                                 for i, seen in enumerate(seen_by_row, start=a))
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
             attn = attn[0].transpose(0, 1).reshape(t, self.q_size)
             if rows > t:
                 attn = F.pad(attn, (0, 0, 0, rows - t))
@@ -517,6 +569,20 @@ class Transformer:
             gate, up = layer.gate_up(h).to(self.dtype).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up).to(self.dtype)
         return x
+
+
+@dataclass
+class Span:
+    """Rows ``begin .. end - 1`` of a forward: one sequence's positions,
+    appended to its ``cache`` from slot ``start`` (set when the forward
+    runs: the cache's length then), attending by ``mask`` (bool ``[rows,
+    start + rows]``) or causally (``None``)."""
+
+    cache: KVCache
+    begin: int
+    end: int
+    mask: torch.Tensor | None
+    start: int = 0
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gqa: bool

@@ -55,6 +55,14 @@ class Capabilities:
     :attr:`ForwardOutput.layers`), and ``embed_tokens(ids)`` gives the
     model's input embeddings ``[T, hidden]``: what an EAGLE head drafts
     from (:mod:`forerun.drafters.eagle`).
+    ``batch``: ``feed_batch(feeds)`` feeds several sequences in shared
+    forwards: ``feeds`` lists ``(decoder, tokens)`` pairs, each decoder this
+    one or a ``fork()`` of it (one model's weights), each at most once, and
+    returns, in that order, what each ``decoder.feed(tokens)`` alone would
+    return (every position's logits), bit for bit: the forwards hold at
+    most :attr:`Decoder.verify_group` positions in all, so a sequence's
+    output never depends on the others beside it
+    (:mod:`forerun.generation.batch`).
     """
 
     hidden_states: bool = False
@@ -64,6 +72,7 @@ class Capabilities:
     fork: bool = False
     output_vocabulary: bool = False
     layer_states: bool = False
+    batch: bool = False
 
 
 class OutputLayer(Protocol):

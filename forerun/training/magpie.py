@@ -257,6 +257,8 @@ class ChatModel(Protocol):
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Any: ...
 
+    def generate_batch(self, requests: Sequence[Any], **kwargs: Any) -> list[Any]: ...
+
     def encode_prompt(self, prompt: str | None = None, *, messages: Any = None,
                       prompt_ids: Any = None) -> list[int]: ...
 
@@ -384,17 +386,28 @@ class Magpie:
     def query(self, seed: int, index: int = 0) -> Outcome:
         """A user request sampled after the Magpie prefix (of item
         ``index``'s topic, where there are topics)."""
+        start = time.perf_counter()
+        r = self.model.generate(**self._query_request(seed, index), cancel=self.cancel)
+        return self._query_outcome(r, time.perf_counter() - start)
+
+    def queries(self, items: Sequence[tuple[int, int]]) -> list[Outcome]:
+        """:meth:`query` of each ``(seed, index)``, generated together
+        (``Model.generate_batch``: each the same as alone)."""
+        results, seconds = self._batch([self._query_request(seed, index)
+                                        for seed, index in items])
+        return [self._query_outcome(r, seconds) for r in results]
+
+    def _query_request(self, seed: int, index: int) -> dict[str, Any]:
         s = self.settings
         prefix = (self.topic_prefixes[index % len(self.topic_prefixes)]
                   if self.topic_prefixes else self.prefix)
-        start = time.perf_counter()
-        r = self.model.generate(
-            prompt_ids=list(prefix.ids), max_new_tokens=s.max_query_tokens,
-            temperature=s.query_temperature, top_p=s.query_top_p, seed=seed,
-            stop=list(prefix.stop), stop_token_ids=list(prefix.stop_token_ids),
-            speculative=PLAIN, cancel=self.cancel)
-        out = Outcome(text=r.text.strip(), tokens=list(r.tokens),
-                      seconds=time.perf_counter() - start)
+        return dict(prompt_ids=list(prefix.ids), max_new_tokens=s.max_query_tokens,
+                    temperature=s.query_temperature, top_p=s.query_top_p, seed=seed,
+                    stop=list(prefix.stop), stop_token_ids=list(prefix.stop_token_ids),
+                    speculative=PLAIN)
+
+    def _query_outcome(self, r: Any, seconds: float) -> Outcome:
+        out = Outcome(text=r.text.strip(), tokens=list(r.tokens), seconds=seconds)
         if r.finish_reason == "cancelled":
             raise Stopped
         if r.finish_reason != "stop":
@@ -406,6 +419,13 @@ class Magpie:
         elif degenerate(out.tokens):
             out.dropped = "degenerate"
         return out
+
+    def _batch(self, requests: list[dict[str, Any]]) -> tuple[list[Any], float]:
+        """``requests`` generated together; the results and each one's share
+        of the wall time."""
+        start = time.perf_counter()
+        results = self.model.generate_batch(requests, cancel=self.cancel)
+        return results, (time.perf_counter() - start) / max(1, len(requests))
 
     def prompt(self, query: str) -> list[int] | None:
         """The tokens of ``query`` in the chat template, as the target reads
@@ -419,14 +439,33 @@ class Magpie:
         """The target's answer to ``prompt`` (:meth:`prompt`): its tokens,
         the end-of-turn token included where it ended by then (``cut``:
         it did not, and ``keep_cut_answers`` keeps it)."""
-        s = self.settings
         start = time.perf_counter()
-        r = self.model.generate(
-            prompt_ids=prompt, max_new_tokens=s.max_answer_tokens,
-            temperature=s.answer_temperature, seed=seed,
-            speculative=self.answer_speculative, cancel=self.cancel)
+        r = self.model.generate(**self._answer_request(prompt, seed), cancel=self.cancel)
+        return self._answer_outcome(r, prompt, time.perf_counter() - start)
+
+    def answers(self, items: Sequence[tuple[list[int], int]]) -> list[Outcome]:
+        """:meth:`answer` of each ``(prompt, seed)``, generated together.
+        Greedy answers with a draft model are generated plainly: the same
+        tokens (``Model.generate_batch`` batches plain decoding and prompt
+        lookup)."""
+        results, seconds = self._batch([self._answer_request(prompt, seed, batched=True)
+                                        for prompt, seed in items])
+        return [self._answer_outcome(r, prompt, seconds)
+                for r, (prompt, _) in zip(results, items)]
+
+    def _answer_request(self, prompt: list[int], seed: int, batched: bool = False
+                        ) -> dict[str, Any]:
+        s = self.settings
+        speculative = self.answer_speculative
+        if batched and speculative.method not in ("none", "ngram"):
+            speculative = PLAIN
+        return dict(prompt_ids=prompt, max_new_tokens=s.max_answer_tokens,
+                    temperature=s.answer_temperature, seed=seed, speculative=speculative)
+
+    def _answer_outcome(self, r: Any, prompt: list[int], seconds: float) -> Outcome:
+        s = self.settings
         out = Outcome(text=r.text.strip(), tokens=list(r.tokens), prompt=prompt,
-                      seconds=time.perf_counter() - start)
+                      seconds=seconds)
         if r.finish_reason == "cancelled":
             raise Stopped
         out.cut = r.finish_reason == "length" and s.keep_cut_answers
@@ -514,11 +553,17 @@ class DataBuilder:
                  answer_speculative: SpeculativeConfig = PLAIN, max_tokens: int,
                  max_seconds: float | None = None, checkpoint_seconds: float = 30.0,
                  stop: threading.Event | None = None, progress: bool = False,
-                 give_up_after: int = 200) -> None:
+                 give_up_after: int = 200, parallel: int = 1) -> None:
         if max_tokens < 1:
             raise ConfigError(f"--max-tokens must be a positive integer, got {max_tokens}")
         if max_seconds is not None and not max_seconds > 0:
             raise ConfigError(f"--max-seconds must be above 0, got {max_seconds}")
+        if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
+            raise ConfigError(f"--parallel must be a positive integer, got {parallel!r}")
+        self.parallel = parallel
+        # Items made ahead by a batch (parallel > 1), by index: the query,
+        # and the answer where the query may be kept.
+        self._ready: dict[int, tuple[Outcome, Outcome | None]] = {}
         self.model = model
         self.writer = writer
         self.settings = settings
@@ -642,7 +687,9 @@ class DataBuilder:
         leaves nothing changed)."""
         index = self.state["next_item"]
         seed = item_seed(self.settings.seed, index)
-        q = self.magpie.query(seed, index)
+        if self.parallel > 1 and index not in self._ready:
+            self._make_ahead(index)
+        q, answer = self._ready.pop(index, None) or (self.magpie.query(seed, index), None)
         report.query_seconds += q.seconds
         report.query_tokens += len(q.tokens)
         reason = q.dropped
@@ -653,7 +700,9 @@ class DataBuilder:
         prompt = self.magpie.prompt(q.text) if reason is None else None
         if reason is None and prompt is None:
             reason = "too_long"      # no room left in the context for an answer
-        a = self.magpie.answer(prompt, seed) if prompt is not None and reason is None else None
+        a = None
+        if prompt is not None and reason is None:
+            a = answer if answer is not None else self.magpie.answer(prompt, seed)
         if a is not None:
             report.answer_seconds += a.seconds
             report.answer_tokens += len(a.tokens)
@@ -690,6 +739,31 @@ class DataBuilder:
                 f"{_drops(self.counters['answers'])}, over the whole run): {self.model.name} "
                 f"does not make usable Magpie data with these settings (an instruct model "
                 f"is needed; --max-query-tokens and --max-answer-tokens bound the lengths)")
+
+    def _make_ahead(self, first: int) -> None:
+        """Make items ``first .. first + parallel - 1`` together: their
+        queries in one batch, then the answers of those a run could keep
+        in another.  Which are kept is decided item by item, in order, by
+        :meth:`_conversation_step`, exactly as in a run of one item at a
+        time: a query that duplicates a record kept before the batch can't
+        be kept, and every other one is answered (kept records only grow,
+        so a query new now may turn out a duplicate of an earlier item of
+        the batch, never the other way round)."""
+        magpie = self.magpie
+        items = [(item_seed(self.settings.seed, i), i)
+                 for i in range(first, first + self.parallel)]
+        queries = magpie.queries(items)
+        prompts: dict[int, list[int]] = {}
+        for (_, index), q in zip(items, queries):
+            if (q.dropped is None and not self.bench.overlaps(q.text, query=True)
+                    and self.dedup.check(q.text) is None):
+                prompt = magpie.prompt(q.text)
+                if prompt is not None:
+                    prompts[index] = prompt
+        answered = dict(zip(prompts, magpie.answers(
+            [(prompt, item_seed(self.settings.seed, index))
+             for index, prompt in prompts.items()])))
+        self._ready = {index: (q, answered.get(index)) for (_, index), q in zip(items, queries)}
 
     # -- text ------------------------------------------------------------------
 

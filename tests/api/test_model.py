@@ -168,6 +168,14 @@ def test_valid_calls_succeed(models, kwargs, streamed):
     tokens of the vocabulary; a greedy one, whatever its drafter, the same
     tokens as plain decoding."""
     target, draft = models
+    asked = kwargs.get("target_threads")
+    if (asked is not None and asked != target.decoder.threads
+            and target.measured_grouping(asked).exact_group == 0):
+        # This machine's kernels round differently on that count (torch's
+        # float32 products on a Xeon): refused, as Model.generate documents.
+        with pytest.raises(ConfigError, match="target_threads"):
+            call(target, draft, kwargs, streamed)
+        return
     result = call(target, draft, kwargs, streamed)
     assert isinstance(result, GenerationResult)
     assert 1 <= len(result.tokens) <= kwargs["max_new_tokens"]

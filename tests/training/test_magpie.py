@@ -287,14 +287,21 @@ class StopAt:
         return self.model.encode_prompt(*args, **kwargs)
 
     def generate(self, *args, **kwargs):
+        self._count()
+        return self.model.generate(*args, **kwargs)
+
+    def generate_batch(self, *args, **kwargs):
+        self._count()
+        return self.model.generate_batch(*args, **kwargs)
+
+    def _count(self) -> None:
         self.calls += 1
         if self.calls == self.n:
             self.stop.set()
-        return self.model.generate(*args, **kwargs)
 
 
 def build(model, out: Path, corpus: Path, *, max_tokens: int, stop_at: int | None = None,
-          resume: bool = False, checkpoint_seconds: float = 0.0):
+          resume: bool = False, checkpoint_seconds: float = 0.0, parallel: int = 1):
     from forerun.training.text_files import corpus_files
 
     fp = model.tokenizer.fingerprint()
@@ -310,7 +317,7 @@ def build(model, out: Path, corpus: Path, *, max_tokens: int, stop_at: int | Non
     builder = DataBuilder(runner, writer, SETTINGS, files=corpus_files([corpus]),
                           bench=BenchOverlap([BENCH_SENTENCE]),
                           max_tokens=max_tokens, stop=stop,
-                          checkpoint_seconds=checkpoint_seconds)
+                          checkpoint_seconds=checkpoint_seconds, parallel=parallel)
     return builder.run()
 
 
@@ -363,6 +370,26 @@ def test_a_run_stopped_twice_and_resumed_makes_the_records_of_one_that_never_sto
     # nothing but the manifest and the shards it names is left
     names = {p.name for p in out.iterdir()}
     assert names == {"manifest.json"} | {f for f, _ in shards}
+
+
+def test_conversations_made_in_parallel_are_the_records_of_one_at_a_time(
+        chat_model, corpus, tmp_path):
+    """Queries and answers generated several at a time, with a stop and a
+    resume at another width between: the manifest of a run of one item at a
+    time, record for record, counters and shards too."""
+    build(chat_model, tmp_path / "one", corpus, max_tokens=2500)
+    whole = contents(tmp_path / "one")
+    build(chat_model, tmp_path / "eight", corpus, max_tokens=2500, parallel=8)
+    assert contents(tmp_path / "eight") == whole
+    out = tmp_path / "stopped"
+    assert build(chat_model, out, corpus, max_tokens=2500, stop_at=3,
+                 parallel=4).stopped == "signal"
+    assert 0 < len(contents(out)[0]) < len(whole[0])
+    assert build(chat_model, out, corpus, max_tokens=2500, resume=True,
+                 parallel=3).stopped == "budget"
+    assert contents(out) == whole
+    with pytest.raises(ConfigError, match="--parallel"):
+        build(chat_model, tmp_path / "zero", corpus, max_tokens=10, parallel=0)
 
 
 def test_an_answer_cut_at_the_longest_is_kept_unless_asked_to_drop_it(chat_model):

@@ -1,0 +1,326 @@
+"""Several generations at once on one model, their forwards shared.
+
+Each generation runs its ordinary decoding method, unchanged, on a thread of
+its own, over a :class:`BatchedDecoder`: a fork of the model's decoder
+whose feeds don't compute but wait.  The *engine thread* (the one that
+calls :meth:`SharedForwards.step`) waits until every running generation is
+waiting, then computes them all: the feeds that return every position's
+logits (decoding steps, verifications) in one
+``feed_batch`` (``batch`` in
+:class:`~forerun.protocol.decoder.Capabilities`), anything else (a
+prompt's prefill blocks, tree forwards) alone, exactly as a generation on
+its own would run it.  A generation joins between two steps (its prefill
+blocks run among the others' steps) and leaves when it ends.
+
+``feed_batch`` gives each sequence what its feed alone would give, bit for
+bit (its forwards hold no more positions than the engine computes
+exactly: the grouping probe's measure), so a generation's output never
+depends on what runs beside it, greedy or sampled.  The threads do only a
+generation's light work (sampling, drafting by lookup, stop strings); every
+forward runs on the engine thread, on its thread count.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import torch
+
+from forerun.errors import ConfigError, UnsupportedOperationError
+from forerun.protocol.decoder import Capabilities, Decoder, EngineSettings, ForwardOutput
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class _Request:
+    """One waiting call of a member's decoder: a shared feed of ``tokens``,
+    or (``call`` set) anything else, run alone."""
+
+    decoder: Any
+    tokens: Sequence[int] | None = None
+    call: Callable[[], Any] | None = None
+    result: Any = None
+    error: BaseException | None = None
+    done: bool = field(default=False)
+
+
+class SharedForwards:
+    """The forwards of every :class:`BatchedDecoder` made by :meth:`member`,
+    run by whichever thread calls :meth:`step` (the engine thread).
+
+    ``decoder``: a decoder with ``capabilities.batch`` and ``fork``; every
+    member is a fork of it, and the engine thread computes on its own
+    thread count (set it there; :meth:`step` keeps the count it found at the
+    first step)."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        caps = decoder.capabilities
+        if not (caps.batch and caps.fork):
+            raise UnsupportedOperationError(
+                f"the {decoder.engine} engine can't feed several sequences in one forward; "
+                f"generate them one at a time")
+        self.decoder = decoder
+        self._cond = threading.Condition()
+        self._pending: list[_Request] = []
+        self._members = 0
+        self._leaves = 0
+        self._threads: int | None = None
+        #: Forwards run: (sequences in the shared feed, feeds run alone) per step.
+        self.steps: list[tuple[int, int]] = []
+
+    # -- members' side ---------------------------------------------------------
+    def member(self) -> BatchedDecoder:
+        """A new member: a fork of the decoder, with an empty cache, whose
+        computing calls wait for :meth:`step`.  It counts as running from
+        now until :meth:`leave` (a generation's thread calls it when done,
+        whatever happened): a step waits for every running member."""
+        fork = self.decoder.fork()          # type: ignore[attr-defined]
+        with self._cond:
+            self._members += 1
+        return BatchedDecoder(fork, self)
+
+    def leave(self, member: BatchedDecoder) -> None:
+        """``member`` runs no more: the steps stop waiting for it."""
+        with self._cond:
+            if member._left:
+                return
+            member._left = True
+            self._members -= 1
+            self._leaves += 1
+            self._cond.notify_all()
+
+    def _wait(self, request: _Request) -> Any:
+        with self._cond:
+            if request.decoder._left:
+                raise ConfigError("this batch member has left its batch; it computes no more")
+            self._pending.append(request)
+            self._cond.notify_all()
+            while not request.done:
+                self._cond.wait()
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    # -- the engine thread -------------------------------------------------------
+    @property
+    def members(self) -> int:
+        """Members that have not left."""
+        with self._cond:
+            return self._members
+
+    def step(self, timeout: float | None = None) -> bool:
+        """Wait until every member waits in a call, then compute every
+        waiting call and wake the members.  Returns whether it computed
+        anything: False when a member left first (a slot is free for
+        another), when no member runs, or after ``timeout`` seconds (``None``: no limit)."""
+        with self._cond:
+            leaves = self._leaves
+            self._cond.wait_for(lambda: self._leaves != leaves or self._members == 0 or (
+                self._pending and len(self._pending) >= self._members), timeout)
+            if not (self._pending and len(self._pending) >= self._members):
+                return False
+            taken, self._pending = self._pending, []
+        if self._threads is None:
+            self._threads = torch.get_num_threads()
+        elif torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+        shared = [r for r in taken if r.call is None]
+        alone = [(r, r.call) for r in taken if r.call is not None]
+        for r, call in alone:
+            self._run(r, call)
+        if len(shared) == 1:
+            self._feed_alone(shared[0])
+        elif shared:
+            try:
+                outs = self.decoder.feed_batch(       # type: ignore[attr-defined]
+                    [(r.decoder.inner, r.tokens) for r in shared])
+            except Exception:
+                # One feed at fault (too long, a bad token): each alone, so
+                # only its own generation hears of it.
+                for r in shared:
+                    self._feed_alone(r)
+            else:
+                for r, out in zip(shared, outs):
+                    r.result = out
+        self.steps.append((len(shared), len(alone)))
+        with self._cond:
+            for r in taken:
+                r.done = True
+            self._cond.notify_all()
+        return True
+
+    def _feed_alone(self, request: _Request) -> None:
+        self._run(request, lambda: request.decoder.inner.feed(request.tokens))
+
+    @staticmethod
+    def _run(request: _Request, call: Callable[[], Any]) -> None:
+        try:
+            request.result = call()
+        except BaseException as exc:      # handed to the member's own thread
+            request.error = exc
+
+
+class BatchedDecoder:
+    """A :class:`~forerun.protocol.decoder.Decoder` over a fork (``inner``)
+    whose computing calls run on the engine thread, together with the other
+    members' (:class:`SharedForwards`).  A ``feed`` of every position's
+    logits joins the shared forward; a ``last_only`` feed (a prefill), a
+    feed of hidden states or layers, and a :meth:`forward` with a mask run
+    alone.  Everything else (the cache's length, rollback, commit, the
+    prefill ledger) is the fork's own, answered at once."""
+
+    def __init__(self, inner: Any, forwards: SharedForwards) -> None:
+        self.inner = inner
+        self._forwards = forwards
+        self._left = False
+        self.capabilities: Capabilities = replace(inner.capabilities, fork=False, batch=False)
+        self.engine: str = inner.engine
+        self.probe_context: int = inner.probe_context
+        self.prefill_block: int = inner.prefill_block
+        self.group_ceiling: int | None = inner.group_ceiling
+
+    # -- computing: through the engine thread ------------------------------------
+    def feed(self, tokens: Sequence[int], *, last_only: bool = False,
+             return_hidden: bool = False, hidden_layers: Sequence[int] = ()
+             ) -> ForwardOutput:
+        if last_only or return_hidden or hidden_layers:
+            return self._forwards._wait(_Request(self, call=lambda: self.inner.feed(
+                tokens, last_only=last_only, return_hidden=return_hidden,
+                hidden_layers=hidden_layers)))
+        return self._forwards._wait(_Request(self, tokens=tokens))
+
+    def forward(self, tokens: Sequence[int], positions: Sequence[int] | torch.Tensor,
+                attention_mask: torch.Tensor, *, return_hidden: bool = False,
+                hidden_layers: Sequence[int] = ()) -> ForwardOutput:
+        return self._forwards._wait(_Request(self, call=lambda: self.inner.forward(
+            tokens, positions, attention_mask, return_hidden=return_hidden,
+            hidden_layers=hidden_layers)))
+
+    def keep_slots(self, slots: Sequence[int] | torch.Tensor, start: int) -> None:
+        # A copy within the fork's cache: on the engine thread, like every write to it.
+        self._forwards._wait(_Request(self, call=lambda: self.inner.keep_slots(slots, start)))
+
+    # -- the fork's own state ----------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.inner.eos_token_ids
+
+    @property
+    def context_length(self) -> int:
+        return self.inner.context_length
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    @property
+    def committed_length(self) -> int:
+        return self.inner.committed_length
+
+    @property
+    def device(self) -> torch.device | str:
+        return self.inner.device
+
+    @property
+    def settings(self) -> EngineSettings:
+        return self.inner.settings
+
+    @property
+    def verify_group(self) -> int | None:
+        return self.inner.verify_group
+
+    @verify_group.setter
+    def verify_group(self, group: int | None) -> None:
+        self.inner.verify_group = group
+
+
+    @property
+    def threads(self) -> int:
+        return self.inner.threads
+
+    def set_threads(self, n: int) -> None:
+        raise UnsupportedOperationError("a batch member computes on the engine thread's "
+                                        "count; set the threads there")
+
+    def rollback(self, length: int) -> None:
+        self.inner.rollback(length)
+
+    def commit(self, length: int | None = None) -> None:
+        self.inner.commit(length)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    # -- the prefill ledger (forerun.protocol.prefix_reuse.PrefixReuse) ----------
+    @property
+    def reuse_prefixes(self) -> bool:
+        return self.inner.reuse_prefixes
+
+    @reuse_prefixes.setter
+    def reuse_prefixes(self, on: bool) -> None:
+        self.inner.reuse_prefixes = on
+
+    @property
+    def prefilled_tokens(self) -> tuple[int, ...]:
+        return self.inner.prefilled_tokens
+
+    def mark_prefilled(self, tokens: Sequence[int]) -> None:
+        self.inner.mark_prefilled(tokens)
+
+    def keep_prefix(self, length: int) -> None:
+        self.inner.keep_prefix(length)
+
+    def export_prefix(self):
+        return self.inner.export_prefix()
+
+    def restore_prefix(self, payload) -> None:
+        self.inner.restore_prefix(payload)
+
+
+def run_batch(decoder: Decoder, jobs: Sequence[Callable[[Decoder], T]], parallel: int,
+              *, forwards: SharedForwards | None = None) -> list[T]:
+    """Run ``jobs`` (each a generation: a function of the decoder it runs
+    on) with at most ``parallel`` of them at a time, their forwards shared
+    (:class:`SharedForwards`, on the calling thread), and return their
+    results in the order of ``jobs``.  A job joins as soon as another
+    leaves.  The first job that raises has its exception raised here once
+    every job has ended (the others run on)."""
+    if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
+        raise ConfigError(f"parallel must be a positive integer, got {parallel!r}")
+    forwards = forwards or SharedForwards(decoder)
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException | None] = [None] * len(jobs)
+    finished = threading.Semaphore(0)
+
+    def run(n: int, member: BatchedDecoder) -> None:
+        try:
+            results[n] = jobs[n](member)
+        except BaseException as exc:
+            errors[n] = exc
+        finally:
+            forwards.leave(member)
+            finished.release()
+
+    started = running = 0
+    while started < len(jobs) or running:
+        while running < parallel and started < len(jobs):
+            member = forwards.member()
+            threading.Thread(target=run, args=(started, member), daemon=True,
+                             name=f"forerun-batch-{started}").start()
+            started += 1
+            running += 1
+        forwards.step()
+        while finished.acquire(blocking=False):
+            running -= 1
+    for error in errors:
+        if error is not None:
+            raise error
+    return results

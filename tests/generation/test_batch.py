@@ -1,0 +1,160 @@
+"""Generations decoded together (``Model.generate_batch``,
+:mod:`forerun.generation.batch`): each result is what ``generate`` gives
+for that request alone, token for token, greedy and sampled with a seed,
+plain and with prompt lookup, whatever joins or leaves beside it; a
+kernel whose rounding depends on the row count, unmeasured, makes that
+comparison fail; one request's error is its own."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import forerun
+from forerun.errors import ContextLengthError, GenerationConfigError
+from forerun.generation.batch import SharedForwards, run_batch
+from tiny_models import VOCAB, hf_folders
+
+PROMPTS = ["a b c a b c a b", "hello there", "x", "one two three four five six seven",
+           "the the the the", "zz y zz y zz", "q", "lorem ipsum dolor sit amet"]
+# Lengths that end generations at different steps: joins and leaves mid-way.
+LENGTHS = [12, 3, 20, 7, 16, 1, 9, 14]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder, = hf_folders(tmp_path_factory, (5,))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FORERUN_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield forerun.load(folder, context_length=128, device="cpu", weights="q8")
+
+
+def _requests(**extra) -> list[dict]:
+    return [{"prompt": p, "max_new_tokens": n, "ignore_eos": True, **extra}
+            for p, n in zip(PROMPTS, LENGTHS)]
+
+
+def _alone(model, requests, **common) -> list[list[int]]:
+    out = []
+    for request in requests:
+        arguments = {**common, **request}
+        prompt = arguments.pop("prompt")
+        out.append(model.generate(prompt, **arguments).tokens)
+    return out
+
+
+@pytest.mark.parametrize("draft", [None, "ngram"])
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("parallel", [3, 8])
+def test_each_result_is_the_requests_own(model, draft, sampled, parallel):
+    sampling = {"temperature": 0.9, "top_p": 0.95} if sampled else {}
+    requests = [dict(r, seed=100 + n) for n, r in enumerate(_requests(**sampling))]
+    want = _alone(model, requests, draft=draft)
+    got = model.generate_batch(requests, draft=draft, parallel=parallel)
+    assert [r.tokens for r in got] == want
+    assert [len(r.tokens) for r in got] == LENGTHS
+    assert all(r.finish_reason == "length" for r in got)
+
+
+def test_requests_in_every_form_keep_their_order(model):
+    chat = [{"role": "user", "content": "hi"}]
+    got = model.generate_batch(["a b", chat, {"prompt_ids": [5, 6, 7]}],
+                               max_new_tokens=4, ignore_eos=True)
+    assert [r.tokens for r in got] == [model.generate("a b", max_new_tokens=4,
+                                                      ignore_eos=True).tokens,
+                                       model.generate(messages=chat, max_new_tokens=4,
+                                                      ignore_eos=True).tokens,
+                                       model.generate(prompt_ids=[5, 6, 7], max_new_tokens=4,
+                                                      ignore_eos=True).tokens]
+    assert model.generate_batch([]) == []
+
+
+def test_a_row_count_dependent_kernel_unmeasured_changes_the_results(model, monkeypatch):
+    """The broken twin: with every sequence in one forward regardless of
+    what the probe measured, a kernel whose rounding depends on the row
+    count makes the batch's tokens differ from the requests alone."""
+    network = model.decoder.model
+    requests = _requests(temperature=0.9, seed=7)
+    saved = [layer.down for layer in network.layers]
+
+    class RowCount:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, x):
+            return self.inner(x) + 0.5 * (x.shape[0] - 1)
+
+    try:
+        for layer in network.layers:
+            layer.down = RowCount(layer.down)
+        model.decoder.verify_group = 1
+        want = _alone(model, requests)
+        monkeypatch.setattr(type(model), "verification_grouping", lambda self: None)
+        model.decoder.verify_group = None
+        got = model.generate_batch(requests, parallel=8)
+        assert [r.tokens for r in got] != want
+    finally:
+        for layer, down in zip(network.layers, saved):
+            layer.down = down
+        model._grouping = None
+        monkeypatch.undo()
+        model.verification_grouping()
+
+
+def test_bad_requests_are_refused_before_any_runs(model):
+    with pytest.raises(GenerationConfigError, match="request 1"):
+        model.generate_batch(["a", {"prompt": "b", "max_new_tokens": -1}], max_new_tokens=4)
+    with pytest.raises(GenerationConfigError, match="request 0.*'ngram'|not draft"):
+        model.generate_batch(["a"], draft="medusa", max_new_tokens=4)
+    with pytest.raises(GenerationConfigError, match="unknown argument 'max_tokens'"):
+        model.generate_batch([{"prompt": "a", "max_tokens": 3}], max_new_tokens=4)
+    with pytest.raises(ContextLengthError, match="request 0"):
+        model.generate_batch(["a"], max_new_tokens=500)
+    for parallel in (0, -1, 1.5, True, "2"):
+        with pytest.raises(GenerationConfigError, match="parallel"):
+            model.generate_batch(["a"], parallel=parallel, max_new_tokens=4)
+    for requests in ("a", {"prompt": "a"}, [3]):
+        with pytest.raises(GenerationConfigError):
+            model.generate_batch(requests, max_new_tokens=4)
+
+
+def test_a_failing_generation_leaves_the_others_running(model):
+    decoder = model.decoder
+    calls = []
+
+    def good(member):
+        member.feed([1, 2, 3], last_only=True)
+        return [int(member.feed([4]).logits.argmax()) for _ in range(5)]
+
+    def bad(member):
+        member.feed([1], last_only=True)
+        member.feed([VOCAB])        # not a token: this job's own error
+        return None
+
+    jobs = [good, bad, good, good]
+    with pytest.raises(Exception, match="token ids must lie"):
+        run_batch(decoder, [lambda m, j=j: calls.append(j(m)) or j.__name__ for j in jobs], 2)
+    assert len(calls) == 3 and calls[0] == calls[1] == calls[2]
+
+
+def test_members_share_forwards_and_wait_for_each_other(model):
+    forwards = SharedForwards(model.decoder)
+    seen = []
+
+    def job(member):
+        member.feed([1, 2], last_only=True)
+        for _ in range(4):
+            member.feed([3])
+        seen.append(threading.current_thread().name)
+        return member.length
+
+    assert run_batch(model.decoder, [job] * 4, 4, forwards=forwards) == [6] * 4
+    # Four prefills alone, then four steps of four sequences in one feed.
+    assert sorted(forwards.steps[-4:]) == [(4, 0)] * 4
+    assert sum(alone for _, alone in forwards.steps) == 4
+    assert len(set(seen)) == 4
+    with pytest.raises(Exception, match="threads"):
+        forwards.member().set_threads(1)
+    torch.set_num_threads(torch.get_num_threads())
