@@ -689,7 +689,8 @@ class DataBuilder:
         seed = item_seed(self.settings.seed, index)
         if self.parallel > 1 and index not in self._ready:
             self._make_ahead(index)
-        q, answer = self._ready.pop(index, None) or (self.magpie.query(seed, index), None)
+        ready = self._ready.pop(index, None)
+        q, answer = ready if ready is not None else (self.magpie.query(seed, index), None)
         report.query_seconds += q.seconds
         report.query_tokens += len(q.tokens)
         reason = q.dropped
