@@ -1,8 +1,10 @@
 """What forerun measures about a model's engine on this machine, and where
 it keeps it: the largest verification group the engine computes exactly
-(the grouping probe), and what verifying 1, 2, ... positions costs.
+(the grouping probe), what verifying 1, 2, ... positions costs, and how
+many sequences it decodes together cheaply (``forerun serve``'s default
+``--parallel``).
 
-Both are kept per machine in forerun's cache
+All are kept per machine in forerun's cache
 (:class:`~forerun.machine.calibration.CalibrationStore`), keyed by the
 model's identity and the engine settings that decide its kernels
 (:attr:`~forerun.protocol.decoder.EngineSettings.key`)."""
@@ -86,3 +88,75 @@ def cost_store(model: Model, tag: str = "") -> CalibrationStore:
            "verify_group": decoder.verify_group, "method": tag or "chain",
            "timing": "interleaved"}
     return CalibrationStore("costs", key, label=f"{model.name}-{decoder.engine}{tag}")
+
+
+#: A slot count is the default of ``forerun serve`` while one forward of
+#: that many sequences (a position each) costs at most this many times one
+#: sequence's: each request then keeps at least 1/1.5 of its speed alone.
+PARALLEL_COST = 1.5
+
+
+def measured_parallel(model: Model) -> dict:
+    """How many sequences this machine decodes together at little cost to
+    each: one forward of ``R`` sequences, a position each after a 64-token
+    prompt, timed for ``R = 1 ..`` the exact verification group (at most
+    16), sizes interleaved over rounds, and the largest ``R`` whose forward
+    costs at most :data:`PARALLEL_COST` times one position's (kept in
+    forerun's cache).  ``{"parallel": R, "ms": {R: milliseconds}}``; 1 on
+    an engine that can't batch."""
+    import time
+
+    decoder = model.decoder
+    if not decoder.capabilities.batch:
+        return {"parallel": 1, "ms": {}}
+    largest = min(16, model.verification_grouping().exact_group)
+    key = {"model": model_identity(model), **decoder.settings.key,
+           "verify_group": decoder.verify_group, "largest": largest}
+    store = CalibrationStore("parallel", key, label=f"{model.name}-{decoder.engine}")
+
+    def valid(value):
+        ok = (isinstance(value, dict) and isinstance(value.get("parallel"), int)
+              and 1 <= value["parallel"] <= largest)
+        return value if ok else None
+
+    def measure() -> dict:
+        prompt = probe_tokens(model, 64)
+        members = [decoder] + [decoder.fork() for _ in range(largest - 1)]
+        for m in members:
+            m.reset()
+            m.feed(prompt, last_only=True)
+        best = dict.fromkeys(range(1, largest + 1), float("inf"))
+        for _ in range(3):
+            for r in best:
+                start = time.perf_counter()
+                decoder.feed_batch([(m, prompt[:1]) for m in members[:r]])
+                best[r] = min(best[r], time.perf_counter() - start)
+                for m in members[:r]:
+                    m.rollback(len(prompt))
+        decoder.reset()
+        fits = [r for r, s in best.items() if s <= PARALLEL_COST * best[1]]
+        return {"parallel": max(fits), "ms": {str(r): round(s * 1000, 2)
+                                              for r, s in best.items()}}
+
+    return store.load_or_measure(valid, measure,
+                                 f"how many sequences {model.name} decodes together cheaply")
+
+
+def slot_bytes(model: Model) -> int:
+    """Memory one more sequence of ``model`` holds at its whole context: its
+    keys and values, in float32 (the torch engine's cache)."""
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.decoder.context_length * 4
+
+
+def available_bytes() -> int | None:
+    """The memory the system can still give (``MemAvailable``), or None
+    where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -202,6 +202,7 @@ class Model:
         return ids, params, speculative
 
     def generate_batch(self, requests: Sequence[Any], *, parallel: int | None = None,
+                       on_result: Callable[[int, GenerationResult], None] | None = None,
                        **common: Any) -> list[GenerationResult]:
         """Generate a completion for each of ``requests``, several at a time
         with their forwards shared (:mod:`forerun.generation.batch`), and
@@ -221,10 +222,9 @@ class Model:
         ``parallel``: the most sequences decoded together (default: the
         most positions the engine computes exactly in one forward, at most
         the number of requests).  Plain decoding and prompt lookup
-        (``draft="ngram"``) run batched; the torch engine only."""
-        from forerun.decoding.plain import PlainDecoding
-        from forerun.decoding.speculative import SpeculativeDecoding
-        from forerun.drafters.ngram import NgramDrafter
+        (``draft="ngram"``) run batched; the torch engine only.
+        ``on_result(index, result)`` is called, on the calling thread, as
+        each request ends (a progress bar)."""
         from forerun.generation.batch import run_batch
 
         if isinstance(requests, (str, bytes, dict)) or not isinstance(requests, Sequence):
@@ -249,20 +249,16 @@ class Model:
                        if k not in known or k in ("self", "unknown")}
             if unknown:
                 raise _unknown_arguments(unknown)
-            defaults = {k: p.default for k, p in known.items()
-                        if p.kind is inspect.Parameter.KEYWORD_ONLY}
-            values = {**defaults, **arguments}
+            values = {**_STREAM_DEFAULTS, **arguments}
             prompt = values.pop("prompt", None)
             try:
                 ids, params, config = self._request(prompt, **values)
             except ForerunError as exc:
                 exc.args = (f"request {n}: {exc}", *exc.args[1:])
                 raise
-            if config.method not in ("none", "ngram"):
-                raise GenerationConfigError(
-                    f"request {n}: generate_batch runs plain decoding and prompt lookup "
-                    f"(draft=None or 'ngram'), not draft={config.draft!r}; use generate() "
-                    f"for it")
+            if config.method not in BATCHED_METHODS:
+                raise GenerationConfigError(f"request {n}: {_not_batched(config)}; use "
+                                            f"generate() for it")
             prepared.append((ids, params, config, values["cancel"]))
         if parallel is not None and (not isinstance(parallel, int) or isinstance(parallel, bool)
                                      or parallel < 1):
@@ -273,33 +269,61 @@ class Model:
 
         def job(ids: list[int], params: GenerationParams, config: SpeculativeConfig, cancel):
             def run(decoder) -> GenerationResult:
-                method: Any = (PlainDecoding(decoder) if config.method == "none" else
-                               SpeculativeDecoding(decoder, NgramDrafter(), k=config.length))
-                gen = run_generation(method, self.tokenizer, ids, params,
-                                     eos_token_ids=self.eos_token_ids, cancel=cancel)
-                while True:
-                    try:
-                        next(gen)
-                    except StopIteration as stop:
-                        return stop.value
+                stream = self._stream_on(decoder, ids, params, config, cancel)
+                for _ in stream:
+                    pass
+                assert stream.result is not None   # set once the stream is exhausted
+                return stream.result
             return run
 
         with Holds([self._lock]):
             self.verification_grouping()
             if parallel is None:
                 parallel = min(len(prepared), self.decoder.verify_group or 1)
-            return run_batch(self.decoder, [job(*p) for p in prepared], parallel)
+            return run_batch(self.decoder, [job(*p) for p in prepared], parallel,
+                             on_done=on_result)
+
+    def stream_in_batch(self, decoder, prompt: str | None = None, **kwargs: Any
+                        ) -> GenerationStream:
+        """:meth:`stream` on ``decoder``, a member of a batch of this
+        model's sequences (:class:`~forerun.generation.batch.BatchedDecoder`,
+        its forwards shared), with plain decoding or prompt lookup (the
+        methods a batch runs: :data:`BATCHED_METHODS`).  It holds no lock
+        of the model: the batch owns the forwards."""
+        unknown = {k: v for k, v in kwargs.items()
+                   if k not in inspect.signature(Model.stream).parameters}
+        if unknown:
+            raise _unknown_arguments(unknown)
+        values = {**_STREAM_DEFAULTS, **kwargs}
+        ids, params, config = self._request(prompt, **values)
+        if config.method not in BATCHED_METHODS:
+            raise GenerationConfigError(_not_batched(config))
+        return self._stream_on(decoder, ids, params, config, values["cancel"])
+
+    def _stream_on(self, decoder, ids: list[int], params: GenerationParams,
+                   config: SpeculativeConfig, cancel) -> GenerationStream:
+        """A checked request's generation on ``decoder`` (a batch member)."""
+        from forerun.decoding.plain import PlainDecoding
+        from forerun.decoding.speculative import SpeculativeDecoding
+        from forerun.drafters.ngram import NgramDrafter
+
+        method: Any = (PlainDecoding(decoder) if config.method == "none" else
+                       SpeculativeDecoding(decoder, NgramDrafter(), k=config.length))
+        return GenerationStream(self._generation(method, ids, params, cancel))
+
+    def _generation(self, method, ids: list[int], params: GenerationParams, cancel):
+        try:
+            return (yield from run_generation(
+                method, self.tokenizer, ids, params, eos_token_ids=self.eos_token_ids,
+                cancel=cancel))
+        except NonFiniteLogitsError as exc:
+            raise NonFiniteLogitsError(f"{self.source}: {exc}") from None
 
     def _run(self, method, drafts: list[Model], ids: list[int], params: GenerationParams,
              cancel):
         """The generation, holding this model and its draft models."""
         with Holds([self._lock] + [d._lock for d in drafts]):
-            try:
-                return (yield from run_generation(
-                    method, self.tokenizer, ids, params, eos_token_ids=self.eos_token_ids,
-                    cancel=cancel))
-            except NonFiniteLogitsError as exc:
-                raise NonFiniteLogitsError(f"{self.source}: {exc}") from None
+            return (yield from self._generation(method, ids, params, cancel))
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
         """Generate a completion.
@@ -454,9 +478,24 @@ class GenerationStream:
             raise
 
 
+#: The speculation methods a batch of sequences runs (Model.generate_batch,
+#: Model.stream_in_batch): plain decoding and prompt lookup.
+BATCHED_METHODS = ("none", "ngram")
+
+
+def _not_batched(config: SpeculativeConfig) -> str:
+    return (f"a batch of sequences runs plain decoding and prompt lookup (draft=None or "
+            f"'ngram'), not {config.describe()}")
+
+
 _NO_DRAFT_OPTIONS = dict(draft_k=None, draft_async=False, draft_threads=None,
                          target_threads=None, draft_tree=False, tree_nodes=None,
                          draft_lookup=None, draft_window=None)
+
+
+_STREAM_DEFAULTS = {name: p.default
+                    for name, p in inspect.signature(Model.stream).parameters.items()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 def _unknown_arguments(unknown: dict[str, Any]) -> GenerationConfigError:

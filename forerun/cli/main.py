@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("prompt", help="the prompt ('-' reads it from standard input)")
+    gen.add_argument("prompt", nargs="?", default=None,
+                     help="the prompt ('-' reads it from standard input)")
     add_model_options(gen)
     add_sampling_options(gen)
     add_async_options(gen)
@@ -44,6 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object with text, tokens, finish_reason and stats")
     gen.add_argument("--stats", action="store_true", help="print statistics to stderr")
     gen.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    gen.add_argument("--prompts-file", default=None, metavar="FILE.jsonl",
+                     help="generate for every line of a JSONL file (a prompt string, or an "
+                          "object with prompt, messages or prompt_ids, an id and options) "
+                          "instead of one prompt; needs --out")
+    gen.add_argument("--out", "-o", default=None, metavar="FILE.jsonl",
+                     help="with --prompts-file: where the answers go, one JSON object a line, "
+                          "in input order")
+    gen.add_argument("--parallel", type=int, default=None, metavar="N",
+                     help="with --prompts-file: requests decoded together (default: as many "
+                          "as the engine computes exactly in one forward)")
+    gen.add_argument("--force", action="store_true",
+                     help="with --prompts-file: replace an existing --out file")
 
     sub.add_parser("models", help="list the built-in presets and whether they are installed")
     from forerun.cli.cache import add_parser as _add_cache_parser
@@ -78,6 +91,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     # Check the settings before spending seconds on loading a model.
     check_generation_options(args)
+    if args.prompts_file is not None:
+        from forerun.cli import prompts_file
+
+        if args.parallel is not None and args.parallel < 1:
+            raise ForerunError(f"--parallel must be a positive integer, got {args.parallel}")
+        prompts_file.check_paths(args)
+        speculative = speculative_config(args)
+        with calibration_notices(shown=not args.quiet):
+            return prompts_file.run(args, load_model(args, progress=not args.quiet),
+                                    speculative)
+    for name in ("out", "parallel"):
+        if getattr(args, name) is not None:
+            raise ForerunError(f"--{name} goes with --prompts-file; one prompt is printed")
+    if args.prompt is None:
+        raise ForerunError("give a prompt ('-' reads it from standard input), or "
+                           "--prompts-file FILE.jsonl")
     prompt = read_prompt(args.prompt)
     speculative = speculative_config(args)
     with calibration_notices(shown=not args.quiet):

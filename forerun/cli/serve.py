@@ -30,6 +30,11 @@ def add_parser(sub) -> None:
                    help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--parallel", type=_parallel, default=None, metavar="N",
+                   help="requests decoded together, their forwards shared (plain decoding "
+                        "and prompt lookup, the torch engine); default: as many as this "
+                        "machine decodes at little cost to each, measured at the first start "
+                        "and kept (1 with a draft model or the llama.cpp engine)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests that may wait for the engine; more get 503 "
                         f"(default {DEFAULT_MAX_QUEUE})")
@@ -78,6 +83,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parallel(text: str) -> int:
+    """``--parallel``'s value: a positive integer, else argparse's error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def _check_options(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must lie in 0..65535, got {args.port}")
@@ -85,6 +101,9 @@ def _check_options(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-queue must be at least 1, got {args.max_queue}")
     if not args.prefix_cache_mb >= 0:
         raise ConfigError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    if (args.parallel or 1) > 1 and args.engine == "llama.cpp":
+        raise ConfigError(f"--parallel {args.parallel}: the llama.cpp engine decodes one "
+                          f"request at a time; use --engine torch, or leave --parallel out")
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("--api-key is empty; give a key or leave the option out")
 
@@ -116,12 +135,63 @@ def _build_service(args: argparse.Namespace):
     model.generate(prompt_ids=[0], max_new_tokens=1, speculative=config)
     prefix_cache = PrefixCache(model.decoder, limit_bytes=int(args.prefix_cache_mb * 2 ** 20),
                                enabled=not args.no_prefix_cache)
+    parallel = _slots(model, config, args.parallel)
     worker_ref: list[EngineWorker] = []
     metrics = Metrics(queue_depth=lambda: worker_ref[0].queue_depth,
-                      in_flight=lambda: worker_ref[0].in_flight, prefix_cache=prefix_cache)
-    worker = EngineWorker(model, prefix_cache, max_queue=args.max_queue,
-                          on_finish=lambda f: metrics.observe(f.result, f.ttft))
+                      in_flight=lambda: worker_ref[0].in_flight, prefix_cache=prefix_cache,
+                      slots=parallel)
+
+    def on_finish(finished) -> None:
+        metrics.observe(finished.result, finished.ttft)
+
+    worker: EngineWorker
+    if parallel > 1:
+        from forerun.server.batch_worker import BatchWorker
+
+        worker = BatchWorker(model, prefix_cache, max_queue=args.max_queue, parallel=parallel,
+                             on_finish=on_finish)
+    else:
+        worker = EngineWorker(model, prefix_cache, max_queue=args.max_queue,
+                              on_finish=on_finish)
     worker_ref.append(worker)
     service = Service(translator, worker, metrics, api_key=args.api_key,
                       created=int(time.time()))
-    return service, f"{model.name} ({model.decoder.engine}, draft: {config.describe()})"
+    slots = f", {parallel} requests at a time" if parallel > 1 else ""
+    return service, (f"{model.name} ({model.decoder.engine}, draft: {config.describe()}"
+                     f"{slots})")
+
+
+def _slots(model, config, asked: int | None) -> int:
+    """The requests the server decodes together: ``asked`` (``--parallel``),
+    checked against what batches (the engine, the drafter) and what the
+    memory holds, or by default the measured count that fits."""
+    from forerun.api.engine_policy import available_bytes, measured_parallel, slot_bytes
+    from forerun.api.model import BATCHED_METHODS
+
+    batches = model.decoder.capabilities.batch and config.method in BATCHED_METHODS
+    if asked == 1 or (asked is None and not batches):
+        return 1
+    if not model.decoder.capabilities.batch:
+        raise ConfigError(f"--parallel {asked}: the {model.decoder.engine} engine decodes "
+                          f"one request at a time; use --engine torch, or leave --parallel "
+                          f"out")
+    if config.method not in BATCHED_METHODS:
+        raise ConfigError(f"--parallel {asked}: requests decoded together use plain decoding "
+                          f"or prompt lookup, not {config.describe()}; pass --draft ngram or "
+                          f"--draft none, or leave --parallel out")
+    each = slot_bytes(model)
+    free = available_bytes()
+    # The first slot's cache is the model's own, already allocated.
+    fits = None if free is None else 1 + int(0.9 * free) // each
+    if asked is not None:
+        if free is not None and fits is not None and asked > fits:
+            raise ConfigError(
+                f"--parallel {asked} needs {(asked - 1) * each / 2**30:.1f} GiB more for the "
+                f"keys and values of {asked - 1} more sequences of "
+                f"{model.decoder.context_length} positions ({each / 2**20:.0f} MiB each), and "
+                f"{free / 2**30:.1f} GiB is free: at most --parallel {fits} fits (or lower "
+                f"--context-length)")
+        model.verification_grouping()
+        return asked
+    measured = measured_parallel(model)["parallel"]
+    return max(1, min(measured, fits if fits is not None else measured))

@@ -22,6 +22,7 @@ forward runs on the engine thread, on its thread count.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -53,9 +54,10 @@ class SharedForwards:
     run by whichever thread calls :meth:`step` (the engine thread).
 
     ``decoder``: a decoder with ``capabilities.batch`` and ``fork``; every
-    member is a fork of it, and the engine thread computes on its own
-    thread count (set it there; :meth:`step` keeps the count it found at the
-    first step)."""
+    member is a fork of it.  The forwards run on :attr:`threads` threads,
+    the count of the thread that makes this object (the engine thread);
+    a member's own thread takes that count too (:meth:`enter`), since the
+    prefill ledger belongs to the count its blocks were computed on."""
 
     def __init__(self, decoder: Decoder) -> None:
         caps = decoder.capabilities
@@ -68,35 +70,50 @@ class SharedForwards:
         self._pending: list[_Request] = []
         self._members = 0
         self._leaves = 0
-        self._threads: int | None = None
+        self.threads = torch.get_num_threads()
         #: Forwards run: (sequences in the shared feed, feeds run alone) per step.
         self.steps: list[tuple[int, int]] = []
 
     # -- members' side ---------------------------------------------------------
-    def member(self) -> BatchedDecoder:
-        """A new member: a fork of the decoder, with an empty cache, whose
-        computing calls wait for :meth:`step`.  It counts as running from
-        now until :meth:`leave` (a generation's thread calls it when done,
-        whatever happened): a step waits for every running member."""
-        fork = self.decoder.fork()          # type: ignore[attr-defined]
+    def member(self, decoder: Decoder | None = None) -> BatchedDecoder:
+        """A new member, not running yet (:meth:`join`): over ``decoder``
+        (the shared decoder itself or a fork of it), by default a new fork
+        with an empty cache.  Its computing calls wait for :meth:`step`."""
+        inner = decoder if decoder is not None else self.decoder.fork()  # type: ignore[attr-defined]
+        return BatchedDecoder(inner, self)
+
+    def join(self, member: BatchedDecoder) -> None:
+        """``member`` runs from now until :meth:`leave` (a generation's
+        thread calls it when done, whatever happened): a step waits for
+        every running member."""
         with self._cond:
+            if member._running:
+                raise ConfigError("this batch member is running already")
+            member._running = True
             self._members += 1
-        return BatchedDecoder(fork, self)
+
+    def enter(self) -> None:
+        """Called first on a member's own thread: the thread count of the
+        forwards there too (the prefix ledger's owner, a generation's
+        sampling)."""
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
 
     def leave(self, member: BatchedDecoder) -> None:
         """``member`` runs no more: the steps stop waiting for it."""
         with self._cond:
-            if member._left:
+            if not member._running:
                 return
-            member._left = True
+            member._running = False
             self._members -= 1
             self._leaves += 1
             self._cond.notify_all()
 
     def _wait(self, request: _Request) -> Any:
         with self._cond:
-            if request.decoder._left:
-                raise ConfigError("this batch member has left its batch; it computes no more")
+            if not request.decoder._running:
+                raise ConfigError("this batch member is not running (join it first); it "
+                                  "computes only between join and leave")
             self._pending.append(request)
             self._cond.notify_all()
             while not request.done:
@@ -124,10 +141,8 @@ class SharedForwards:
             if not (self._pending and len(self._pending) >= self._members):
                 return False
             taken, self._pending = self._pending, []
-        if self._threads is None:
-            self._threads = torch.get_num_threads()
-        elif torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         shared = [r for r in taken if r.call is None]
         alone = [(r, r.call) for r in taken if r.call is not None]
         for r, call in alone:
@@ -176,7 +191,7 @@ class BatchedDecoder:
     def __init__(self, inner: Any, forwards: SharedForwards) -> None:
         self.inner = inner
         self._forwards = forwards
-        self._left = False
+        self._running = False
         self.capabilities: Capabilities = replace(inner.capabilities, fork=False, batch=False)
         self.engine: str = inner.engine
         self.probe_context: int = inner.probe_context
@@ -286,33 +301,40 @@ class BatchedDecoder:
 
 
 def run_batch(decoder: Decoder, jobs: Sequence[Callable[[Decoder], T]], parallel: int,
-              *, forwards: SharedForwards | None = None) -> list[T]:
+              *, forwards: SharedForwards | None = None,
+              on_done: Callable[[int, T], None] | None = None) -> list[T]:
     """Run ``jobs`` (each a generation: a function of the decoder it runs
     on) with at most ``parallel`` of them at a time, their forwards shared
     (:class:`SharedForwards`, on the calling thread), and return their
     results in the order of ``jobs``.  A job joins as soon as another
     leaves.  The first job that raises has its exception raised here once
-    every job has ended (the others run on)."""
+    every job has ended (the others run on).  ``on_done(index, result)``
+    is called on the calling thread as each job ends well, in the order
+    they end."""
     if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
         raise ConfigError(f"parallel must be a positive integer, got {parallel!r}")
     forwards = forwards or SharedForwards(decoder)
     results: list[Any] = [None] * len(jobs)
     errors: list[BaseException | None] = [None] * len(jobs)
     finished = threading.Semaphore(0)
+    done: queue.SimpleQueue[int] = queue.SimpleQueue()     # jobs in the order they end
 
     def run(n: int, member: BatchedDecoder) -> None:
         try:
+            forwards.enter()
             results[n] = jobs[n](member)
         except BaseException as exc:
             errors[n] = exc
         finally:
             forwards.leave(member)
+            done.put(n)
             finished.release()
 
     started = running = 0
     while started < len(jobs) or running:
         while running < parallel and started < len(jobs):
             member = forwards.member()
+            forwards.join(member)
             threading.Thread(target=run, args=(started, member), daemon=True,
                              name=f"forerun-batch-{started}").start()
             started += 1
@@ -320,6 +342,9 @@ def run_batch(decoder: Decoder, jobs: Sequence[Callable[[Decoder], T]], parallel
         forwards.step()
         while finished.acquire(blocking=False):
             running -= 1
+            n = done.get()
+            if on_done is not None and errors[n] is None:
+                on_done(n, results[n])
     for error in errors:
         if error is not None:
             raise error

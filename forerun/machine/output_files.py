@@ -61,14 +61,23 @@ def _writable_folder(folder: Path, option: str, shown: Path) -> None:
 @contextlib.contextmanager
 def written_whole(path: str | Path) -> Iterator[Path]:
     """A temporary path beside ``path`` to write; renamed to ``path`` when
-    the block ends without an error, removed when it raises."""
+    the block ends without an error, removed when it raises.  The file gets
+    the mode the umask gives a new file (a temporary file is made 0600)."""
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -3,13 +3,14 @@
 Counters of requests (by endpoint and HTTP status), finished generations (by
 finish reason), prompt and generated tokens, decoding time, drafted and
 accepted tokens, prefix-cache hits and misses; gauges of the queue depth,
-the request in flight, the last generation's tokens/s, the acceptance rate
-so far and the saved prefixes' size; a histogram of the time to first token.
-Each server has a registry of its own.
+the requests in flight and the slots (``--parallel``), the last
+generation's tokens/s, the acceptance rate so far and the saved prefixes'
+size; a histogram of the time to first token.  Each server has a registry of its own.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from prometheus_client import (
@@ -32,7 +33,8 @@ class Metrics:
     scraped; ``prefix_cache`` is the :class:`~.prefix_cache.PrefixCache`."""
 
     def __init__(self, *, queue_depth: Callable[[], int], in_flight: Callable[[], int],
-                 prefix_cache) -> None:
+                 prefix_cache, slots: int = 1) -> None:
+        self._lock = threading.Lock()     # generations end on several slots' threads
         r = self.registry = CollectorRegistry()
         self.requests = Counter("forerun_requests", "HTTP requests answered, by endpoint "
                                 "and status", ["endpoint", "status"], registry=r)
@@ -63,12 +65,18 @@ class Metrics:
                               registry=r)
         Gauge("forerun_queue_depth", "Requests waiting for the engine",
               registry=r).set_function(queue_depth)
-        Gauge("forerun_requests_in_flight", "Requests the engine is running (0 or 1)",
-              registry=r).set_function(in_flight)
+        Gauge("forerun_requests_in_flight", "Requests the engine is running (the slots "
+              "busy)", registry=r).set_function(in_flight)
+        Gauge("forerun_slots", "Requests the engine decodes together at most (--parallel)",
+              registry=r).set(slots)
         r.register(_PrefixCacheCollector(prefix_cache))
 
     def observe(self, result: GenerationResult, ttft: float | None) -> None:
-        """Count one finished generation."""
+        """Count one finished generation (from any thread)."""
+        with self._lock:
+            self._observe(result, ttft)
+
+    def _observe(self, result: GenerationResult, ttft: float | None) -> None:
         s = result.stats
         self.generations.labels(result.finish_reason).inc()
         self.prompt_tokens.inc(s.prompt_tokens)

@@ -13,8 +13,11 @@ Two levels, both exact by construction (:mod:`forerun.protocol.prefix_reuse`):
   payloads are bounded by ``limit_bytes``: the least recently used go first,
   and a payload larger than the bound is not kept.
 
-Only the worker thread calls :meth:`PrefixCache.prepare`; the counters may
-be read from any thread.
+With several slots (``forerun serve --parallel N``), each slot's decoder
+keeps its own live cache, and the saved prefixes are shared: a prefix saved
+from one slot is restored into another.  Only the worker thread calls
+:meth:`PrefixCache.prepare` (for an idle slot); the counters may be read
+from any thread.
 """
 
 from __future__ import annotations
@@ -61,13 +64,29 @@ class PrefixCache:
     def entries(self) -> int:
         return len(self._saved)
 
-    def prepare(self, prompt_ids: list[int]) -> Reuse:
-        """Before a generation of ``prompt_ids``: put the best reusable
-        prefix into the decoder (restoring a saved one if it beats the live
-        cache, after saving the live one), and say how much the prefill will
-        keep.  The prefill itself (:func:`forerun.decoding.prefill.prefill`)
-        decides the same length from the decoder's ledger."""
-        decoder = self.decoder
+    def adopt(self, decoder) -> None:
+        """Reuse prefixes in ``decoder`` too: a slot beside the first (a
+        fork of the served model's decoder, whose saved prefixes it
+        restores)."""
+        if self.enabled:
+            decoder.reuse_prefixes = True
+
+    def live(self, prompt_ids: list[int], decoder=None) -> int:
+        """How many prompt positions ``decoder``'s live cache (default: the
+        first slot's) would keep."""
+        decoder = decoder or self.decoder
+        if not self.enabled:
+            return 0
+        return reusable_length(decoder.prefilled_tokens, prompt_ids, decoder.prefill_block)
+
+    def prepare(self, prompt_ids: list[int], decoder=None) -> Reuse:
+        """Before a generation of ``prompt_ids`` on ``decoder`` (default:
+        the first slot's): put the best reusable prefix into it (restoring a
+        saved one if it beats the live cache, after saving the live one),
+        and say how much the prefill will keep.  The prefill itself
+        (:func:`forerun.decoding.prefill.prefill`) decides the same length
+        from the decoder's ledger."""
+        decoder = decoder or self.decoder
         if not self.enabled:
             decoder.reset()
             return self._count(Reuse(None, 0))
@@ -83,15 +102,16 @@ class PrefixCache:
             with self._lock:
                 payload = self._saved.pop(best_key)
                 self.bytes -= payload.nbytes
-            self._save(live_tokens, covered_by=best_key)
+            self._save(decoder, live_tokens, covered_by=best_key)
             # Live now: saved again (with what it grows to) when it is dropped.
             decoder.restore_prefix(payload)
             return self._count(Reuse("saved", best))
         if live < len(live_tokens):
-            self._save(live_tokens)                    # the prefill would drop some
+            self._save(decoder, live_tokens)           # the prefill would drop some
         return self._count(Reuse("live" if live else None, live))
 
-    def _save(self, live_tokens: tuple[int, ...], covered_by: tuple[int, ...] = ()) -> None:
+    def _save(self, decoder, live_tokens: tuple[int, ...],
+              covered_by: tuple[int, ...] = ()) -> None:
         """Save the live cache's reusable prefix, unless it is empty, or
         already covered by a saved prefix (or ``covered_by``) that starts
         with it."""
@@ -100,7 +120,7 @@ class PrefixCache:
         n = len(live_tokens)
         if covered_by[:n] == live_tokens or any(k[:n] == live_tokens for k in self._saved):
             return
-        self._insert(live_tokens, self.decoder.export_prefix())
+        self._insert(live_tokens, decoder.export_prefix())
 
     def _insert(self, key: tuple[int, ...], payload: PrefixPayload) -> None:
         """Keep ``payload`` as the most recently used, drop the saved prefixes

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import forerun
-from forerun.errors import ContextLengthError, GenerationConfigError
+from forerun.errors import ConfigError, ContextLengthError, GenerationConfigError
 from forerun.generation.batch import SharedForwards, run_batch
 from tiny_models import VOCAB, hf_folders
 
@@ -157,4 +157,6 @@ def test_members_share_forwards_and_wait_for_each_other(model):
     assert len(set(seen)) == 4
     with pytest.raises(Exception, match="threads"):
         forwards.member().set_threads(1)
+    with pytest.raises(ConfigError, match="not running"):
+        forwards.member().feed([1])            # never joined: nothing would compute it
     torch.set_num_threads(torch.get_num_threads())

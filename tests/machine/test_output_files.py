@@ -51,3 +51,19 @@ def test_a_file_is_written_whole_or_not_at_all(tmp_path):
         tmp.write_text("new")
     assert target.read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_a_file_written_whole_follows_the_umask(tmp_path, umask, mode):
+    """Not the temporary file's 0600: an exported head or a results file is
+    readable by whom the user's umask says."""
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        with written_whole(tmp_path / "out.txt") as tmp:
+            tmp.write_text("x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out.txt").stat().st_mode) == mode

@@ -4,7 +4,8 @@ client and with raw HTTP.
 
 The servers run the real preset ``smollm2-135m`` and are shared by the
 whole session: ``server`` (torch, prompt lookup by default, an API key, the
-prefix cache with a small bound), ``cold_server`` (the same without any
+prefix cache with a small bound, as many requests at a time as the machine
+measures), ``cold_server`` (the same one request at a time, without any
 prefix reuse and with a queue of one) and ``draft_server`` (the model as
 its own draft model, drafting trees by default).
 """
@@ -168,7 +169,8 @@ def draft_server(preset_gguf):
 
 @pytest.fixture(scope="session")
 def cold_server(preset_gguf):
-    srv = _start(preset_gguf, "--draft", "ngram", "--no-prefix-cache", "--max-queue", "1")
+    srv = _start(preset_gguf, "--draft", "ngram", "--no-prefix-cache", "--max-queue", "1",
+                 "--parallel", "1")
     yield srv
     srv.stop()
 

@@ -1,0 +1,154 @@
+"""Continuous batching: ``forerun serve --parallel N`` decodes up to ``N``
+requests together.
+
+The worker thread is the engine thread of a
+:class:`~forerun.generation.batch.SharedForwards`: between two shared
+forwards it hands waiting requests to free *slots*, and each slot runs its
+request's generation on a thread of its own over its member decoder (the
+served model's decoder for the first slot, forks for the others), so a
+request joins the running batch at the next step and leaves it when it
+ends.  A slot keeps its cache between requests, and a request goes to the
+free slot whose cache holds the most of its prompt (a chat's next turn
+finds its previous turn); saved prefixes are shared by every slot
+(:class:`~forerun.server.prefix_cache.PrefixCache`).
+
+Each request's output is what it would be alone: the shared forwards give
+every sequence its own feed's logits, bit for bit
+(:mod:`forerun.generation.batch`).  Sampling parameters, stop strings,
+streaming, cancellation (a client that goes away frees its slot within a
+step) and statistics are each request's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from forerun.errors import ForerunError
+from forerun.generation.batch import BatchedDecoder, SharedForwards
+from forerun.server.prefix_cache import PrefixCache, Reuse
+from forerun.server.worker import EngineWorker, Finished, Job, ShuttingDownError
+
+log = logging.getLogger("forerun.server")
+
+
+@dataclass(eq=False)
+class _Slot:
+    member: BatchedDecoder
+    job: Job | None = None
+
+
+class BatchWorker(EngineWorker):
+    """An :class:`~forerun.server.worker.EngineWorker` that runs up to
+    ``parallel`` requests at a time, their forwards shared.  The served
+    model's requests must use a method a batch runs (plain decoding or
+    prompt lookup); any other is answered with an error."""
+
+    def __init__(self, model, prefix_cache: PrefixCache, *, max_queue: int, parallel: int,
+                 on_finish=None) -> None:
+        super().__init__(model, prefix_cache, max_queue=max_queue, on_finish=on_finish)
+        if parallel < 2:
+            raise ValueError("a batch worker runs at least 2 slots; use EngineWorker for one")
+        self.parallel = parallel
+        self._forwards: SharedForwards | None = None
+        self._slots: list[_Slot] = []
+        self._busy = 0
+        self._slot_lock = threading.Lock()     # the slots' jobs and the busy count
+
+    @property
+    def in_flight(self) -> int:
+        return self._busy
+
+    # -- the worker (engine) thread ---------------------------------------------
+    def _run(self) -> None:
+        # Made here: the forwards run on this thread's count.
+        forwards = self._forwards = SharedForwards(self.model.decoder)
+        decoders = [self.model.decoder] + [self.model.decoder.fork()
+                                           for _ in range(self.parallel - 1)]
+        for d in decoders[1:]:
+            d.verify_group = self.model.decoder.verify_group
+            self.prefix_cache.adopt(d)
+        self._slots = [_Slot(forwards.member(d)) for d in decoders]
+        while True:
+            idle = self._busy == 0
+            self._admit(block=idle)
+            if self._closing.is_set() and self._busy == 0 and self._queue.empty():
+                return
+            if self._busy:
+                forwards.step(timeout=0.05)
+
+    def _admit(self, block: bool) -> None:
+        """Hand waiting requests to free slots (waiting up to 0.1 s for one
+        when ``block``)."""
+        while self._busy < len(self._slots):
+            try:
+                job = self._queue.get(timeout=0.1) if block else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if self._closing.is_set():
+                job.post("error", ShuttingDownError())
+            elif job.cancel.is_set():
+                job.post("error", asyncio.CancelledError())
+            else:
+                self._start(job)
+
+    def _start(self, job: Job) -> None:
+        prompt = job.spec.prompt_ids
+        with self._slot_lock:
+            free = [s for s in self._slots if s.job is None]
+        slot = max(free, key=lambda s: self.prefix_cache.live(prompt, s.member.inner))
+        reuse = self.prefix_cache.prepare(prompt, slot.member.inner)
+        with self._slot_lock:
+            slot.job = job
+            self._busy += 1
+        assert self._forwards is not None
+        self._forwards.join(slot.member)
+        threading.Thread(target=self._serve_in, args=(slot, job, reuse), daemon=True,
+                         name="forerun-slot").start()
+
+    # -- a slot's thread ---------------------------------------------------------
+    def _serve_in(self, slot: _Slot, job: Job, reuse: Reuse) -> None:
+        assert self._forwards is not None
+        started = time.perf_counter()
+        ttft = None
+        spec = job.spec
+        outcome: tuple[str, Any]
+        try:
+            self._forwards.enter()
+            stream = self.model.stream_in_batch(slot.member, prompt_ids=spec.prompt_ids,
+                                                cancel=job.cancel, **spec.options)
+            for delta in stream:
+                if ttft is None:
+                    ttft = time.perf_counter() - job.submitted
+                job.post("delta", delta)
+            finished = Finished(stream.result, reuse, started - job.submitted, ttft)
+            if self.on_finish is not None:      # counted before the client hears of it
+                self.on_finish(finished)
+            outcome = ("done", finished)
+        except ForerunError as exc:
+            outcome = ("error", exc)
+        except Exception as exc:  # a bug: log it, keep serving from a clean cache
+            log.exception("generation failed")
+            slot.member.inner.reset()
+            outcome = ("error", exc)
+        finally:
+            self._forwards.leave(slot.member)
+            with self._slot_lock:
+                slot.job = None
+                self._busy -= 1
+        # Out of flight before the client hears the end (as EngineWorker).
+        job.post(*outcome)
+
+    def shutdown(self) -> None:
+        """As :meth:`EngineWorker.shutdown`, for every slot's request."""
+        self._closing.set()
+        with self._slot_lock:
+            jobs = [slot.job for slot in self._slots if slot.job is not None]
+        for job in jobs:
+            job.cancel.set()

@@ -1,0 +1,153 @@
+"""``forerun serve --parallel N`` (continuous batching) on a tiny random
+model, in the quick subset: concurrent requests of different lengths,
+sampling settings and drafters, joining and leaving a running batch, each
+get exactly what ``Model.generate`` gives alone; a client that goes away
+frees its slot; a request too long is refused alone; ``/metrics`` shows the
+slots; bad ``--parallel`` values and combinations are refused at start."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from conftest import LiveServer, streamed, text_of
+
+pytestmark = pytest.mark.xdist_group("batch_server")
+
+KEY = "batch-key"
+CONTEXT = 2048
+SLOTS = 4
+PROMPTS = ["the quick brown fox", "hello world hello world hello", "a b c d e f g",
+           "lorem ipsum dolor", "one two three", "zz yy zz yy", "x", "fox dog cat bird"]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("batch-server") / "tiny.gguf",
+                           overrides={"qwen2.context_length": ("uint32", CONTEXT)})
+
+
+@pytest.fixture(scope="module")
+def batch_server(tiny_path):
+    srv = LiveServer("-m", str(tiny_path), "--weights", "q8", "--context-length",
+                     str(CONTEXT), "--api-key", KEY, "--parallel", str(SLOTS),
+                     "--draft", "ngram")
+    yield srv
+    assert srv.stop() == 143, srv.read_stderr()[-3000:]
+    assert "Traceback" not in srv.read_stderr()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_path):
+    import forerun
+
+    return forerun.load(str(tiny_path), weights="q8", context_length=CONTEXT, progress=False)
+
+
+def _request(n: int) -> dict:
+    """Request ``n``: its own prompt, length, sampling and drafter."""
+    body = {"prompt": PROMPTS[n % len(PROMPTS)], "max_tokens": 3 + (n * 7) % 19,
+            "ignore_eos": True}
+    if n % 3 == 1:
+        body.update(temperature=0.8, top_p=0.9, seed=1000 + n)
+    else:
+        body["temperature"] = 0
+    if n % 2:
+        body["speculative"] = {"draft": "none"}
+    return body
+
+
+def _alone(model, body: dict) -> str:
+    draft = body.get("speculative", {}).get("draft", "ngram")
+    return model.generate(body["prompt"], max_new_tokens=body["max_tokens"],
+                          temperature=body["temperature"], top_p=body.get("top_p", 1.0),
+                          seed=body.get("seed"), ignore_eos=True, draft=draft).text
+
+
+def _send(srv: LiveServer, model_id: str, body: dict, stream: bool) -> str:
+    client = srv.client(api_key=KEY, timeout=300)
+    extra = {k: body[k] for k in ("ignore_eos", "speculative") if k in body}
+    r = client.completions.create(model=model_id, prompt=body["prompt"],
+                                  max_tokens=body["max_tokens"],
+                                  temperature=body["temperature"], top_p=body.get("top_p", 1),
+                                  seed=body.get("seed"), stream=stream, extra_body=extra)
+    return streamed(r)[0] if stream else text_of(r)
+
+
+def _model_id(srv) -> str:
+    status, body = srv.request("GET", "/v1/models", key=KEY)
+    assert status == 200
+    return body["data"][0]["id"]
+
+
+def test_concurrent_requests_each_get_their_answer_alone(batch_server, reference):
+    model_id = _model_id(batch_server)
+    bodies = [_request(n) for n in range(16)]
+    want = [_alone(reference, b) for b in bodies]
+    barrier = threading.Barrier(8)
+
+    def client(i: int) -> list[str]:
+        barrier.wait(60)
+        return [_send(batch_server, model_id, bodies[n], stream=n % 4 == 0)
+                for n in range(i, 16, 8)]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(client, range(8)))
+    for i, answers in enumerate(got):
+        assert answers == [want[n] for n in range(i, 16, 8)], i
+    metrics = batch_server.metrics()
+    assert metrics["forerun_slots"] == SLOTS
+    assert batch_server.health()["in_flight"] == 0
+
+
+def test_a_client_that_goes_away_frees_its_slot_and_a_long_prompt_is_refused_alone(
+        batch_server, reference):
+    model_id = _model_id(batch_server)
+    conn = http.client.HTTPConnection(batch_server.host, batch_server.port, timeout=300)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": model_id, "prompt": "1 2 3", "max_tokens": 200, "ignore_eos": True,
+         "temperature": 0, "stream": True}),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    # Beside it: a prompt longer than the context is a 400 for its own client.
+    with pytest.raises(openai.BadRequestError):
+        batch_server.client(api_key=KEY).completions.create(
+            model=model_id, prompt="word " * 2100, max_tokens=4)
+    conn.sock.shutdown(2)
+    resp.close()
+    conn.close()
+    batch_server.wait_until(lambda: batch_server.health()["in_flight"] == 0, "a free slot")
+    metrics = batch_server.metrics()
+    assert metrics['forerun_generations_total{finish_reason="cancelled"}'] >= 1
+    assert metrics["forerun_generated_tokens_total"] < 2000
+    body = _request(2)
+    assert _send(batch_server, model_id, body, stream=False) == _alone(reference, body)
+
+
+def test_a_request_for_a_drafter_a_batch_does_not_run_is_refused(tmp_path, tiny_path):
+    # (the tiny model as its own draft model: not batched)
+    cmd = [sys.executable, "-m", "forerun.cli.main", "serve", "-m", str(tiny_path),
+           "--weights", "q8", "--context-length", str(CONTEXT), "--port", "0", "-q"]
+    for extra, message in [
+            (["--parallel", "0"], "--parallel: must be a positive integer"),
+            (["--parallel", "-3"], "--parallel: must be a positive integer"),
+            (["--parallel", "two"], "--parallel: must be a positive integer, got 'two'"),
+            (["--parallel", "100000000"], "at most --parallel"),
+            (["--parallel", "2", "--draft", str(tiny_path)], "plain decoding or prompt lookup"),
+            (["--parallel", "2", "--engine", "llama.cpp"], "one request at a time")]:
+        if "llama.cpp" in extra:        # refused before the model (and its weights) load
+            cmd = [c for c in cmd if c not in ("--weights", "q8")]
+        run = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=600)
+        assert run.returncode != 0, extra
+        assert message in run.stderr, (extra, run.stderr[-2000:])
+        assert "Traceback" not in run.stderr
