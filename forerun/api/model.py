@@ -278,6 +278,8 @@ class Model:
 
         with Holds([self._lock]):
             self.verification_grouping()
+            for config in {p[2] for p in prepared if p[2].method == "ngram"}:
+                self.batch_costs(config)
             if parallel is None:
                 parallel = min(len(prepared), self.decoder.verify_group or 1)
             return run_batch(self.decoder, [job(*p) for p in prepared], parallel,
@@ -289,7 +291,9 @@ class Model:
         model's sequences (:class:`~forerun.generation.batch.BatchedDecoder`,
         its forwards shared), with plain decoding or prompt lookup (the
         methods a batch runs: :data:`BATCHED_METHODS`).  It holds no lock
-        of the model: the batch owns the forwards."""
+        of the model: the batch owns the forwards.  For prompt lookup,
+        :meth:`batch_costs` of the request's config must have been read on
+        the engine thread first."""
         unknown = {k: v for k, v in kwargs.items()
                    if k not in inspect.signature(Model.stream).parameters}
         if unknown:
@@ -302,14 +306,50 @@ class Model:
 
     def _stream_on(self, decoder, ids: list[int], params: GenerationParams,
                    config: SpeculativeConfig, cancel) -> GenerationStream:
-        """A checked request's generation on ``decoder`` (a batch member)."""
+        """A checked request's generation on ``decoder`` (a batch member).
+        Prompt lookup chooses its draft lengths from the costs a sequence
+        alone measured (:meth:`batch_costs`), never timing forwards inside
+        the batch."""
         from forerun.decoding.plain import PlainDecoding
+
+        if config.method == "none":
+            method: Any = PlainDecoding(decoder)
+        else:
+            costs = self._methods.get(("batch-costs", config.key))
+            if costs is None:
+                raise ConfigError("a batch member's prompt lookup takes the costs "
+                                  "batch_costs(config) read on the engine thread; call it "
+                                  "there before the batch starts")
+            method = self._lookup(decoder, config)
+            method.use_costs(costs)
+        return GenerationStream(self._generation(method, ids, params, cancel))
+
+    @staticmethod
+    def _lookup(decoder, config: SpeculativeConfig, cost_store=None):
         from forerun.decoding.speculative import SpeculativeDecoding
         from forerun.drafters.ngram import NgramDrafter
 
-        method: Any = (PlainDecoding(decoder) if config.method == "none" else
-                       SpeculativeDecoding(decoder, NgramDrafter(), k=config.length))
-        return GenerationStream(self._generation(method, ids, params, cancel))
+        return SpeculativeDecoding(decoder, NgramDrafter(), k=config.length,
+                                   cost_store=cost_store)
+
+    def batch_costs(self, config: SpeculativeConfig) -> list[float | None]:
+        """The verification costs prompt lookup (``config``) chooses from in
+        a batch: those of this model alone (stored per machine, or measured
+        now on a fork of its decoder, alone, and stored), read once.  Call it
+        on the engine thread before a batch that uses ``config`` starts: its
+        members only read them (:meth:`stream_in_batch`)."""
+        key = ("batch-costs", config.key)
+        costs = self._methods.get(key)
+        if costs is None:
+            from forerun.api.engine_policy import cost_store, probe_tokens
+
+            self.verification_grouping()
+            alone = self.decoder.fork()
+            template = self._lookup(alone, config, cost_store(self))
+            prompt = probe_tokens(self, 32)
+            alone.feed(prompt, last_only=True)
+            costs = self._methods[key] = template.measured_costs(prompt[-1])
+        return costs
 
     def _generation(self, method, ids: list[int], params: GenerationParams, cancel):
         try:
@@ -528,10 +568,15 @@ def _valid_text(text: str, what: str) -> str:
     except UnicodeEncodeError as exc:
         bad = text[exc.start:exc.end]
         raise GenerationConfigError(
-            f"the {what} is not valid UTF-8 text: it holds {bad!r} (bytes that were not "
+            f"{_the(what)} not valid UTF-8 text: it holds {bad!r} (bytes that were not "
             f"UTF-8) at "
             f"character {exc.start}; decode it as UTF-8 first (or fix its encoding)") from None
     return text
+
+
+def _the(what: str) -> str:
+    """``"the prompt is"``, ``"the messages are"``."""
+    return f"the {what} {'are' if what.endswith('s') else 'is'}"
 
 
 def _tuple_of(values, what: str) -> tuple:

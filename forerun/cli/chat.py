@@ -95,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
         options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        min_p=args.min_p, seed=args.seed, stop=args.stop,
                        speculative=speculative)
+        # The drafter built now (a draft model loaded, heads read), as
+        # forerun generate builds it before any output: a --draft that
+        # can't run fails before the first prompt, not at every answer.
+        model.generate(prompt_ids=[0], max_new_tokens=1, speculative=speculative)
+        model.reset_cache()
         chat = Chat(model, options, max_new_tokens=args.max_new_tokens, system=args.system)
         _use_line_editing()
         chat.say(f"forerun chat with {model.name}; /help lists the commands, /exit or "

@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
                         default="bfloat16",
                         help="the weights' dtype (default bfloat16, as published heads; "
                              "float32 keeps forerun's weights bit for bit)")
+    eagle3.add_argument("--force", action="store_true",
+                        help="replace a config.json or model.safetensors in DIR that forerun "
+                             "did not write (by default they are kept and the export refused)")
     eagle3.add_argument("--target-layers", type=int, default=None, metavar="L",
                         help="the target's layer count, for a head whose config names no aux "
                              "layers (vLLM's default (2, L//2, L-3) is then written)")
@@ -50,12 +53,15 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
 
     if args.target_layers is not None and args.target_layers < 1:
         raise ForerunError("--target-layers must be >= 1")
+    if not str(args.out).strip():
+        raise ForerunError("DIR is empty; give a folder for the export (an empty path would "
+                           "write into the current folder)")
     head = resolve_head(args.head)
     out = Path(args.out).expanduser()
     if out.exists() and head.resolve() in (out.resolve(), out.resolve() / "model.safetensors"):
         raise ForerunError(f"DIR {out} is the head itself; write the export to another folder")
     weights = load_eagle3(head, target_layers=args.target_layers)
-    save_eagle3(weights, out, dtype=args.dtype)
+    save_eagle3(weights, out, dtype=args.dtype, force=args.force)
     c = weights.config
     sys.stdout.write(
         f"wrote {out / 'config.json'} and {out / 'model.safetensors'} ({args.dtype})\n"

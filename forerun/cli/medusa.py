@@ -96,7 +96,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ForerunError("--held-out-tokens applies to --corpus; --data holds out records "
                            "by the manifests' own split")
     for folder in args.data or ():
-        TokenManifest.open(folder, verify=False)      # before the model loads
+        TokenManifest.open(folder)      # whole, before the model loads
     model = load(args.model, context_length=args.seq_len, device=args.device,
                  progress=not args.quiet)
     caps = model.decoder.capabilities

@@ -140,7 +140,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     saved: dict[str, Any] = {}
     if args.resume:
-        saved = TokenManifest.open(out, verify=False).settings
+        saved = TokenManifest.open(out).settings       # whole, before the model loads
     else:
         check_new_folder(out)
     settings, files, bench = _settings(args, saved)

@@ -57,6 +57,9 @@ def add_eagle_parser(tsub) -> None:
                         "earlier run wrote) on --data, instead of a new one")
     p.add_argument("--resume", action="store_true",
                    help="continue the run of --checkpoint (same options and data)")
+    p.add_argument("--force", action="store_true",
+                   help="replace a config.json or model.safetensors in --out that forerun did "
+                        "not write (by default they are kept and the run refused)")
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                    help=f"ids the head drafts: the model's most frequent predictions on the "
                         f"data, its end-of-sequence ids among them (default {d.draft_vocab})")
@@ -134,13 +137,15 @@ def _settings(args: argparse.Namespace):
     return settings
 
 
-def _check_out(out: Path) -> None:
-    """The head's folder: new, empty, or holding only a head."""
-    from forerun.machine.output_files import check_output_dir
+def _check_out(out: Path, force: bool) -> None:
+    """The head's folder: new, empty, or holding only a head forerun wrote
+    (another's files only with ``force``)."""
+    from forerun.machine.output_files import MARKER, check_output_dir, check_replaceable
 
     check_output_dir(out, "--out")
+    check_replaceable(out, ["config.json", "model.safetensors"], "--out", force=force)
     other = sorted(p.name for p in out.iterdir()
-                   if p.name not in ("config.json", "model.safetensors"))
+                   if p.name not in ("config.json", "model.safetensors", MARKER))
     if other:
         raise ForerunError(f"--out {out} holds other files ({', '.join(other[:5])}); give a "
                            f"new or empty folder for the head")
@@ -159,8 +164,11 @@ def cmd_eagle(args: argparse.Namespace) -> int:
         raise ForerunError(f"--max-seconds must be above 0, got {args.max_seconds}")
     if args.checkpoint_every < 1:
         raise ForerunError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if not str(args.out).strip():
+        raise ForerunError("--out is empty; give a folder for the head (an empty path would "
+                           "write into the current folder)")
     out = Path(args.out).expanduser()
-    _check_out(out)
+    _check_out(out, args.force)
     checkpoint = (Path(args.checkpoint).expanduser() if args.checkpoint
                   else out.parent / (out.name + CHECKPOINT_SUFFIX))
     if checkpoint.exists() and not args.resume:
@@ -169,7 +177,7 @@ def cmd_eagle(args: argparse.Namespace) -> int:
     if args.resume and not checkpoint.is_file():
         raise ForerunError(f"nothing to resume: no checkpoint at {checkpoint}")
     for folder in args.data:
-        TokenManifest.open(folder, verify=False)
+        TokenManifest.open(folder)      # whole, before the model loads
     model = load_model(args, progress=not args.quiet)
     manifests = [TokenManifest.open(folder, fingerprint=model.tokenizer.fingerprint())
                  for folder in args.data]
@@ -206,7 +214,8 @@ def cmd_eagle(args: argparse.Namespace) -> int:
                               eos_ids=model.eos_token_ids, checkpoint=checkpoint,
                               resume=args.resume, max_seconds=args.max_seconds,
                               checkpoint_every=args.checkpoint_every, stop=stop,
-                              progress=not args.quiet, log=log, dtype=args.dtype, init=init)
+                              progress=not args.quiet, log=log, dtype=args.dtype, init=init,
+                              force=args.force)
         except FeaturesStopped as exc:
             print(f"forerun: stopped by {signal_name()} while computing the target's features "
                   f"({exc}); they are cached: the same command continues where this one "

@@ -65,6 +65,23 @@ class DraftAndVerify:
     cost_store: CalibrationStore | None
     _calibrated: bool
 
+    def measured_costs(self, token: int) -> list[float | None]:
+        """The verification costs this method's policy chooses from: stored,
+        or measured now on the target at its current length (and stored).
+        What a batch's members take instead of measuring (:meth:`use_costs`)."""
+        if not self._calibrated:
+            self._use_stored_or_measure(lambda: self.planner.calibrate(self.target, token))
+        return list(self.policy.costs.seconds)
+
+    def use_costs(self, seconds: list[float | None]) -> None:
+        """Choose from ``seconds`` (:meth:`measured_costs` of a method on a
+        sequence alone) and never measure: a member of a batch of sequences,
+        whose own timings include the others' forwards.  Its rounds refine
+        them in memory only: nothing is stored."""
+        self.policy.costs.seconds = list(seconds)
+        self.cost_store = None
+        self._calibrated = True
+
     def _use_stored_or_measure(self, measure: Callable[[], None]) -> None:
         """Fill ``policy.costs`` from ``cost_store`` when it holds costs of
         the same sizes, else ``measure()`` them (and store them)."""

@@ -60,7 +60,13 @@ from forerun.engines.eagle3_weights import (
     default_aux_layers,
 )
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
-from forerun.machine.output_files import OutputPathError, check_output_dir, written_whole
+from forerun.machine.output_files import (
+    OutputPathError,
+    check_output_dir,
+    check_replaceable,
+    record_written,
+    written_whole,
+)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -88,14 +94,17 @@ _LAYER = re.compile(r"^(?:model\.)?(?:layers|midlayers)\.(\d+)\.")
 # -- saving ----------------------------------------------------------------------
 
 def save_eagle3(weights: Eagle3Weights, directory: str | Path,
-                dtype: torch.dtype | str = DEFAULT_DTYPE) -> Path:
+                dtype: torch.dtype | str = DEFAULT_DTYPE, *, force: bool = False) -> Path:
     """Write ``weights`` into the folder ``directory`` (made if missing) as
     ``model.safetensors`` and ``config.json``, each written whole through a
     temporary file and a rename (the weights first, the config last); the
     float tensors in ``dtype`` (bfloat16, float16 or float32; float32 keeps
     them bit for bit; ``"int8"``: forerun's own int8 rows, module text).
     A folder that holds other weight files is refused: the engines would
-    load them too.  Returns the folder."""
+    load them too; so is one whose ``config.json`` or ``model.safetensors``
+    forerun did not write (a model's folder given by mistake), unless
+    ``force`` (:func:`~forerun.machine.output_files.check_replaceable`).
+    Returns the folder."""
     int8 = dtype in (INT8, torch.int8)
     dtype = torch.float32 if int8 else _dtype(dtype)
     out = check_output_dir(directory, "the output folder")
@@ -105,6 +114,7 @@ def save_eagle3(weights: Eagle3Weights, directory: str | Path,
         raise OutputPathError(f"{out} already holds {', '.join(others)}, which vLLM and "
                               f"SGLang would load beside the head; choose an empty folder or "
                               f"remove them")
+    check_replaceable(out, [WEIGHTS_FILE, CONFIG_FILE], "the output folder", force=force)
     from safetensors.torch import save_file
 
     tensors = {name: weights.tensors[name].detach().to("cpu", dtype).contiguous()
@@ -125,6 +135,7 @@ def save_eagle3(weights: Eagle3Weights, directory: str | Path,
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     with written_whole(out / CONFIG_FILE) as tmp:
         tmp.write_text(text, encoding="utf-8")
+    record_written(out, [WEIGHTS_FILE, CONFIG_FILE], "eagle3-head")
     return out
 
 

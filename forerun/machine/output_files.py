@@ -5,11 +5,19 @@ A command that runs for minutes (a benchmark, a training run) checks its
 output path first (:func:`check_output_file`, :func:`check_output_dir`), so
 a path it can't write fails at once instead of losing the work at the end;
 :func:`written_whole` writes through a temporary file in the same folder
-and a rename, so a reader never sees half a file."""
+and a rename, so a reader never sees half a file.  An empty or blank path is
+refused (it would name the current folder).
+
+A folder of forerun's artefacts (an exported head) carries a marker,
+:data:`MARKER`, naming the files forerun wrote there and their stamps:
+:func:`check_replaceable` refuses to replace any other file, or one changed
+since, unless the user forces it, so a model folder given by mistake is
+never overwritten."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -22,10 +30,15 @@ class OutputPathError(ForerunError):
     """An output path the command could not write."""
 
 
+#: The file in a folder of forerun's artefacts that lists what forerun wrote.
+MARKER = "forerun-files.json"
+
+
 def check_output_file(path: str | Path, option: str) -> Path:
     """``path`` as a file the command may write (``option`` names it in the
-    error): not a folder, in a folder that exists or can be made and that
-    this process may write."""
+    error): not empty, not a folder, in a folder that exists or can be made
+    and that this process may write."""
+    _not_blank(path, option, "file")
     out = Path(path).expanduser()
     if out.is_dir():
         raise OutputPathError(f"{option} {out} is a folder; give a file name, e.g. "
@@ -36,12 +49,58 @@ def check_output_file(path: str | Path, option: str) -> Path:
 
 def check_output_dir(path: str | Path, option: str) -> Path:
     """``path`` as a folder the command may write into, made now (``option``
-    names it in the error): not a file, and writable by this process."""
+    names it in the error): not empty, not a file, and writable by this
+    process."""
+    _not_blank(path, option, "folder")
     out = Path(path).expanduser()
     if out.exists() and not out.is_dir():
         raise OutputPathError(f"{option} {out} is a file; give a folder for the output")
     _writable_folder(out, option, out)
     return out
+
+
+def _not_blank(path: str | Path, option: str, what: str) -> None:
+    if not str(path).strip():
+        raise OutputPathError(f"{option} is empty; give a {what} to write (an empty path would "
+                              f"write into the current folder)")
+
+
+def check_replaceable(folder: Path, names: list[str], option: str, *, force: bool = False,
+                      hint: str = "--force") -> None:
+    """Refuse to replace a file of ``names`` in ``folder`` that forerun did
+    not write there (the folder's :data:`MARKER` does not list it), or that
+    changed since, naming the file; ``force``: replace it anyway."""
+    if force:
+        return
+    written = _written(folder)
+    for name in names:
+        path = folder / name
+        if path.exists() and written.get(name) != _stamp(path):
+            raise OutputPathError(
+                f"{option} {folder} holds {name}, which forerun did not write there (or which "
+                f"changed since): it is not replaced; choose another folder, or pass {hint} "
+                f"to replace it")
+
+
+def record_written(folder: Path, names: list[str], kind: str) -> None:
+    """List ``names`` in ``folder``'s :data:`MARKER` as written by forerun now."""
+    files = {**_written(folder), **{name: _stamp(folder / name) for name in names}}
+    text = json.dumps({"kind": kind, "files": files}, indent=1, sort_keys=True) + "\n"
+    with written_whole(folder / MARKER) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def _written(folder: Path) -> dict:
+    try:
+        files = json.loads((folder / MARKER).read_text(encoding="utf-8"))["files"]
+        return files if isinstance(files, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
 def _writable_folder(folder: Path, option: str, shown: Path) -> None:

@@ -100,6 +100,13 @@ class BatchWorker(EngineWorker):
 
     def _start(self, job: Job) -> None:
         prompt = job.spec.prompt_ids
+        config = job.spec.options.get("speculative")
+        if config is not None and config.method == "ngram":
+            try:    # here, alone, before the member's thread reads them
+                self.model.batch_costs(config)
+            except ForerunError as exc:
+                job.post("error", exc)
+                return
         with self._slot_lock:
             free = [s for s in self._slots if s.job is None]
         slot = max(free, key=lambda s: self.prefix_cache.live(prompt, s.member.inner))

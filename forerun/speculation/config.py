@@ -226,7 +226,7 @@ def resolve(draft: Any = None, *, draft_k: Any = None, draft_lookup: Any = None,
             raise fail(option, f"{n[option]} applies to asynchronous drafting: add "
                                f"{n['draft_async']}")
     kind = draft_kind(draft)
-    window = _window(draft_window, kind, n)
+    window = _window(draft_window, kind, n, draft)
     if draft_async and kind != "model":
         raise fail("draft_async", f"{n['draft_async']} needs a draft model (a model, preset "
                                   f"or path sharing the tokenizer), got {n['draft']}="
@@ -316,16 +316,19 @@ def resolve_for_preset(model: str | None, draft: Any = None, *,
     return resolve(chosen, names=names, **options)
 
 
-def _window(value: Any, kind: str, names: Mapping[str, str]) -> int | None:
-    """The draft window ``value`` asks for, for a draft of ``kind``."""
+def _window(value: Any, kind: str, names: Mapping[str, str], draft: Any) -> int | None:
+    """The draft window ``value`` asks for, for ``draft`` (of ``kind``)."""
     from forerun.drafters.draft_window import DEFAULT_DRAFT_WINDOW, window_problem
 
     if value is None:
         return DEFAULT_DRAFT_WINDOW
     if kind not in ("model", "eagle"):
+        shown = NO_DRAFT if draft is None else draft if isinstance(draft, str) else type(
+            draft).__name__
         raise SpeculativeConfigError(f"{names['draft_window']} is how much of the prompt a "
                                      f"draft model or an EAGLE head reads; {names['draft']}="
-                                     f"{value!r} has none", "draft_window")
+                                     f"{shown} reads none: drop {names['draft_window']}",
+                                     "draft_window")
     if isinstance(value, str) and value.lower() == WHOLE_PROMPT:
         return None
     problem = window_problem(value)

@@ -518,7 +518,7 @@ class EagleTrainer:
             resume: bool = False, max_seconds: float | None = None,
             checkpoint_every: int = 100, stop: threading.Event | None = None,
             on_step: Callable[[int], None] | None = None,
-            dtype: torch.dtype | str = torch.bfloat16) -> EagleRun:
+            dtype: torch.dtype | str = torch.bfloat16, force: bool = False) -> EagleRun:
         """Train (module text) and write the head to ``out`` (and the
         checkpoint to ``checkpoint``); ``resume``: continue ``checkpoint``.
         Stops at the end of the planned steps, after ``max_seconds`` (this
@@ -671,7 +671,7 @@ class EagleTrainer:
         }
         weights = model.to_weights(draft_ids, info)
         if out is not None:
-            save_eagle3(weights, out, dtype=dtype)
+            save_eagle3(weights, out, dtype=dtype, force=force)
         return EagleRun(weights, initial, final, history, step, planned, stopped, features,
                         trained_tokens, train_seconds, ckpt, data)
 
@@ -711,20 +711,21 @@ def train_eagle(decoder, records: Iterable[Any], *, model_name: str,
                 feature_root: str | Path | None = None, progress: bool = True,
                 log: Callable[[str], None] | None = None,
                 dtype: torch.dtype | str = torch.bfloat16,
-                init: Eagle3Weights | None = None) -> EagleRun:
+                init: Eagle3Weights | None = None, force: bool = False) -> EagleRun:
     """Train an EAGLE-3 head for the target ``decoder`` (forerun's torch
     engine, as it serves) on ``records`` (module text) and write it to
     ``out`` (:func:`~forerun.loading.eagle3_files.save_eagle3`, in
     ``dtype``).  ``init``: a head to go on training (its weights and draft
     vocabulary; a head an earlier run made, trained on on more data),
-    instead of a new one."""
+    instead of a new one.  ``force``: replace files in ``out`` that forerun
+    did not write."""
     trainer = EagleTrainer(decoder, records, model_name=model_name,
                            settings=settings or EagleSettings(), fingerprint=fingerprint,
                            eos_ids=eos_ids, feature_root=feature_root, progress=progress,
                            log=log, init=init)
     return trainer.run(out=out, checkpoint=checkpoint, resume=resume, max_seconds=max_seconds,
                        checkpoint_every=checkpoint_every, stop=stop, on_step=on_step,
-                       dtype=dtype)
+                       dtype=dtype, force=force)
 
 
 def _check_init(init: Eagle3Weights, settings: EagleSettings, aux_layers: tuple[int, ...],

@@ -153,7 +153,9 @@ class TokenManifest:
         ``path``).  ``fingerprint``: the tokenizer fingerprint the caller
         needs (:meth:`~forerun.tokenizer.Tokenizer.fingerprint`), refused
         when the manifest was built for another.  ``verify``: checksum every
-        shard (else only their sizes are checked)."""
+        shard and check every token id against the vocabulary (else only
+        their sizes are checked).  Every record's description is checked
+        either way."""
         root = Path(path).expanduser()
         if root.name == MANIFEST and root.is_file():
             root = root.parent
@@ -167,6 +169,8 @@ class TokenManifest:
                 f"for this model: forerun train data --model ... --out NEW_FOLDER")
         for shard in data["shards"]:
             _check_shard(root, shard, verify)
+        if verify:
+            _check_vocabulary(root, data)
         return manifest
 
     @property
@@ -255,10 +259,39 @@ def _read_manifest(root: Path) -> dict[str, Any]:
                 and isinstance(shard.get("bytes"), int)
                 and isinstance(shard.get("records"), list)):
             raise _damaged(file, "lists a shard it can't describe")
-        if sum(r.get("n", 0) for r in shard["records"]) * _DTYPE.itemsize != shard["bytes"]:
+        for n, record in enumerate(shard["records"]):
+            problem = _record_problem(record)
+            if problem is not None:
+                raise _damaged(file, f"gives record {n} of shard {shard['file']} {problem}")
+        if sum(r["n"] for r in shard["records"]) * _DTYPE.itemsize != shard["bytes"]:
             raise _damaged(file, f"gives shard {shard['file']} records that don't add up "
                                  f"to its size")
+    if data["vocab_size"] < 1:
+        raise _damaged(file, f"gives a vocab_size of {data['vocab_size']}")
     return data
+
+
+def _record_problem(meta: Any) -> str | None:
+    """What is wrong with a record's description in the manifest, or None."""
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not isinstance(meta, dict):
+        return "that is not an object"
+    n: Any = meta.get("n")
+    start: Any = meta.get("loss_start")
+    if not whole(n) or n < 1:
+        return f"a length of {n!r} tokens"
+    if meta.get("kind") not in KINDS:
+        return f"the kind {meta.get('kind')!r} (one of {', '.join(KINDS)})"
+    if not whole(start) or not 0 <= start < n:
+        return f"a loss_start of {start!r}, outside its {n} tokens"
+    if meta.get("seed") is not None and not whole(meta["seed"]):
+        return f"the seed {meta['seed']!r}"
+    for key in ("query", "source", "key"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            return f"a {key} that is not text"
+    return None
 
 
 def _check_shard(root: Path, shard: dict[str, Any], verify: bool) -> None:
@@ -277,6 +310,20 @@ def _check_shard(root: Path, shard: dict[str, Any], verify: bool) -> None:
         raise ManifestError(f"{path} was changed since it was written (its SHA-256 is not "
                             f"the manifest's). Restore it, or delete the folder {root} and "
                             f"build the data again (forerun train data --out ...)")
+
+
+def _check_vocabulary(root: Path, data: dict[str, Any]) -> None:
+    """Every token id of every shard within the manifest's vocabulary."""
+    vocab = data["vocab_size"]
+    for shard in data["shards"]:
+        tokens = np.fromfile(root / shard["file"], dtype=_DTYPE)
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+            at = int(np.argmax((tokens < 0) | (tokens >= vocab)))
+            raise ManifestError(
+                f"{root / shard['file']} holds the token id {int(tokens[at])} (position {at}), "
+                f"outside the vocabulary of {vocab} ids that {root / MANIFEST} gives: the "
+                f"manifest or the shard was changed. Delete the folder {root} and build the "
+                f"data again (forerun train data --out ...)")
 
 
 def _sha256(path: Path) -> str:

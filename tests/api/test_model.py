@@ -304,7 +304,9 @@ def test_invalid_loads_raise_forerun_errors(folders, tmp_path, monkeypatch, data
     ({"draft_async": 1}, "draft_async must be true or false"),
     ({"draft_threads": 1}, "add draft_async"),
     ({"messages": "hi", "prompt": None}, "messages must be a list"),
-    ({"prompt": "bad \udcff byte"}, "not valid UTF-8"),
+    ({"prompt": "bad \udcff byte"}, "the prompt is not valid UTF-8"),
+    ({"messages": [{"role": "user", "content": "bad \udcff"}], "prompt": None},
+     "the messages are not valid UTF-8"),
 ])
 def test_wrong_types_are_refused_not_truncated(models, kwargs, message):
     target, _ = models

@@ -222,6 +222,22 @@ def test_options_are_checked_before_a_model_loads(capsys):
     assert "--model is empty" in capsys.readouterr().err
 
 
+def test_a_drafter_that_cannot_run_fails_before_the_first_prompt(model, tmp_path):
+    """As forerun generate refuses it before any output (a chat once started
+    and failed every answer)."""
+    from tiny_gguf import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    for draft in ("nonsense", "eagle:/nonexistent/head"):
+        run = subprocess.run([sys.executable, "-m", "forerun.cli.main", "chat", "-m", str(gguf),
+                              "--weights", "float32", "-q", "--draft", draft],
+                             input="hello\n/exit\n", capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 1, run.stderr
+        assert "forerun: error:" in run.stderr and "Traceback" not in run.stderr
+        assert PROMPT.strip() not in run.stdout and "/help lists" not in run.stdout
+
+
 # -- in a terminal ---------------------------------------------------------------------
 
 TMUX = shutil.which("tmux")

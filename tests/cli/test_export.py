@@ -101,3 +101,43 @@ def test_bad_options_are_usage_errors(head_dir, tmp_path, capsys):
         main(["export", "eagle3", str(head_dir), str(tmp_path / "out"), "--dtype", "int8"])
     assert exit_.value.code == 2
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def _model_folder(path):
+    """A Hugging Face model's folder: one config.json, one model.safetensors."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
+    save_file({"w": torch.ones(3)}, str(path / "model.safetensors"))
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
+def test_a_folder_of_files_forerun_did_not_write_is_never_overwritten(head_dir, tmp_path,
+                                                                        capsys):
+    """A model's folder given as DIR: refused, naming the file, and left as
+    it was (it was replaced, exit 0); --force replaces it; a head forerun
+    wrote is replaced without --force, unless it was edited since."""
+    model = tmp_path / "model"
+    before = _model_folder(model)
+    assert main(["export", "eagle3", str(head_dir), str(model)]) == 1
+    err = capsys.readouterr().err
+    assert "holds model.safetensors, which forerun did not write" in err and "--force" in err
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+    assert main(["export", "eagle3", str(head_dir), str(model), "--force"]) == 0
+    assert load_eagle3(model).config.hidden_size == 64
+    # forerun's own export, written again: no --force needed
+    out = tmp_path / "out"
+    assert main(["export", "eagle3", str(head_dir), str(out)]) == 0
+    assert main(["export", "eagle3", str(head_dir), str(out), "--dtype", "float32"]) == 0
+    (out / "config.json").write_text((out / "config.json").read_text() + " ")   # edited
+    assert main(["export", "eagle3", str(head_dir), str(out)]) == 1
+    assert "holds config.json, which forerun did not write" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("out", ["", "  "])
+def test_an_empty_destination_is_refused(head_dir, tmp_path, capsys, monkeypatch, out):
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "eagle3", str(head_dir), out]) == 1
+    assert "DIR is empty" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]

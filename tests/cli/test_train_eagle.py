@@ -78,6 +78,8 @@ def test_the_help_shows_the_settings_defaults():
 @pytest.mark.parametrize("case, words", [
     ("no manifest", "manifest"),
     ("busy out", "holds other files"),
+    ("model folder", "holds config.json, which forerun did not write"),
+    ("empty out", "--out is empty"),
     ("checkpoint", "--resume"),
     ("nothing to resume", "nothing to resume"),
     ("aux layers", "--aux-layers must be three layer ids"),
@@ -92,6 +94,12 @@ def test_bad_input_is_an_error_without_a_traceback(folder, data, tmp_path, capsy
     elif case == "busy out":
         out.mkdir()
         (out / "notes.txt").write_text("x")
+    elif case == "model folder":       # a model's own folder, given by mistake
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"weights")
+    elif case == "empty out":
+        argv[argv.index(str(out))] = ""
     elif case == "checkpoint":
         (tmp_path / "head.checkpoint").write_bytes(b"x")
     elif case == "nothing to resume":
@@ -103,6 +111,9 @@ def test_bad_input_is_an_error_without_a_traceback(folder, data, tmp_path, capsy
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "forerun: error:" in err and words in err and "Traceback" not in err
+    if case == "model folder":
+        assert (out / "model.safetensors").read_bytes() == b"weights"
+        assert not (tmp_path / ".checkpoint").exists()
 
 
 def _tensors(path):

@@ -114,7 +114,8 @@ def test_reduced_precision_round_trip_is_the_rounded_weights(tmp_path, dtype):
 
 def test_the_export_is_the_published_layout(tmp_path):
     folder = exported(tmp_path, dtype=torch.bfloat16)
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "forerun-files.json",
+                                                        "model.safetensors"]
     data = load_file(str(folder / "model.safetensors"))
     assert {name: list(t.shape) for name, t in data.items()} == PUBLISHED
     assert data["d2t"].dtype == torch.int64 and data["t2d"].dtype == torch.bool

@@ -5,6 +5,7 @@ giving equal configs through the API, the command line and the server."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -220,3 +221,16 @@ def test_the_cli_refuses_before_loading_anything(monkeypatch):
     monkeypatch.setitem(sys.modules, "forerun.api.loader", None)   # importing it would fail
     with pytest.raises(SpeculativeConfigError, match="--draft-k drafts a chain"):
         _cli("--draft-tree", "--draft-k", "3")
+
+
+@pytest.mark.parametrize("names, draft, shown", [
+    (API, "ngram", "draft='?ngram"), (CLI, "ngram", "--draft=ngram"),
+    (SERVER, None, "speculative.draft=none"), (CLI, "none", "--draft=none")])
+def test_a_window_for_a_drafter_that_reads_no_prompt_names_the_drafter(names, draft, shown):
+    """Not the window's value as the drafter (``--draft=64 has none``)."""
+    with pytest.raises(GenerationConfigError) as err:
+        resolve(draft, names=names, draft_window=64)
+    assert err.value.option == "draft_window"
+    message = str(err.value)
+    assert re.search(shown + r"'? reads none", message), message
+    assert names["draft_window"] in message and "64" not in message

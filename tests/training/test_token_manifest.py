@@ -189,7 +189,18 @@ def test_a_truncated_or_changed_or_missing_shard_is_refused_naming_it(tmp_path):
     (lambda d: d.update(format="something-else"), "not a forerun token manifest"),
     (lambda d: d.pop("shards"), "lacks a valid 'shards'"),
     (lambda d: d["shards"][0]["records"].pop(), "don't add up"),
-], ids=["version", "format", "no-shards", "records"])
+    (lambda d: d["shards"][0]["records"][1].update(loss_start=-7), "record 1 of shard .* "
+     "a loss_start of -7"),
+    (lambda d: d["shards"][0]["records"][0].update(loss_start=10_000), "loss_start of 10000"),
+    (lambda d: d["shards"][0]["records"][0].update(kind="poem"), "the kind 'poem'"),
+    (lambda d: d["shards"][0]["records"][0].update(n=-3), "a length of -3"),
+    (lambda d: d["shards"][0]["records"][0].update(seed="1"), "the seed '1'"),
+    (lambda d: d["shards"][0]["records"][0].update(query=5), "query that is not text"),
+    (lambda d: d["shards"][0]["records"].__setitem__(0, 7), "not an object"),
+    (lambda d: d.update(vocab_size=0), "vocab_size of 0"),
+    (lambda d: d.update(vocab_size=10), "outside the vocabulary of 10 ids"),
+], ids=["version", "format", "no-shards", "records", "negative-loss-start", "late-loss-start",
+        "kind", "length", "seed", "query", "record", "no-vocab", "small-vocab"])
 def test_an_unknown_or_inconsistent_manifest_is_refused(tmp_path, edit, message):
     writer = new(tmp_path / "m")
     for r in records(3):
@@ -287,3 +298,62 @@ def test_a_flush_that_failed_can_be_done_again(tmp_path, monkeypatch):
     writer.flush()
     read = list(TokenManifest.open(tmp_path / "m"))
     assert len(read) == 12 and all(same(a, b) for a, b in zip(made, read))
+
+
+def test_any_edit_of_a_manifest_opens_or_is_refused_never_a_crash(tmp_path):
+    """Fuzzed: manifest.json with any one value replaced by another of any
+    type (or removed), and shards cut anywhere: open() and reading every
+    record give records or a ManifestError, nothing else."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    writer = new(tmp_path / "m", shard_tokens=100)
+    for r in records(6):
+        writer.add(r)
+    writer.flush()
+    original = json.loads((tmp_path / "m" / MANIFEST).read_text())
+    shards = {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir() if p.name != MANIFEST}
+
+    def paths(value, at=()):
+        yield at
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield from paths(v, at + (k,))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                yield from paths(v, at + (i,))
+
+    every = [p for p in paths(original) if p]
+    values = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40),
+                       st.floats(allow_nan=True), st.text(max_size=8),
+                       st.lists(st.integers(-5, 5), max_size=3),
+                       st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+                       st.just("<remove>"))
+
+    @settings(max_examples=300, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(where=st.sampled_from(every), value=values, cut=st.one_of(st.none(),
+                                                                    st.integers(0, 400)))
+    def check(where, value, cut):
+        data = json.loads(json.dumps(original))
+        parent = data
+        for key in where[:-1]:
+            parent = parent[key]
+        if value == "<remove>":
+            parent.pop(where[-1]) if isinstance(parent, dict) else parent.pop(where[-1])
+        else:
+            parent[where[-1]] = value
+        folder = tmp_path / "m"
+        (folder / MANIFEST).write_text(json.dumps(data))
+        for name, content in shards.items():
+            (folder / name).write_bytes(content if cut is None else content[:cut])
+        try:
+            for verify in (False, True):
+                manifest = TokenManifest.open(folder, verify=verify)
+                for record in manifest.records():
+                    assert len(record) >= 1
+                list(manifest.records("train"))
+        except ManifestError:
+            pass
+
+    check()
