@@ -285,6 +285,27 @@ class Model:
             return run_batch(self.decoder, [job(*p) for p in prepared], parallel,
                              on_done=on_result)
 
+    def run_batch(self, jobs: Sequence[Callable[[Any], Any]], *, parallel: int,
+                  configs: Sequence[SpeculativeConfig] = ()) -> list[Any]:
+        """Run ``jobs`` several at a time, their forwards shared, and return
+        their results in order.  A job is a function of a batch member (a
+        decoder of its own over this model's weights) that generates on it
+        with :meth:`stream_in_batch` as often as it needs (a query, then its
+        answer); it runs on a thread of its own.  ``configs``: the prompt
+        lookup configs the jobs use (their costs are read first, here).
+        The first job that raises has its error raised once all ended."""
+        from forerun.generation.batch import run_batch
+
+        if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
+            raise GenerationConfigError(f"parallel must be a positive integer, got "
+                                        f"{parallel!r}")
+        with Holds([self._lock]):
+            self.verification_grouping()
+            for config in configs:
+                if config.method == "ngram":
+                    self.batch_costs(config)
+            return run_batch(self.decoder, list(jobs), parallel)
+
     def stream_in_batch(self, decoder, prompt: str | None = None, **kwargs: Any
                         ) -> GenerationStream:
         """:meth:`stream` on ``decoder``, a member of a batch of this

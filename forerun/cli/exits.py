@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypedDict
@@ -37,6 +38,8 @@ def run_command(body: Callable[[], int]) -> int:
     way it can end into an exit status, as described above."""
     _tolerant_streams()
     restore = _install_signal_handlers()
+    shown = warnings.showwarning
+    warnings.showwarning = _show_warning
     try:
         if sys.stdout is None:
             raise ForerunError("standard output is closed; redirect it to a file or "
@@ -55,7 +58,15 @@ def run_command(body: Callable[[], int]) -> int:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
     finally:
+        warnings.showwarning = shown
         restore()
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line of forerun's own words (``forerun: warning:
+    ...``), never the source file and line that raised it."""
+    text = str(message).removeprefix("forerun: ").removeprefix("forerun ")
+    _print_error(f"forerun: warning: {text}")
 
 
 def _print_error(text: str) -> None:

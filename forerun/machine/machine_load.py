@@ -9,8 +9,10 @@ taken under load is not kept for good (:mod:`forerun.machine.calibration`).
 The measure is the CPU time the whole machine spent busy (Linux
 ``/proc/stat``: user, nice, system, irq, softirq and steal, the last being
 time a hypervisor gave our virtual CPUs to someone else) less the CPU time
-of this process (:func:`time.process_time`, every thread), per second of
-wall time: the cores other processes held.  Where there is no
+of this process (:func:`time.process_time`, every thread) and of the
+children it ran and waited for (the compiler building the native kernels
+on a first run: forerun's own work, never load), per second of wall time:
+the cores other processes held.  Where there is no
 ``/proc/stat`` (not Linux) it is unknown, reported as ``None``, and
 measurements are kept as they were before (nothing says they were busy).
 """
@@ -48,6 +50,13 @@ def _busy_seconds() -> float | None:
         return ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError):
         return None
+
+
+def _own_seconds() -> float:
+    """CPU seconds of this process and of its children that ended (and
+    were waited for)."""
+    t = os.times()
+    return time.process_time() + t.children_user + t.children_system
 
 
 @dataclass(frozen=True)
@@ -88,12 +97,12 @@ class LoadMeter:
 
     def restart(self) -> None:
         self._wall = time.monotonic()
-        self._own = time.process_time()
+        self._own = _own_seconds()
         self._busy = _busy_seconds()
 
     def conditions(self) -> Conditions:
         wall = time.monotonic() - self._wall
-        own = time.process_time() - self._own
+        own = _own_seconds() - self._own
         busy = _busy_seconds()
         other: float | None = None
         # /proc/stat counts in ticks (10 ms): over a few ticks the figure is

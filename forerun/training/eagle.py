@@ -614,6 +614,7 @@ class EagleTrainer:
         stopped = "done"
         loop_start = time.perf_counter()
         since_checkpoint = 0
+        saved_step = step if saved is not None else None    # the checkpoint on disk
         last_loss = float("nan")
         while True:
             if epoch < s.epochs and batch_index >= len(epochs[epoch]):
@@ -634,6 +635,11 @@ class EagleTrainer:
                 break
             batch = [pieces[i] for i in epochs[epoch][batch_index]]
             last_loss = self._step(model, opt, batch, local, lr_at(step))
+            if not (math.isfinite(last_loss)
+                    and all(bool(torch.isfinite(p).all()) for p in model.parameters())):
+                bar.close()
+                raise _diverged(step + 1, last_loss, ckpt if saved_step is not None else None,
+                                saved_step)
             step += 1
             batch_index += 1
             tokens = sum(len(r) for r in batch)
@@ -643,6 +649,7 @@ class EagleTrainer:
             bar.set_postfix(step=f"{step}/{planned}", loss=f"{last_loss:.3f}", refresh=False)
             if since_checkpoint >= checkpoint_every:
                 save_checkpoint()
+                saved_step = step
                 since_checkpoint = 0
             if on_step is not None:
                 on_step(step)
@@ -699,6 +706,16 @@ class EagleTrainer:
         torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
         opt.step()
         return loss
+
+
+def _diverged(step: int, loss: float, ckpt: Path | None, saved_step: int | None
+              ) -> ForerunError:
+    """The error of a run whose loss or weights stopped being finite."""
+    where = (f"the last good checkpoint is {ckpt} (step {saved_step}), written before it"
+             if ckpt is not None else "no checkpoint was written before it")
+    return ForerunError(f"training diverged at step {step} (loss {loss:.4g}, or weights that "
+                        f"are no longer finite); {where}. Train again with a lower --lr "
+                        f"(now: the head and its checkpoint are not written further)")
 
 
 def train_eagle(decoder, records: Iterable[Any], *, model_name: str,

@@ -257,7 +257,11 @@ class ChatModel(Protocol):
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Any: ...
 
-    def generate_batch(self, requests: Sequence[Any], **kwargs: Any) -> list[Any]: ...
+    def run_batch(self, jobs: Sequence[Callable[[Any], Any]], *, parallel: int) -> list[Any]:
+        ...
+
+    def stream_in_batch(self, decoder: Any, prompt: str | None = None, **kwargs: Any
+                        ) -> Any: ...
 
     def encode_prompt(self, prompt: str | None = None, *, messages: Any = None,
                       prompt_ids: Any = None) -> list[int]: ...
@@ -390,13 +394,6 @@ class Magpie:
         r = self.model.generate(**self._query_request(seed, index), cancel=self.cancel)
         return self._query_outcome(r, time.perf_counter() - start)
 
-    def queries(self, items: Sequence[tuple[int, int]]) -> list[Outcome]:
-        """:meth:`query` of each ``(seed, index)``, generated together
-        (``Model.generate_batch``: each the same as alone)."""
-        results, seconds = self._batch([self._query_request(seed, index)
-                                        for seed, index in items])
-        return [self._query_outcome(r, seconds) for r in results]
-
     def _query_request(self, seed: int, index: int) -> dict[str, Any]:
         s = self.settings
         prefix = (self.topic_prefixes[index % len(self.topic_prefixes)]
@@ -420,12 +417,30 @@ class Magpie:
             out.dropped = "degenerate"
         return out
 
-    def _batch(self, requests: list[dict[str, Any]]) -> tuple[list[Any], float]:
-        """``requests`` generated together; the results and each one's share
-        of the wall time."""
-        start = time.perf_counter()
-        results = self.model.generate_batch(requests, cancel=self.cancel)
-        return results, (time.perf_counter() - start) / max(1, len(requests))
+    def item_on(self, member: Any, seed: int, index: int,
+                keepable: Callable[[Outcome], list[int] | None]
+                ) -> tuple[Outcome, Outcome | None]:
+        """Item ``index``'s query generated on ``member`` (a batch member,
+        ``Model.run_batch``), and its answer where ``keepable(query)`` gives
+        the prompt a run could keep it with: what :meth:`query` and
+        :meth:`answer` make, token for token.  Answers are generated plainly
+        (the same tokens as any drafter gives: answers are greedy where a
+        drafter is allowed), since in a batch of many sequences drafted
+        positions cost nearly what whole steps do.  ``seconds`` are left 0
+        (the batch's wall time is shared out by its caller)."""
+        r = self._on(member, self._query_request(seed, index))
+        q = self._query_outcome(r, 0.0)
+        prompt = keepable(q)
+        if prompt is None:
+            return q, None
+        request = {**self._answer_request(prompt, seed), "speculative": PLAIN}
+        return q, self._answer_outcome(self._on(member, request), prompt, 0.0)
+
+    def _on(self, member: Any, request: dict[str, Any]) -> Any:
+        stream = self.model.stream_in_batch(member, cancel=self.cancel, **request)
+        for _ in stream:
+            pass
+        return stream.result
 
     def prompt(self, query: str) -> list[int] | None:
         """The tokens of ``query`` in the chat template, as the target reads
@@ -443,24 +458,11 @@ class Magpie:
         r = self.model.generate(**self._answer_request(prompt, seed), cancel=self.cancel)
         return self._answer_outcome(r, prompt, time.perf_counter() - start)
 
-    def answers(self, items: Sequence[tuple[list[int], int]]) -> list[Outcome]:
-        """:meth:`answer` of each ``(prompt, seed)``, generated together.
-        Greedy answers with a draft model are generated plainly: the same
-        tokens (``Model.generate_batch`` batches plain decoding and prompt
-        lookup)."""
-        results, seconds = self._batch([self._answer_request(prompt, seed, batched=True)
-                                        for prompt, seed in items])
-        return [self._answer_outcome(r, prompt, seconds)
-                for r, (prompt, _) in zip(results, items)]
-
-    def _answer_request(self, prompt: list[int], seed: int, batched: bool = False
-                        ) -> dict[str, Any]:
+    def _answer_request(self, prompt: list[int], seed: int) -> dict[str, Any]:
         s = self.settings
-        speculative = self.answer_speculative
-        if batched and speculative.method not in ("none", "ngram"):
-            speculative = PLAIN
         return dict(prompt_ids=prompt, max_new_tokens=s.max_answer_tokens,
-                    temperature=s.answer_temperature, seed=seed, speculative=speculative)
+                    temperature=s.answer_temperature, seed=seed,
+                    speculative=self.answer_speculative)
 
     def _answer_outcome(self, r: Any, prompt: list[int], seconds: float) -> Outcome:
         s = self.settings
@@ -742,29 +744,38 @@ class DataBuilder:
                 f"is needed; --max-query-tokens and --max-answer-tokens bound the lengths)")
 
     def _make_ahead(self, first: int) -> None:
-        """Make items ``first .. first + parallel - 1`` together: their
-        queries in one batch, then the answers of those a run could keep
-        in another.  Which are kept is decided item by item, in order, by
+        """Make items ``first .. first + parallel - 1`` together,
+        ``parallel`` at a time (``Model.run_batch``): each its query, then
+        at once its answer where a run could keep it, so the batch stays
+        full.  Which are kept is decided item by item, in order, by
         :meth:`_conversation_step`, exactly as in a run of one item at a
-        time: a query that duplicates a record kept before the batch can't
-        be kept, and every other one is answered (kept records only grow,
-        so a query new now may turn out a duplicate of an earlier item of
-        the batch, never the other way round)."""
+        time: a query that duplicates a record kept before these items
+        can't be kept, and every other one is answered (kept records only
+        grow, so a query new now may turn out a duplicate of an earlier
+        item, never the other way round; the answer is then dropped)."""
         magpie = self.magpie
-        items = [(item_seed(self.settings.seed, i), i)
-                 for i in range(first, first + self.parallel)]
-        queries = magpie.queries(items)
-        prompts: dict[int, list[int]] = {}
-        for (_, index), q in zip(items, queries):
+
+        def keepable(q: Outcome) -> list[int] | None:
+            # (reads only: nothing is kept while the batch runs)
             if (q.dropped is None and not self.bench.overlaps(q.text, query=True)
                     and self.dedup.check(q.text) is None):
-                prompt = magpie.prompt(q.text)
-                if prompt is not None:
-                    prompts[index] = prompt
-        answered = dict(zip(prompts, magpie.answers(
-            [(prompt, item_seed(self.settings.seed, index))
-             for index, prompt in prompts.items()])))
-        self._ready = {index: (q, answered.get(index)) for (_, index), q in zip(items, queries)}
+                return magpie.prompt(q.text)
+            return None
+
+        def job(index: int) -> Callable[[Any], tuple[Outcome, Outcome | None]]:
+            return lambda member: magpie.item_on(
+                member, item_seed(self.settings.seed, index), index, keepable)
+
+        indices = range(first, first + self.parallel)
+        start = time.perf_counter()
+        made = self.model.run_batch([job(i) for i in indices], parallel=self.parallel)
+        # The wall time, shared out by tokens made.
+        outcomes = [o for pair in made for o in pair if o is not None]
+        per_token = (time.perf_counter() - start) / max(1, sum(len(o.tokens)
+                                                                for o in outcomes))
+        for o in outcomes:
+            o.seconds = per_token * len(o.tokens)
+        self._ready = dict(zip(indices, made))
 
     # -- text ------------------------------------------------------------------
 

@@ -48,3 +48,24 @@ def test_a_signal_in_a_swallowing_callback_is_delivered_again(monkeypatch):
     while not sent and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sent == [(exits.os.getpid(), signal.SIGTERM)]
+
+
+def test_a_warning_is_one_line_of_forerun_words(capsys):
+    """Not Python's ``path.py:123: UserWarning: ...`` and the source line."""
+    import warnings
+
+    from forerun.cli.exits import run_command
+
+    def body() -> int:
+        warnings.warn("forerun: the packed-weight cache is not used: disk full", stacklevel=2)
+        warnings.warn("forerun could not store its costs calibration", stacklevel=2)
+        return 0
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert run_command(body) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "forerun: warning: the packed-weight cache is not used: disk full",
+        "forerun: warning: could not store its costs calibration"]
+    assert ".py" not in err and "UserWarning" not in err

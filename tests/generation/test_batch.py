@@ -160,3 +160,27 @@ def test_members_share_forwards_and_wait_for_each_other(model):
     with pytest.raises(ConfigError, match="not running"):
         forwards.member().feed([1])            # never joined: nothing would compute it
     torch.set_num_threads(torch.get_num_threads())
+
+
+def test_prompt_lookup_in_a_batch_takes_the_costs_measured_alone(model, monkeypatch):
+    """Its members never time forwards inside the batch (their timings hold
+    the others' forwards) and never store what they refine: every measure
+    and store happens on the engine thread, once."""
+    from forerun.machine.calibration import CalibrationStore
+    from forerun.speculation.config import resolve
+
+    engine = threading.current_thread()
+    saves, measures = [], []
+    save, measuring = CalibrationStore.save, CalibrationStore.measuring
+    monkeypatch.setattr(CalibrationStore, "save", lambda self, *a, **k: (
+        saves.append(threading.current_thread()), save(self, *a, **k))[1])
+    monkeypatch.setattr(CalibrationStore, "measuring", lambda self, *a, **k: (
+        measures.append(threading.current_thread()), measuring(self, *a, **k))[1])
+    model._methods.pop(("batch-costs", resolve("ngram", draft_k=None).key), None)
+    results = model.generate_batch(_requests(), draft="ngram", parallel=4)
+    assert [len(r.tokens) for r in results] == LENGTHS
+    assert all(t is engine for t in saves + measures)
+    forwards = SharedForwards(model.decoder)
+    member = forwards.member()
+    with pytest.raises(ConfigError, match="batch_costs"):
+        model.stream_in_batch(member, "a b", draft="ngram", draft_k=3, max_new_tokens=2)

@@ -89,3 +89,27 @@ def test_busy_starts_at_a_quarter_of_a_core():
     assert not Conditions(BUSY_CORES - 0.01, 1.0, None, 2).busy
     assert Conditions(BUSY_CORES, 1.0, None, 2).busy
     assert Conditions(None, 1.0, None, os.cpu_count() or 1).busy is False
+
+
+def test_a_child_this_process_ran_and_waited_for_is_not_load(fake_proc_stat, monkeypatch):
+    """The compiler a first run starts is forerun's own work: its CPU time,
+    counted by the machine, is subtracted once the child has been waited
+    for (a new user's first run once marked its timings busy with it)."""
+    clock = {"wall": 100.0, "own": 5.0, "children": 0.0}
+    monkeypatch.setattr(machine_load.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(machine_load.time, "process_time", lambda: clock["own"])
+    monkeypatch.setattr(machine_load.os, "times", lambda: os.times_result(
+        (0.0, 0.0, clock["children"], 0.0, 0.0)))
+    tick = os.sysconf("SC_CLK_TCK")
+    fake_proc_stat(busy=0)
+    meter = LoadMeter()
+    # One second: this process 0.2 s of CPU, its compiler 1.5 s, nobody else.
+    clock.update(wall=101.0, own=5.2, children=1.5)
+    fake_proc_stat(busy=int(1.7 * tick))
+    seen = meter.conditions()
+    assert seen.other_cores == pytest.approx(0.0, abs=0.02) and not seen.busy
+    # Another process's 0.5 s beside them still counts.
+    meter.restart()
+    clock.update(wall=102.0, own=5.4, children=3.0)
+    fake_proc_stat(busy=int((1.7 + 0.2 + 1.5 + 0.5) * tick))
+    assert meter.conditions().other_cores == pytest.approx(0.5, abs=0.02)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from forerun.errors import ForerunError
 from forerun.training.eagle import (
     CheckpointError,
     EagleSettings,
@@ -293,3 +294,38 @@ def test_records_cut_into_pieces_predict_every_position_once():
         # a piece with no counted row is left out
         assert all(piece.end >= r.loss_start for piece in pieces if piece.record == i)
     assert not any(piece.record == 0 for piece in pieces)      # one token: nothing to predict
+
+
+def test_a_diverging_run_stops_at_once_naming_the_last_good_checkpoint(
+        target, records, features, tmp_path):
+    """lr 1e30: the weights stop being finite at the first step (it once ran
+    on and ended with "info must be JSON-serialisable"); nothing is written
+    after it, and the checkpoint on disk is the last good one."""
+    with pytest.raises(ForerunError, match=r"training diverged at step 1 .* no checkpoint "
+                                           r"was written before it.*lower --lr"):
+        run(target, records, features, lr=1e30, out=tmp_path / "head",
+            checkpoint=tmp_path / "a.ckpt")
+    assert not (tmp_path / "head").exists() and not (tmp_path / "a.ckpt").exists()
+    # Good steps first: with a learning rate raised to 1e30 from step 3 on.
+    import forerun.training.eagle as eagle
+
+    real = eagle.EagleTrainer._step
+
+    def step(self, model, opt, batch, local, lr):
+        return real(self, model, opt, batch, local, lr if self._steps_done < 2 else 1e30)
+
+    def counted(self, *args):
+        loss = step(self, *args)
+        self._steps_done = getattr(self, "_steps_done", 0) + 1
+        return loss
+
+    eagle.EagleTrainer._steps_done = 0
+    try:
+        eagle.EagleTrainer._step = counted
+        with pytest.raises(ForerunError, match=rf"diverged at step 3 .*the last good checkpoint "
+                                               rf"is {tmp_path / 'b.ckpt'} \(step 2\)"):
+            run(target, records, features, checkpoint=tmp_path / "b.ckpt", checkpoint_every=1)
+    finally:
+        eagle.EagleTrainer._step = real
+        del eagle.EagleTrainer._steps_done
+    assert (tmp_path / "b.ckpt").is_file()

@@ -290,9 +290,12 @@ class StopAt:
         self._count()
         return self.model.generate(*args, **kwargs)
 
-    def generate_batch(self, *args, **kwargs):
+    def run_batch(self, *args, **kwargs):
         self._count()
-        return self.model.generate_batch(*args, **kwargs)
+        return self.model.run_batch(*args, **kwargs)
+
+    def stream_in_batch(self, *args, **kwargs):
+        return self.model.stream_in_batch(*args, **kwargs)
 
     def _count(self) -> None:
         self.calls += 1
