@@ -21,18 +21,15 @@ step) and statistics are each request's own.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
-from typing import Any
 
 from forerun.errors import ForerunError
 from forerun.generation.batch import BatchedDecoder, SharedForwards
 from forerun.server.prefix_cache import PrefixCache, Reuse
-from forerun.server.worker import EngineWorker, Finished, Job, ShuttingDownError
+from forerun.server.worker import EngineWorker, Job
 
 log = logging.getLogger("forerun.server")
 
@@ -91,11 +88,7 @@ class BatchWorker(EngineWorker):
             except queue.Empty:
                 return
             block = False
-            if self._closing.is_set():
-                job.post("error", ShuttingDownError())
-            elif job.cancel.is_set():
-                job.post("error", asyncio.CancelledError())
-            else:
+            if self._runs(job):
                 self._start(job)
 
     def _start(self, job: Job) -> None:
@@ -121,31 +114,14 @@ class BatchWorker(EngineWorker):
 
     # -- a slot's thread ---------------------------------------------------------
     def _serve_in(self, slot: _Slot, job: Job, reuse: Reuse) -> None:
-        assert self._forwards is not None
-        started = time.perf_counter()
-        ttft = None
-        spec = job.spec
-        outcome: tuple[str, Any]
+        forwards = self._forwards
+        assert forwards is not None
         try:
-            self._forwards.enter()
-            stream = self.model.stream_in_batch(slot.member, prompt_ids=spec.prompt_ids,
-                                                cancel=job.cancel, **spec.options)
-            for delta in stream:
-                if ttft is None:
-                    ttft = time.perf_counter() - job.submitted
-                job.post("delta", delta)
-            finished = Finished(stream.result, reuse, started - job.submitted, ttft)
-            if self.on_finish is not None:      # counted before the client hears of it
-                self.on_finish(finished)
-            outcome = ("done", finished)
-        except ForerunError as exc:
-            outcome = ("error", exc)
-        except Exception as exc:  # a bug: log it, keep serving from a clean cache
-            log.exception("generation failed")
-            slot.member.inner.reset()
-            outcome = ("error", exc)
+            forwards.enter()
+            outcome = self._generate(job, slot.member.inner, lambda: (
+                reuse, lambda **kw: self.model.stream_in_batch(slot.member, **kw)))
         finally:
-            self._forwards.leave(slot.member)
+            forwards.leave(slot.member)
             with self._slot_lock:
                 slot.job = None
                 self._busy -= 1

@@ -134,24 +134,46 @@ class EngineWorker:
                 if self._closing.is_set():
                     return
                 continue
-            if self._closing.is_set():
-                job.post("error", ShuttingDownError())
-            elif job.cancel.is_set():
-                job.post("error", asyncio.CancelledError())
-            else:
+            if self._runs(job):
                 self._serve(job)
+
+    def _runs(self, job: Job) -> bool:
+        """Whether ``job``, taken from the queue, is to run; else it is
+        answered here (the server is closing, or its client went away)."""
+        if self._closing.is_set():
+            job.post("error", ShuttingDownError())
+        elif job.cancel.is_set():
+            job.post("error", asyncio.CancelledError())
+        else:
+            return True
+        return False
 
     def _serve(self, job: Job) -> None:
         self._current = job
         if self._closing.is_set():      # shutdown() may have missed this job
             job.cancel.set()
+        try:
+            outcome = self._generate(job, self.model.decoder, lambda: (
+                self.prefix_cache.prepare(job.spec.prompt_ids), self.model.stream))
+        finally:
+            self._current = None
+        # Out of flight before the client hears the end: a client that reads
+        # /metrics or /health once its answer is complete sees it finished.
+        job.post(*outcome)
+
+    def _generate(self, job: Job, decoder, start: Callable[[], tuple[Reuse, Callable]]
+                  ) -> tuple[str, Any]:
+        """Run ``job``'s generation, its deltas posted as they come, and
+        return its outcome (``("done", Finished)`` or ``("error", exc)``)
+        without posting it.  ``start()`` gives what the prefix cache
+        supplied and the stream function (``Model.stream`` or a batch
+        member's); a bug leaves ``decoder`` reset."""
         started = time.perf_counter()
         ttft = None
         spec = job.spec
         try:
-            reuse = self.prefix_cache.prepare(spec.prompt_ids)
-            stream = self.model.stream(prompt_ids=spec.prompt_ids, cancel=job.cancel,
-                                       **spec.options)
+            reuse, stream_of = start()
+            stream = stream_of(prompt_ids=spec.prompt_ids, cancel=job.cancel, **spec.options)
             for delta in stream:
                 if ttft is None:
                     ttft = time.perf_counter() - job.submitted
@@ -159,18 +181,13 @@ class EngineWorker:
             finished = Finished(stream.result, reuse, started - job.submitted, ttft)
             if self.on_finish is not None:      # counted before the client hears of it
                 self.on_finish(finished)
-            outcome: tuple[str, Any] = ("done", finished)
+            return ("done", finished)
         except ForerunError as exc:
-            outcome = ("error", exc)
+            return ("error", exc)
         except Exception as exc:  # a bug: log it, keep serving from a clean cache
             log.exception("generation failed")
             try:
-                self.model.decoder.reset()
+                decoder.reset()
             except Exception:
                 log.exception("could not reset the engine")
-            outcome = ("error", exc)
-        finally:
-            self._current = None
-        # Out of flight before the client hears the end: a client that reads
-        # /metrics or /health once its answer is complete sees it finished.
-        job.post(*outcome)
+            return ("error", exc)
