@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from forerun.errors import ConfigError, UnsupportedOperationError
+from forerun.errors import ConfigError, EngineError, UnsupportedOperationError
 from forerun.protocol.decoder import Capabilities, Decoder, EngineSettings, ForwardOutput
 
 T = TypeVar("T")
@@ -70,6 +70,7 @@ class SharedForwards:
         self._pending: list[_Request] = []
         self._members = 0
         self._leaves = 0
+        self._closed: EngineError | None = None
         self.threads = torch.get_num_threads()
         #: Forwards run: (sequences in the shared feed, feeds run alone) per step.
         self.steps: list[tuple[int, int]] = []
@@ -109,8 +110,23 @@ class SharedForwards:
             self._leaves += 1
             self._cond.notify_all()
 
+    def close(self, error: BaseException) -> None:
+        """The engine thread stops stepping (it was interrupted, or failed):
+        every waiting call, and every later one, raises a
+        :class:`~forerun.errors.EngineError` naming ``error``,
+        so the members' threads end instead of waiting for ever."""
+        with self._cond:
+            self._closed = EngineError(
+                f"the batch's engine thread stopped ({type(error).__name__}: {error})")
+            for r in self._pending:
+                r.error, r.done = self._closed, True
+            self._pending = []
+            self._cond.notify_all()
+
     def _wait(self, request: _Request) -> Any:
         with self._cond:
+            if self._closed is not None:
+                raise self._closed
             if not request.decoder._running:
                 raise ConfigError("this batch member is not running (join it first); it "
                                   "computes only between join and leave")
@@ -256,7 +272,6 @@ class BatchedDecoder:
     def verify_group(self, group: int | None) -> None:
         self.inner.verify_group = group
 
-
     @property
     def threads(self) -> int:
         return self.inner.threads
@@ -316,7 +331,6 @@ def run_batch(decoder: Decoder, jobs: Sequence[Callable[[Decoder], T]], parallel
     forwards = forwards or SharedForwards(decoder)
     results: list[Any] = [None] * len(jobs)
     errors: list[BaseException | None] = [None] * len(jobs)
-    finished = threading.Semaphore(0)
     done: queue.SimpleQueue[int] = queue.SimpleQueue()     # jobs in the order they end
 
     def run(n: int, member: BatchedDecoder) -> None:
@@ -328,23 +342,26 @@ def run_batch(decoder: Decoder, jobs: Sequence[Callable[[Decoder], T]], parallel
         finally:
             forwards.leave(member)
             done.put(n)
-            finished.release()
 
     started = running = 0
-    while started < len(jobs) or running:
-        while running < parallel and started < len(jobs):
-            member = forwards.member()
-            forwards.join(member)
-            threading.Thread(target=run, args=(started, member), daemon=True,
-                             name=f"forerun-batch-{started}").start()
-            started += 1
-            running += 1
-        forwards.step()
-        while finished.acquire(blocking=False):
-            running -= 1
-            n = done.get()
-            if on_done is not None and errors[n] is None:
-                on_done(n, results[n])
+    try:
+        while started < len(jobs) or running:
+            while running < parallel and started < len(jobs):
+                member = forwards.member()
+                forwards.join(member)
+                threading.Thread(target=run, args=(started, member), daemon=True,
+                                 name=f"forerun-batch-{started}").start()
+                started += 1
+                running += 1
+            forwards.step()
+            while not done.empty():
+                running -= 1
+                n = done.get()
+                if on_done is not None and errors[n] is None:
+                    on_done(n, results[n])
+    except BaseException as exc:      # Ctrl-C, a failing callback: no member waits on
+        forwards.close(exc)
+        raise
     for error in errors:
         if error is not None:
             raise error

@@ -176,6 +176,11 @@ def test_prompt_lookup_in_a_batch_takes_the_costs_measured_alone(model, monkeypa
         saves.append(threading.current_thread()), save(self, *a, **k))[1])
     monkeypatch.setattr(CalibrationStore, "measuring", lambda self, *a, **k: (
         measures.append(threading.current_thread()), measuring(self, *a, **k))[1])
+    from forerun.decoding.draft_length import VerifyCosts
+
+    calibrate = VerifyCosts.calibrate
+    monkeypatch.setattr(VerifyCosts, "calibrate", lambda self, *a, **k: (
+        measures.append(threading.current_thread()), calibrate(self, *a, **k))[1])
     model._methods.pop(("batch-costs", resolve("ngram", draft_k=None).key), None)
     results = model.generate_batch(_requests(), draft="ngram", parallel=4)
     assert [len(r.tokens) for r in results] == LENGTHS
@@ -184,3 +189,46 @@ def test_prompt_lookup_in_a_batch_takes_the_costs_measured_alone(model, monkeypa
     member = forwards.member()
     with pytest.raises(ConfigError, match="batch_costs"):
         model.stream_in_batch(member, "a b", draft="ngram", draft_k=3, max_new_tokens=2)
+
+
+def test_an_interrupted_batch_leaves_no_generation_waiting(model):
+    """Ctrl-C on the engine thread (an on_result callback raising here):
+    the call raises it, every member thread ends (its next feed raises an
+    EngineError) instead of waiting for ever, and the model serves the
+    next batch exactly."""
+    from forerun.errors import EngineError
+
+    before = {t for t in threading.enumerate() if t.name.startswith("forerun-batch")}
+    errors = []
+
+    def interrupt(n, result):
+        raise KeyboardInterrupt
+
+    original = run_batch.__globals__["SharedForwards"].close
+
+    def close(self, error):
+        errors.append(error)
+        original(self, error)
+
+    import forerun.generation.batch as batch
+
+    batch.SharedForwards.close = close
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model.generate_batch(_requests(), parallel=4, on_result=interrupt)
+    finally:
+        batch.SharedForwards.close = original
+    assert len(errors) == 1 and isinstance(errors[0], KeyboardInterrupt)
+    for t in threading.enumerate():
+        if t.name.startswith("forerun-batch") and t not in before:
+            t.join(30)
+            assert not t.is_alive(), t.name
+    forwards = SharedForwards(model.decoder)
+    forwards.close(RuntimeError("stopped"))
+    member = forwards.member()
+    forwards.join(member)
+    with pytest.raises(EngineError, match="engine thread stopped"):
+        member.feed([1])
+    requests = _requests()
+    assert [r.tokens for r in model.generate_batch(requests, parallel=3)] == _alone(model,
+                                                                                   requests)
