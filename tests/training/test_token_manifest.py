@@ -23,6 +23,7 @@ from forerun.training.token_manifest import (
     rebuild_dedup,
     text_key,
 )
+from quick import draws
 
 FP = "0123456789abcdef"
 
@@ -330,7 +331,7 @@ def test_any_edit_of_a_manifest_opens_or_is_refused_never_a_crash(tmp_path):
                        st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
                        st.just("<remove>"))
 
-    @settings(max_examples=300, deadline=None, derandomize=True,
+    @settings(max_examples=draws(300, 60), deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(where=st.sampled_from(every), value=values, cut=st.one_of(st.none(),
                                                                     st.integers(0, 400)))
