@@ -225,8 +225,6 @@ class Model:
         (``draft="ngram"``) run batched; the torch engine only.
         ``on_result(index, result)`` is called, on the calling thread, as
         each request ends (a progress bar)."""
-        from forerun.generation.batch import run_batch
-
         if isinstance(requests, (str, bytes, dict)) or not isinstance(requests, Sequence):
             raise GenerationConfigError(
                 f"requests must be a list of prompts, chats or dicts of generate()'s "
@@ -260,51 +258,43 @@ class Model:
                 raise GenerationConfigError(f"request {n}: {_not_batched(config)}; use "
                                             f"generate() for it")
             prepared.append((ids, params, config, values["cancel"]))
-        if parallel is not None and (not isinstance(parallel, int) or isinstance(parallel, bool)
-                                     or parallel < 1):
-            raise GenerationConfigError(f"parallel must be a positive integer, got "
-                                        f"{parallel!r}")
         if not prepared:
             return []
 
         def job(ids: list[int], params: GenerationParams, config: SpeculativeConfig, cancel):
-            def run(decoder) -> GenerationResult:
-                stream = self._stream_on(decoder, ids, params, config, cancel)
-                for _ in stream:
-                    pass
-                assert stream.result is not None   # set once the stream is exhausted
-                return stream.result
-            return run
+            return lambda member: _result_of(self._stream_on(member, ids, params, config,
+                                                              cancel))
 
-        with Holds([self._lock]):
-            self.verification_grouping()
-            for config in {p[2] for p in prepared if p[2].method == "ngram"}:
-                self.batch_costs(config)
-            if parallel is None:
-                parallel = min(len(prepared), self.decoder.verify_group or 1)
-            return run_batch(self.decoder, [job(*p) for p in prepared], parallel,
-                             on_done=on_result)
+        return self.run_batch([job(*p) for p in prepared], parallel=parallel,
+                              configs=[p[2] for p in prepared], on_done=on_result)
 
-    def run_batch(self, jobs: Sequence[Callable[[Any], Any]], *, parallel: int,
-                  configs: Sequence[SpeculativeConfig] = ()) -> list[Any]:
+    def run_batch(self, jobs: Sequence[Callable[[Any], Any]], *, parallel: int | None = None,
+                  configs: Sequence[SpeculativeConfig] = (),
+                  on_done: Callable[[int, Any], None] | None = None) -> list[Any]:
         """Run ``jobs`` several at a time, their forwards shared, and return
         their results in order.  A job is a function of a batch member (a
         decoder of its own over this model's weights) that generates on it
         with :meth:`stream_in_batch` as often as it needs (a query, then its
-        answer); it runs on a thread of its own.  ``configs``: the prompt
-        lookup configs the jobs use (their costs are read first, here).
-        The first job that raises has its error raised once all ended."""
+        answer); it runs on a thread of its own.  ``parallel``: the most jobs
+        at a time (default: the most positions the engine computes exactly
+        in one forward, at most the number of jobs).  ``configs``: the
+        speculation configs the jobs use (prompt lookup's costs are read
+        first, here).  ``on_done(index, result)``: called on this thread as
+        each job ends.  The first job that raises has its error raised once
+        all ended."""
         from forerun.generation.batch import run_batch
 
-        if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
+        if parallel is not None and (not isinstance(parallel, int) or isinstance(parallel, bool)
+                                     or parallel < 1):
             raise GenerationConfigError(f"parallel must be a positive integer, got "
                                         f"{parallel!r}")
         with Holds([self._lock]):
             self.verification_grouping()
-            for config in configs:
-                if config.method == "ngram":
-                    self.batch_costs(config)
-            return run_batch(self.decoder, list(jobs), parallel)
+            for config in {c.key: c for c in configs if c.method == "ngram"}.values():
+                self.batch_costs(config)
+            if parallel is None:
+                parallel = max(1, min(len(jobs), self.decoder.verify_group or 1))
+            return run_batch(self.decoder, list(jobs), parallel, on_done=on_done)
 
     def stream_in_batch(self, decoder, prompt: str | None = None, **kwargs: Any
                         ) -> GenerationStream:
@@ -504,6 +494,14 @@ class Model:
                     built = self._methods[config.key] = build_method(self, config)
                     self.drafts.extend(d for d in built[1] if d not in self.drafts)
         return built
+
+
+def _result_of(stream: GenerationStream) -> GenerationResult:
+    """A stream read to its end: its result."""
+    for _ in stream:
+        pass
+    assert stream.result is not None   # set once the stream is exhausted
+    return stream.result
 
 
 class GenerationStream:
