@@ -229,7 +229,6 @@ class Model:
             raise GenerationConfigError(
                 f"requests must be a list of prompts, chats or dicts of generate()'s "
                 f"arguments, got {type(requests).__name__}")
-        known = inspect.signature(Model.stream).parameters
         prepared = []
         for n, request in enumerate(requests):
             if isinstance(request, str):
@@ -243,10 +242,7 @@ class Model:
                     f"request {n} is a {type(request).__name__}; give a prompt string, a "
                     f"list of messages or a dict of generate()'s arguments")
             arguments = {**common, **request}
-            unknown = {k: v for k, v in arguments.items()
-                       if k not in known or k in ("self", "unknown")}
-            if unknown:
-                raise _unknown_arguments(unknown)
+            _refuse_unknown(arguments)
             values = {**_STREAM_DEFAULTS, **arguments}
             prompt = values.pop("prompt", None)
             try:
@@ -305,10 +301,7 @@ class Model:
         of the model: the batch owns the forwards.  For prompt lookup,
         :meth:`batch_costs` of the request's config must have been read on
         the engine thread first."""
-        unknown = {k: v for k, v in kwargs.items()
-                   if k not in inspect.signature(Model.stream).parameters}
-        if unknown:
-            raise _unknown_arguments(unknown)
+        _refuse_unknown(kwargs)
         values = {**_STREAM_DEFAULTS, **kwargs}
         ids, params, config = self._request(prompt, **values)
         if config.method not in BATCHED_METHODS:
@@ -555,6 +548,15 @@ _NO_DRAFT_OPTIONS = dict(draft_k=None, draft_async=False, draft_threads=None,
 _STREAM_DEFAULTS = {name: p.default
                     for name, p in inspect.signature(Model.stream).parameters.items()
                     if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _refuse_unknown(arguments: dict[str, Any]) -> None:
+    """Refuse, naming them, arguments that are neither ``prompt`` nor one
+    of :meth:`Model.stream`'s keyword arguments."""
+    unknown = {k: v for k, v in arguments.items()
+               if k != "prompt" and k not in _STREAM_DEFAULTS}
+    if unknown:
+        raise _unknown_arguments(unknown)
 
 
 def _unknown_arguments(unknown: dict[str, Any]) -> GenerationConfigError:

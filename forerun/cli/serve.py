@@ -184,12 +184,12 @@ def _slots(model, config, asked: int | None) -> int:
     # The first slot's cache is the model's own, already allocated.
     fits = None if free is None else 1 + int(0.9 * free) // each
     if asked is not None:
-        if free is not None and fits is not None and asked > fits:
+        if fits is not None and asked > fits:
             raise ConfigError(
                 f"--parallel {asked} needs {(asked - 1) * each / 2**30:.1f} GiB more for the "
                 f"keys and values of {asked - 1} more sequences of "
                 f"{model.decoder.context_length} positions ({each / 2**20:.0f} MiB each), and "
-                f"{free / 2**30:.1f} GiB is free: at most --parallel {fits} fits (or lower "
+                f"{(free or 0) / 2**30:.1f} GiB is free: at most --parallel {fits} fits (or lower "
                 f"--context-length)")
         model.verification_grouping()
         return asked

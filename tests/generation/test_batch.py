@@ -110,6 +110,12 @@ def test_bad_requests_are_refused_before_any_runs(model):
         model.generate_batch(["a"], draft="medusa", max_new_tokens=4)
     with pytest.raises(GenerationConfigError, match="unknown argument 'max_tokens'"):
         model.generate_batch([{"prompt": "a", "max_tokens": 3}], max_new_tokens=4)
+    for name in ("unknown", "self"):       # stream's own parameter names are not arguments
+        with pytest.raises(GenerationConfigError, match=f"unknown argument '{name}'"):
+            model.generate_batch([{"prompt": "a", name: 1}], max_new_tokens=4)
+    member = SharedForwards(model.decoder).member()
+    with pytest.raises(GenerationConfigError, match="unknown argument 'unknown'"):
+        model.stream_in_batch(member, "a", unknown=1, max_new_tokens=2)
     with pytest.raises(ContextLengthError, match="request 0"):
         model.generate_batch(["a"], max_new_tokens=500)
     for parallel in (0, -1, 1.5, True, "2"):
