@@ -109,27 +109,45 @@ def test_concurrent_requests_each_get_their_answer_alone(batch_server, reference
     assert batch_server.health()["in_flight"] == 0
 
 
-def test_a_client_that_goes_away_frees_its_slot_and_a_long_prompt_is_refused_alone(
-        batch_server, reference):
-    model_id = _model_id(batch_server)
-    conn = http.client.HTTPConnection(batch_server.host, batch_server.port, timeout=300)
+def _open_stream(srv, model_id: str, max_tokens: int):
+    """A raw streamed greedy completion, open after its first event."""
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=300)
     conn.request("POST", "/v1/completions", body=json.dumps(
-        {"model": model_id, "prompt": "1 2 3", "max_tokens": 200, "ignore_eos": True,
+        {"model": model_id, "prompt": "1 2 3", "max_tokens": max_tokens, "ignore_eos": True,
          "temperature": 0, "stream": True}),
         headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
-    # Beside it: a prompt longer than the context is a 400 for its own client.
-    with pytest.raises(openai.BadRequestError):
-        batch_server.client(api_key=KEY).completions.create(
-            model=model_id, prompt="word " * 2100, max_tokens=4)
-    conn.sock.shutdown(2)
+    return conn, resp
+
+
+def test_a_client_that_goes_away_frees_its_slot_and_a_long_prompt_is_refused_alone(
+        batch_server, reference):
+    model_id = _model_id(batch_server)
+    before = batch_server.metrics()
+    cancelled = 'forerun_generations_total{finish_reason="cancelled"}'
+    conn, resp = _open_stream(batch_server, model_id, 2000)
+    conn.sock.shutdown(2)               # the client goes away after its first event
     resp.close()
     conn.close()
     batch_server.wait_until(lambda: batch_server.health()["in_flight"] == 0, "a free slot")
-    metrics = batch_server.metrics()
-    assert metrics['forerun_generations_total{finish_reason="cancelled"}'] >= 1
-    assert metrics["forerun_generated_tokens_total"] < 2000
+    after = batch_server.metrics()
+    assert after.get(cancelled, 0) == before.get(cancelled, 0) + 1
+    assert (after["forerun_generated_tokens_total"]
+            - before.get("forerun_generated_tokens_total", 0)) < 2000
+    # A prompt longer than the context is a 400 for its own client, beside a
+    # stream that goes on to the answer it gets alone.
+    conn, resp = _open_stream(batch_server, model_id, 300)
+    with pytest.raises(openai.BadRequestError):
+        batch_server.client(api_key=KEY).completions.create(
+            model=model_id, prompt="word " * 2100, max_tokens=4)
+    events = [line for line in resp.read().decode().splitlines() if line.startswith("data: {")]
+    conn.close()
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events
+                   if json.loads(e[6:])["choices"])
+    alone = reference.generate("1 2 3", max_new_tokens=300, ignore_eos=True, draft="ngram")
+    # (the first event was read when the stream opened)
+    assert len(text) > len(alone.text) / 2 and alone.text.endswith(text)
     body = _request(2)
     assert _send(batch_server, model_id, body, stream=False) == _alone(reference, body)
 
