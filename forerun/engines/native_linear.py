@@ -43,6 +43,7 @@ from forerun.kernels.layouts import (
     to_chunks,
     unpack_high_bits,
     unpack_nibbles,
+    value_units,
 )
 from forerun.kernels.native import unavailable_reason
 
@@ -104,16 +105,24 @@ class _NativeLinear(Linear):
         """Blocks of 256 input values per row."""
         return padded(self.in_features) // BLOCK
 
-    def _grouped(self, v: torch.Tensor) -> torch.Tensor:
-        """A per-row layout ``[N, W]`` (padded columns) as the layer holds it."""
-        return row_grouped(v, self._blocks, self.rows)
+    def _pieces(self, v: torch.Tensor, values: bool) -> int:
+        """The pieces a row group interleaves a row of ``v`` in: units of
+        32 bytes for the values, blocks for the rest (to_row_groups)."""
+        return value_units(v) if values else self._blocks
 
-    def _rows(self, v: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    def _grouped(self, v: torch.Tensor, values: bool = False) -> torch.Tensor:
+        """A per-row layout ``[N, W]`` (padded columns) as the layer holds it;
+        ``values``: the packed values themselves (bytes)."""
+        return row_grouped(v, self._pieces(v, values), self.rows)
+
+    def _rows(self, v: torch.Tensor, index: torch.Tensor | None, values: bool = False
+              ) -> torch.Tensor:
         """Rows ``index`` (all, by default) of a tensor held in row groups,
         in the per-row layout."""
+        pieces = self._pieces(v, values)
         if index is None:
-            return from_row_groups(v, self._blocks, self.rows)[:self.out_features]
-        return rows_of_groups(v, index, self._blocks, self.rows)
+            return from_row_groups(v, pieces, self.rows)[:self.out_features]
+        return rows_of_groups(v, index, pieces, self.rows)
 
     @classmethod
     def _restored(cls: type[_Layer], meta: dict, tensors: dict[str, torch.Tensor],
@@ -163,7 +172,7 @@ class NativeInt4Linear(_NativeLinear):
             return None
         layer, pad = cls._empty(values.shape, rows)
         layer.q = layer._grouped(pack_nibbles(
-            torch.nn.functional.pad(values.q.cpu(), (0, pad))))
+            torch.nn.functional.pad(values.q.cpu(), (0, pad))), values=True)
         groups = pad // GROUP
         layer.scale = layer._grouped(torch.nn.functional.pad(scale16.cpu(), (0, groups)))
         layer.minimum = layer._grouped(torch.nn.functional.pad(minimum16.cpu(), (0, groups)))
@@ -175,7 +184,8 @@ class NativeInt4Linear(_NativeLinear):
         return self.q.numel() + 2 * (self.scale.numel() + self.minimum.numel())
 
     def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        q, s, m = (self._rows(v, index) for v in (self.q, self.scale, self.minimum))
+        q = self._rows(self.q, index, values=True)
+        s, m = (self._rows(v, index) for v in (self.scale, self.minimum))
         values = unpack_nibbles(q).float()
         w = values * s.float().repeat_interleave(self.group, 1) + \
             m.float().repeat_interleave(self.group, 1)
@@ -211,8 +221,8 @@ class NativeInt6Linear(_NativeLinear):
               ) -> NativeInt6Linear:
         layer, pad = cls._empty(values.shape, rows)
         q = torch.nn.functional.pad(values.q.cpu(), (0, pad))
-        layer.low = layer._grouped(pack_nibbles(q & 15))
-        layer.high = layer._grouped(pack_high_bits(q))
+        layer.low = layer._grouped(pack_nibbles(q & 15), values=True)
+        layer.high = layer._grouped(pack_high_bits(q), values=True)
         scale = torch.nn.functional.pad(values.scale.cpu(), (0, pad // 16))
         layer.scale = layer._grouped(half_group_order(scale))
         layer.d = layer._grouped(torch.nn.functional.pad(values.d.float().cpu(),
@@ -227,8 +237,8 @@ class NativeInt6Linear(_NativeLinear):
     def values(self, index: torch.Tensor | None = None) -> Int6Blocks:
         """The layer's 6-bit values (rows ``index``, all by default), as
         :class:`Int6Blocks` over the padded input length."""
-        low, high, scale, d = (self._rows(v, index)
-                               for v in (self.low, self.high, self.scale, self.d))
+        low, high = (self._rows(v, index, values=True) for v in (self.low, self.high))
+        scale, d = (self._rows(v, index) for v in (self.scale, self.d))
         q = unpack_nibbles(low) | unpack_high_bits(high)
         return Int6Blocks(q, natural_half_order(scale), d)
 
@@ -263,7 +273,7 @@ class NativeInt8Linear(_NativeLinear):
               ) -> NativeInt8Linear:
         layer, pad = cls._empty(values.shape, rows)
         layer.q = layer._grouped(to_chunks(
-            torch.nn.functional.pad(values.q.cpu(), (0, pad))))
+            torch.nn.functional.pad(values.q.cpu(), (0, pad))), values=True)
         extra = padded_rows(layer.out_features, rows) - layer.out_features
         layer.scale = torch.nn.functional.pad(values.scale.float().cpu(), (0, extra)).contiguous()
         layer.bias = None if bias is None else bias.float().cpu()
@@ -274,7 +284,7 @@ class NativeInt8Linear(_NativeLinear):
         return self.q.numel() + 4 * self.scale.numel()
 
     def weight_rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        q = self._rows(self.q, index)
+        q = self._rows(self.q, index, values=True)
         s = self.scale[:self.out_features] if index is None else self.scale[index]
         return (from_chunks(q).float() * s[:, None])[:, :self.in_features]
 

@@ -41,16 +41,19 @@
  * build's row group, fr_row_group(): 4 in the AVX512-VNNI build, 1 in the
  * AVX2 one) with zero weights, and each group stores its blocks
  * interleaved: block b of each of its rows in turn, then block b + 1 (every
- * per-block array: packed values, high bits, scales, minimums, the 6-bit d;
- * the 8-bit row scales stay one per row).  A pass runs a group's rows
- * together, so each activation load serves ROWS rows and the weights are
- * read as one stream.  Read as 4 streams a row apart, 4 rows ran slower
- * than one (an AMD Zen 4, 2 threads: 0.75 against 0.37 ms for 17920 x 1536
- * 4-bit weights and one position); interleaved, the AVX512-VNNI build's
- * products of a 1.5B's step cost 1.14 to 1.31 times one position's for 4,
- * where one row a pass cost 1.37 to 1.48.  AVX2's 16 vector registers
- * can't hold 4 rows' sums for several positions: 4-row groups made its
- * build 4% slower at one position and 15% at 5 there, so it keeps one. 
+ * per-block array: scales, minimums, the 6-bit d; the 8-bit row scales stay
+ * one per row).  The values themselves (packed 4-bit values, 6-bit high
+ * bits, 8-bit values) are interleaved finer, UNIT (32) bytes of each row in
+ * turn, so that rows r and r + 1's 32 bytes of a chunk pair sit together
+ * (see WIDE below).  A pass runs a group's rows together, so each
+ * activation load serves ROWS rows and the weights are read as one stream.
+ * Read as 4 streams a row apart, 4 rows ran slower than one (an AMD Zen 4,
+ * 2 threads: 0.75 against 0.37 ms for 17920 x 1536 4-bit weights and one
+ * position); interleaved, the AVX512-VNNI build's products of a 1.5B's
+ * step cost 1.14 to 1.31 times one position's for 4, where one row a pass
+ * cost 1.37 to 1.48.  AVX2's 16 vector registers can't hold 4 rows' sums
+ * for several positions: 4-row groups made its build 4% slower at one
+ * position and 15% at 5 there, so it keeps one.
  *
  * Dot-product instructions.  Built with FR_DPBUSD defined (as
  * `-DFR_DPBUSD=512` with -mavx512vnni -mavx512vl, or `-DFR_DPBUSD=256` with
@@ -63,22 +66,22 @@
  * code with an AVX2 stand-in for the instruction, which is how a machine
  * without VNNI tests that code.
  *
- * 512-bit registers (WIDE: the AVX512-VNNI build).  q4_group_wide and
- * q6_group_wide put a chunk's low-nibble values in a register's low half
- * and its high-nibble values in its high half, against the 64 activation
- * bytes they pair with (contiguous in the chunk layout), and q8_group_wide
- * two chunks of 8-bit values, so one 512-bit vpdpbusd does the work of two
- * 256-bit ones; after the block (a 6-bit half block) the two halves are
- * added into the 8 group lanes.  The float
- * arithmetic then runs on two weight rows at once, [row r | row r + 1] in
- * one register (their scales are adjacent in a row group).  Integer sums
- * are exact, and each float lane gets the same operations in the same
- * order as in the 256-bit passes, so the results are the AVX2 build's bit
- * for bit.  On an AMD EPYC Zen 5 (2 threads, 128 positions) the 4-bit
- * products ran 1.7 to 1.8 times as fast as the 256-bit passes and the
- * 6-bit ones 1.4 times; one position as fast as before, 4 and 6 positions
- * 1.08 and 1.2 times; the 8-bit ones 1.5 times at 128 positions.  Pairing
- * two positions instead of two rows was slower (their registers spill).
+ * 512-bit registers (WIDE: the AVX512-VNNI build).  Each pass loads rows r
+ * and r + 1's 32 bytes of a chunk (a 4-bit chunk pair) as one 512-bit
+ * register, [row r | row r + 1], and sums its products with the chunk's 32
+ * activation bytes broadcast to both halves: one 512-bit vpdpbusd does the
+ * work of two 256-bit ones, and a sum register's 16 lanes are the two rows'
+ * 8 groups, so the float arithmetic runs on two rows at once with no
+ * shuffle (their scales are adjacent in a row group, and the activations'
+ * scales are broadcast as the bytes are).  Integer sums are exact, and each
+ * float lane gets the same operations in the same order as in the 256-bit
+ * passes, so the results are the AVX2 build's bit for bit.  On a Xeon (2
+ * threads, the products of a 1.5B's step) these passes ran 8 positions in
+ * 0.66 of the time of the earlier 512-bit passes (which paired a chunk's
+ * low and high nibbles in one register and added the halves after each
+ * block) and 16 to 128 positions in 0.69, one position as fast.  On an AMD
+ * EPYC Zen 5 those earlier passes had run the 4-bit products 1.7 to 1.8
+ * times as fast as the 256-bit ones at 128 positions.
  */
 
 #include <immintrin.h>
@@ -103,24 +106,13 @@
 #else
 #define ROWS 1
 #endif
-/* Most activation rows a pass runs against a row group: each weight load
- * serves them all, and ROWS x TILE integer sums and float accumulators are
- * live.  With 4 rows they spill from the 32 vector registers -mavx512vl
- * gives the AVX512-VNNI build, but the accumulators are touched once per
- * block: passes of up to 6 verified 5 and 6 positions as fast as passes of
- * up to 4 there.  FR_TILE overrides it. */
-#ifdef FR_TILE
-#define TILE FR_TILE
-#else
-#define TILE 6
-#endif
-#if TILE < 1 || TILE > 6 || (ROWS != 1 && ROWS != 4)
-#error "TILE must be 1 to 6 (the passes' cases), ROWS 1 or 4"
-#endif
 /* Bytes ahead of the 4-bit weights being read that a pass prefetches (a
  * group of 4 rows streams 4 times as many bytes a block); 8-bit weights
  * twice as far, 6-bit high bits half as far, as the one-row kernels did. */
 #define PREFETCH (ROWS == 1 ? 2048 : 4096)
+/* The bytes of a row's values that sit together in a row group: block b's
+ * values of a group's rows go unit by unit, row after row (see Row groups). */
+#define UNIT 32
 
 #ifdef FR_DPBUSD
 #if FR_DPBUSD == 512
@@ -143,7 +135,27 @@
 #define WIDE 0
 #endif
 
-int fr_abi_version(void) { return 6; }
+/* Most activation rows a pass runs against a row group: each weight load
+ * serves them all.  The 512-bit passes hold ROWS / 2 x TILE integer sums
+ * (two rows a register) and as many float accumulators: 8 positions fit the
+ * 32 registers but for the accumulators, which are touched once per block.
+ * On a Xeon (AVX512-VNNI, 2 threads) the products of a 1.5B's step at 8
+ * positions cost 1.42 times one position's in passes of 8, 1.75 times in
+ * passes of up to 6.  The 256-bit passes keep 6: their sums fill 16 (AVX2)
+ * registers sooner, and no AVX2-only machine measured more.  FR_TILE
+ * overrides it. */
+#ifdef FR_TILE
+#define TILE FR_TILE
+#elif WIDE
+#define TILE 8
+#else
+#define TILE 6
+#endif
+#if TILE < 1 || TILE > 8 || (ROWS != 1 && ROWS != 4)
+#error "TILE must be 1 to 8 (the passes' cases), ROWS 1 or 4"
+#endif
+
+int fr_abi_version(void) { return 7; }
 
 /* The rows of this build's row groups: its layout of every matrix. */
 int fr_row_group(void) { return ROWS; }
@@ -307,7 +319,7 @@ static inline __attribute__((always_inline)) void q4_group(
         for (int p = 0; p < 4; p++) {
             __m256i w0[ROWS], w1[ROWS];
             for (int r = 0; r < ROWS; r++) {
-                const __m256i packed = _mm256_loadu_si256((const __m256i *)(qb + 128 * r + 32 * p));
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(qb + UNIT * (ROWS * p + r)));
                 w0[r] = _mm256_and_si256(packed, nibble);
                 w1[r] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
             }
@@ -358,13 +370,17 @@ static inline __m256 half_ps(__m512 v, int upper) {
                  : _mm512_castps512_ps256(v);
 }
 
-/* Rows r and r + 1's group sums at one position, [r | r + 1]: each 512-bit
- * sum register's two halves added (see WIDE above). */
-static inline __m512i row_pair_sums(__m512i r0, __m512i r1) {
-    return _mm512_add_epi32(_mm512_shuffle_i64x2(r0, r1, 0x44), _mm512_shuffle_i64x2(r0, r1, 0xEE));
+/* 8 floats in both halves (a load and a broadcast: no shuffle port). */
+static inline __m512 bcast_ps(__m256 v) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v)));
 }
 
-/* q4_group in 512-bit registers, with the same results (see WIDE above). */
+/* q4_group in 512-bit registers, with the same results (see WIDE above):
+ * rows 2i and 2i + 1's 32 bytes of a chunk pair are adjacent (UNIT), so one
+ * 512-bit load gives [row 2i | row 2i + 1], and its low and high nibbles are
+ * chunks 2p and 2p + 1 of both rows, against the 32 activation bytes of
+ * each chunk in both halves.  A sum register's lanes are then the two rows'
+ * 8 groups: the float arithmetic runs on them as they are. */
 static inline __attribute__((always_inline)) void q4_group_wide(
         const uint8_t *q, const uint16_t *scale, const uint16_t *min, int ng,
         const int8_t *a, const float *sa, const float *sasum, int Kp, int TT, int valid,
@@ -377,23 +393,25 @@ static inline __attribute__((always_inline)) void q4_group_wide(
         const uint8_t *qb = q + (size_t)g0 * 16 * ROWS;          /* ROWS x 128 bytes */
         const int8_t *ab = a + (size_t)g0 * GROUP;
         prefetch_ahead(qb, 128 * ROWS, PREFETCH);
-        __m512i sums[ROWS][TILE];
-        for (int r = 0; r < ROWS; r++)
-            for (int t = 0; t < TT; t++) sums[r][t] = _mm512_setzero_si512();
+        __m512i sums[ROWS / 2][TILE];
+        for (int i = 0; i < ROWS / 2; i++)
+            for (int t = 0; t < TT; t++) sums[i][t] = _mm512_setzero_si512();
         for (int p = 0; p < 4; p++) {
-            __m512i w[ROWS];
-            for (int r = 0; r < ROWS; r++) {
-                const __m256i packed = _mm256_loadu_si256((const __m256i *)(qb + 128 * r + 32 * p));
-                w[r] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(packed),
-                                                           _mm256_srli_epi16(packed, 4), 1),
-                                        nibble);
+            __m512i w0[ROWS / 2], w1[ROWS / 2];
+            for (int i = 0; i < ROWS / 2; i++) {
+                const __m512i packed = _mm512_loadu_si512((const void *)(qb + UNIT * (ROWS * p + 2 * i)));
+                w0[i] = _mm512_and_si512(packed, nibble);
+                w1[i] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
             }
             for (int t = 0; t < TT; t++) {
-                __m512i x = _mm512_loadu_si512((const void *)(ab + (size_t)t * Kp + 64 * p));
-                __asm__("" : "+v"(x));                  /* as in q4_group */
-                for (int r = 0; r < ROWS; r++) {
-                    sums[r][t] = _mm512_dpbusd_epi32(sums[r][t], w[r], x);
-                    __asm__("" : "+v"(sums[r][t]));    /* as in q4_group */
+                const int8_t *at = ab + (size_t)t * Kp + 64 * p;
+                __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)at));
+                __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(at + 32)));
+                __asm__("" : "+v"(x0), "+v"(x1));       /* as in q4_group */
+                for (int i = 0; i < ROWS / 2; i++) {
+                    sums[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums[i][t], w0[i], x0),
+                                                     w1[i], x1);
+                    __asm__("" : "+v"(sums[i][t]));    /* as in q4_group */
                 }
             }
         }
@@ -405,12 +423,10 @@ static inline __attribute__((always_inline)) void q4_group_wide(
             mn[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mb + 16 * i)));
         }
         for (int t = 0; t < TT; t++) {
-            const __m256 d8 = _mm256_loadu_ps(sa + (size_t)t * ng + g0);
-            const __m256 ds8 = _mm256_loadu_ps(sasum + (size_t)t * ng + g0);
-            const __m512 d = pair_ps(d8, d8), ds = pair_ps(ds8, ds8);
+            const __m512 d = bcast_ps(_mm256_loadu_ps(sa + (size_t)t * ng + g0));
+            const __m512 ds = bcast_ps(_mm256_loadu_ps(sasum + (size_t)t * ng + g0));
             for (int i = 0; i < ROWS / 2; i++) {
-                const __m512 dot = _mm512_cvtepi32_ps(row_pair_sums(sums[2 * i][t],
-                                                                    sums[2 * i + 1][t]));
+                const __m512 dot = _mm512_cvtepi32_ps(sums[i][t]);
                 acc[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(dot, d), sc[i], acc[i][t]);
                 acc[i][t] = _mm512_fmadd_ps(mn[i], ds, acc[i][t]);
             }
@@ -442,7 +458,7 @@ static inline __attribute__((always_inline)) void q8_group(
         for (int i = 0; i < 8; i++) {
             __m256i w[ROWS], wabs[ROWS];
             for (int r = 0; r < ROWS; r++) {
-                w[r] = _mm256_loadu_si256((const __m256i *)(qb + 256 * r + 32 * i));
+                w[r] = _mm256_loadu_si256((const __m256i *)(qb + UNIT * (ROWS * i + r)));
                 wabs[r] = _mm256_sign_epi8(w[r], w[r]);  /* -128 stays 128 unsigned */
             }
             for (int t = 0; t < TT; t++) {
@@ -489,11 +505,11 @@ static void half_sums(const int8_t *a, int T, int Kp, int32_t *hs) {
     }
 }
 
-/* Chunks 2p and 2p+1 of a 6-bit block as unsigned bytes (0..63). */
+/* Chunks 2p and 2p+1 of a 6-bit block as unsigned bytes (0..63), from a
+ * row's 32 bytes of low bits (packed) and 32 bytes of high bits (hv). */
 static inline __attribute__((always_inline)) void q6_chunks(
-        const uint8_t *qb, __m256i hv, int p, __m256i *w0, __m256i *w1) {
+        __m256i packed, __m256i hv, int p, __m256i *w0, __m256i *w1) {
     const __m256i nibble = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30);
-    const __m256i packed = _mm256_loadu_si256((const __m256i *)(qb + 32 * p));
     /* chunk 4r + i keeps its high bits at 2i: move them to bit 4 (the and
        drops what a 16-bit shift carries over from the neighbouring byte) */
     const __m256i h0 = p % 2 == 0 ? _mm256_slli_epi16(hv, 4) : hv;
@@ -523,12 +539,14 @@ static inline __attribute__((always_inline)) void q6_group(
         for (int h = 0; h < 2; h++) {          /* first halves, then second halves */
             __m256i hv[ROWS], s32[ROWS][TILE];
             for (int r = 0; r < ROWS; r++) {
-                hv[r] = _mm256_loadu_si256((const __m256i *)(hb + 64 * r + 32 * h));
+                hv[r] = _mm256_loadu_si256((const __m256i *)(hb + UNIT * (ROWS * h + r)));
                 for (int t = 0; t < TT; t++) s32[r][t] = _mm256_setzero_si256();
             }
             for (int p = 2 * h; p < 2 * h + 2; p++) {
                 __m256i w0[ROWS], w1[ROWS];
-                for (int r = 0; r < ROWS; r++) q6_chunks(qb + 128 * r, hv[r], p, &w0[r], &w1[r]);
+                for (int r = 0; r < ROWS; r++)
+                    q6_chunks(_mm256_loadu_si256((const __m256i *)(qb + UNIT * (ROWS * p + r))),
+                              hv[r], p, &w0[r], &w1[r]);
                 for (int t = 0; t < TT; t++) {
                     const int8_t *at = a + (size_t)t * Kp + (size_t)b * BLOCK + 64 * p;
                     __m256i x0 = _mm256_loadu_si256((const __m256i *)at);
@@ -562,7 +580,19 @@ static inline __attribute__((always_inline)) void q6_group(
 }
 
 #if WIDE
-/* q6_group in 512-bit registers, with the same results (see WIDE above). */
+/* q6_chunks on [row 2i | row 2i + 1] (see q4_group_wide). */
+static inline __attribute__((always_inline)) void q6_chunks_wide(
+        __m512i packed, __m512i hv, int p, __m512i *w0, __m512i *w1) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(0x30);
+    const __m512i h0 = p % 2 == 0 ? _mm512_slli_epi16(hv, 4) : hv;
+    const __m512i h1 = p % 2 == 0 ? _mm512_slli_epi16(hv, 2) : _mm512_srli_epi16(hv, 2);
+    *w0 = _mm512_or_si512(_mm512_and_si512(packed, nibble), _mm512_and_si512(h0, high));
+    *w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble),
+                          _mm512_and_si512(h1, high));
+}
+
+/* q6_group in 512-bit registers, with the same results (see WIDE above),
+ * two rows a register as in q4_group_wide. */
 static inline __attribute__((always_inline)) void q6_group_wide(
         const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *dw, int ng,
         const int8_t *a, const float *sa, const int32_t *hs, int Kp, int TT, int valid,
@@ -576,26 +606,25 @@ static inline __attribute__((always_inline)) void q6_group_wide(
         prefetch_ahead(qb, 128 * ROWS, PREFETCH);
         prefetch_ahead(hb, 64 * ROWS, PREFETCH / 2);
         for (int h = 0; h < 2; h++) {          /* first halves, then second halves */
-            __m256i hv[ROWS];
-            __m512i sums[ROWS][TILE];
-            for (int r = 0; r < ROWS; r++) {
-                hv[r] = _mm256_loadu_si256((const __m256i *)(hb + 64 * r + 32 * h));
-                for (int t = 0; t < TT; t++) sums[r][t] = _mm512_setzero_si512();
+            __m512i hv[ROWS / 2], sums[ROWS / 2][TILE];
+            for (int i = 0; i < ROWS / 2; i++) {
+                hv[i] = _mm512_loadu_si512((const void *)(hb + UNIT * (ROWS * h + 2 * i)));
+                for (int t = 0; t < TT; t++) sums[i][t] = _mm512_setzero_si512();
             }
             for (int p = 2 * h; p < 2 * h + 2; p++) {
-                __m512i w[ROWS];
-                for (int r = 0; r < ROWS; r++) {
-                    __m256i w0, w1;
-                    q6_chunks(qb + 128 * r, hv[r], p, &w0, &w1);
-                    w[r] = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
-                }
+                __m512i w0[ROWS / 2], w1[ROWS / 2];
+                for (int i = 0; i < ROWS / 2; i++)
+                    q6_chunks_wide(_mm512_loadu_si512((const void *)(qb + UNIT * (ROWS * p + 2 * i))),
+                                   hv[i], p, &w0[i], &w1[i]);
                 for (int t = 0; t < TT; t++) {
-                    __m512i x = _mm512_loadu_si512(
-                        (const void *)(a + (size_t)t * Kp + (size_t)b * BLOCK + 64 * p));
-                    __asm__("" : "+v"(x));              /* as in q4_group */
-                    for (int r = 0; r < ROWS; r++) {
-                        sums[r][t] = _mm512_dpbusd_epi32(sums[r][t], w[r], x);
-                        __asm__("" : "+v"(sums[r][t]));  /* as in q4_group */
+                    const int8_t *at = a + (size_t)t * Kp + (size_t)b * BLOCK + 64 * p;
+                    __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)at));
+                    __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(at + 32)));
+                    __asm__("" : "+v"(x0), "+v"(x1));   /* as in q4_group */
+                    for (int i = 0; i < ROWS / 2; i++) {
+                        sums[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums[i][t], w0[i], x0),
+                                                         w1[i], x1);
+                        __asm__("" : "+v"(sums[i][t]));  /* as in q4_group */
                     }
                 }
             }
@@ -610,14 +639,11 @@ static inline __attribute__((always_inline)) void q6_group_wide(
                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)));
             }
             for (int t = 0; t < TT; t++) {
-                const __m256i off8 = _mm256_loadu_si256(
-                    (const __m256i *)(hs + (size_t)t * 2 * ng + 2 * g0 + 8 * h));
-                const __m512i offset = _mm512_inserti64x4(_mm512_castsi256_si512(off8), off8, 1);
-                const __m256 sa8 = _mm256_loadu_ps(sa + (size_t)t * ng + g0);
-                const __m512 d = pair_ps(sa8, sa8);
+                const __m512i offset = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                    (const __m256i *)(hs + (size_t)t * 2 * ng + 2 * g0 + 8 * h)));
+                const __m512 d = bcast_ps(_mm256_loadu_ps(sa + (size_t)t * ng + g0));
                 for (int i = 0; i < ROWS / 2; i++) {
-                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(
-                        row_pair_sums(sums[2 * i][t], sums[2 * i + 1][t]), offset));
+                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[i][t], offset));
                     acc[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(dot, scale[i]), d, acc[i][t]);
                 }
             }
@@ -636,12 +662,11 @@ static inline __attribute__((always_inline)) void q6_group_wide(
 
 #if WIDE && defined(__AVX512BW__)
 /* q8_group in 512-bit registers, with the same results (see WIDE above):
- * two chunks of a row in one register (64 contiguous bytes, against 64
- * contiguous activation bytes), added into the 8 group lanes after the
- * block, then two rows' float arithmetic in one register.  There is no
- * 512-bit vpsignb: the weights' magnitudes are vpabsb's (-128 stays 128
- * unsigned, as vpsignb leaves it) and the activations are negated where
- * the weight is negative; where it is 0 the product is 0 either way. */
+ * a chunk of rows 2i and 2i + 1 in one register (adjacent, as in
+ * q4_group_wide), against the chunk's 32 activation bytes in both halves.
+ * There is no 512-bit vpsignb: the weights' magnitudes are vpabsb's (-128
+ * stays 128 unsigned, as vpsignb leaves it) and the activations are negated
+ * where the weight is negative; where it is 0 the product is 0 either way. */
 static inline __attribute__((always_inline)) void q8_group_wide(
         const int8_t *q, const float *scale, int ng, const int8_t *a, const float *sa, int Kp,
         int TT, int valid, float *y, int N) {
@@ -653,33 +678,32 @@ static inline __attribute__((always_inline)) void q8_group_wide(
         const int8_t *qb = q + (size_t)g0 * GROUP * ROWS;         /* ROWS x 256 bytes */
         const int8_t *ab = a + (size_t)g0 * GROUP;
         prefetch_ahead(qb, 256 * ROWS, 2 * PREFETCH);
-        __m512i sums[ROWS][TILE];
-        for (int r = 0; r < ROWS; r++)
-            for (int t = 0; t < TT; t++) sums[r][t] = _mm512_setzero_si512();
-        for (int i = 0; i < 8; i += 2) {
-            __m512i wabs[ROWS];
-            __mmask64 negative[ROWS];
-            for (int r = 0; r < ROWS; r++) {
-                const __m512i w = _mm512_loadu_si512((const void *)(qb + 256 * r + 32 * i));
-                wabs[r] = _mm512_abs_epi8(w);
-                negative[r] = _mm512_movepi8_mask(w);
+        __m512i sums[ROWS / 2][TILE];
+        for (int i = 0; i < ROWS / 2; i++)
+            for (int t = 0; t < TT; t++) sums[i][t] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c++) {
+            __m512i wabs[ROWS / 2];
+            __mmask64 negative[ROWS / 2];
+            for (int i = 0; i < ROWS / 2; i++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(qb + UNIT * (ROWS * c + 2 * i)));
+                wabs[i] = _mm512_abs_epi8(w);
+                negative[i] = _mm512_movepi8_mask(w);
             }
             for (int t = 0; t < TT; t++) {
-                __m512i x = _mm512_loadu_si512((const void *)(ab + (size_t)t * Kp + 32 * i));
+                __m512i x = _mm512_broadcast_i64x4(
+                    _mm256_loadu_si256((const __m256i *)(ab + (size_t)t * Kp + 32 * c)));
                 __asm__("" : "+v"(x));                  /* as in q4_group */
-                for (int r = 0; r < ROWS; r++) {
-                    sums[r][t] = _mm512_dpbusd_epi32(
-                        sums[r][t], wabs[r], _mm512_mask_sub_epi8(x, negative[r], zero, x));
-                    __asm__("" : "+v"(sums[r][t]));    /* as in q4_group */
+                for (int i = 0; i < ROWS / 2; i++) {
+                    sums[i][t] = _mm512_dpbusd_epi32(
+                        sums[i][t], wabs[i], _mm512_mask_sub_epi8(x, negative[i], zero, x));
+                    __asm__("" : "+v"(sums[i][t]));    /* as in q4_group */
                 }
             }
         }
         for (int t = 0; t < TT; t++) {
-            const __m256 d8 = _mm256_loadu_ps(sa + (size_t)t * ng + g0);
-            const __m512 d = pair_ps(d8, d8);
+            const __m512 d = bcast_ps(_mm256_loadu_ps(sa + (size_t)t * ng + g0));
             for (int i = 0; i < ROWS / 2; i++)
-                acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_pair_sums(
-                    sums[2 * i][t], sums[2 * i + 1][t])), d, acc[i][t]);
+                acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i][t]), d, acc[i][t]);
         }
     }
     for (int r = 0; r < valid; r++)
@@ -704,6 +728,8 @@ static inline __attribute__((always_inline)) void q8_group_wide(
         for (int n = n0; n < n1; n += ROWS) {                                   \
             const int valid = N - n < ROWS ? N - n : ROWS;                      \
             switch (TT) {                                                       \
+                case 8: CALL(n, t0, TILE < 8 ? TILE : 8, valid); break;         \
+                case 7: CALL(n, t0, TILE < 7 ? TILE : 7, valid); break;         \
                 case 6: CALL(n, t0, TILE < 6 ? TILE : 6, valid); break;         \
                 case 5: CALL(n, t0, TILE < 5 ? TILE : 5, valid); break;         \
                 case 4: CALL(n, t0, TILE < 4 ? TILE : 4, valid); break;         \

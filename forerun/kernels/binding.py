@@ -20,7 +20,7 @@ INSTRUCTIONS = {-1: "avx2", 0: "avx2 stand-in for vpdpbusd", 256: "avx-vnni",
                 512: "avx512-vnni"}
 # Bumped whenever the layouts or the functions' signatures change (the
 # packed-weight cache is keyed by it).
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int

@@ -15,6 +15,11 @@ import torch
 # Input lengths are padded to a multiple of this (8 groups of 32).
 BLOCK = 256
 GROUP = 32
+# The bytes of a row's values (packed weights, the 6-bit high bits) that a
+# row group keeps together: block b's values of a group's rows go UNIT bytes
+# at a time, row after row, so that two rows' UNIT bytes are one 512-bit
+# load.  Scales and the like go a block at a time.
+UNIT = 32
 
 
 def padded(k: int) -> int:
@@ -67,14 +72,21 @@ def check_matrix(kind: str, n: int, kp: int, arrays: Mapping[str, torch.Tensor |
 
 
 def to_row_groups(v: torch.Tensor, blocks: int, rows: int) -> torch.Tensor:
-    """A per-row layout ``[N, W]`` whose rows span ``blocks`` blocks of 256
-    input values (``W / blocks`` entries each: packed bytes, scales, ...)
-    in row groups of ``rows``: for each group of ``rows`` rows (``N`` a
-    multiple of it), block ``b`` of each of its rows in turn, then block
-    ``b + 1``.  Returned as ``[N, W]``; groups of 1 are the per-row layout."""
+    """A per-row layout ``[N, W]`` whose rows are ``blocks`` equal pieces
+    (blocks of 256 input values: packed bytes, scales, ...; or
+    :func:`value_units` of the values) in row groups of ``rows``: for each
+    group of ``rows`` rows (``N`` a multiple of it), piece ``b`` of each of
+    its rows in turn, then piece ``b + 1``.  Returned as ``[N, W]``; groups
+    of 1 are the per-row layout."""
     n, width = v.shape
     return (v.reshape(n // rows, rows, blocks, width // blocks).transpose(1, 2)
             .reshape(n, width).contiguous())
+
+
+def value_units(v: torch.Tensor) -> int:
+    """The pieces of :data:`UNIT` bytes in a row of a byte layout ``[N, W]``
+    (packed weights, high bits): how a row group interleaves its values."""
+    return v.shape[1] * v.element_size() // UNIT
 
 
 def row_grouped(v: torch.Tensor, blocks: int, rows: int) -> torch.Tensor:
@@ -82,6 +94,12 @@ def row_grouped(v: torch.Tensor, blocks: int, rows: int) -> torch.Tensor:
     :func:`padded_rows` and put in row groups (:func:`to_row_groups`)."""
     extra = padded_rows(v.shape[0], rows) - v.shape[0]
     return to_row_groups(torch.nn.functional.pad(v, (0, 0, 0, extra)), blocks, rows)
+
+
+def values_grouped(v: torch.Tensor, rows: int) -> torch.Tensor:
+    """Packed values ``[N, W]`` (bytes) padded with zero rows and put in row
+    groups of ``rows``, :data:`UNIT` bytes at a time (:func:`row_grouped`)."""
+    return row_grouped(v, value_units(v), rows)
 
 
 def from_row_groups(v: torch.Tensor, blocks: int, rows: int) -> torch.Tensor:

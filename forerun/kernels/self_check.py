@@ -24,6 +24,7 @@ from forerun.kernels.layouts import (
     padded_rows,
     row_grouped,
     to_chunks,
+    values_grouped,
 )
 
 
@@ -45,20 +46,20 @@ class CheckMatrices:
     def packed4(self, rows: int) -> tuple:
         """The 4-bit matrix's arguments for kernels of row group ``rows``."""
         b = self.q4.shape[1] // BLOCK
-        return (row_grouped(pack_nibbles(self.q4), b, rows), row_grouped(self.scale, b, rows),
+        return (values_grouped(pack_nibbles(self.q4), rows), row_grouped(self.scale, b, rows),
                 row_grouped(self.minimum, b, rows), self.q4.shape[0])
 
     def packed6(self, rows: int) -> tuple:
         b = self.q6.shape[1] // BLOCK
-        return (row_grouped(pack_nibbles(self.q6 & 15), b, rows),
-                row_grouped(pack_high_bits(self.q6), b, rows),
+        return (values_grouped(pack_nibbles(self.q6 & 15), rows),
+                values_grouped(pack_high_bits(self.q6), rows),
                 row_grouped(half_group_order(self.s6), b, rows), row_grouped(self.d6, b, rows),
                 self.q6.shape[0])
 
     def packed8(self, rows: int) -> tuple:
         n = self.q8.shape[0]
         scale = torch.nn.functional.pad(self.s8, (0, padded_rows(n, rows) - n))
-        return (row_grouped(to_chunks(self.q8), self.q8.shape[1] // BLOCK, rows), scale, n)
+        return (values_grouped(to_chunks(self.q8), rows), scale, n)
 
 
 def check_matrices(gen: torch.Generator, n: int, kp: int) -> CheckMatrices:

@@ -204,7 +204,9 @@ def test_a_damaged_library_in_a_read_only_cache_is_refused(fresh_cache, built, t
     with read_only([fresh_cache.parent, fresh_cache]):
         out, _ = load_in_child(fresh_cache.parent, tmpdir_of_child, read_only=True)
     assert out.startswith("refused: CacheError: forerun's native kernel library ")
-    assert str(targets[0]) in out and "is damaged" in out and "can't be rebuilt" in out
+    # whichever library loads first (their names are hashes of their sources)
+    assert any(str(t) in out for t in targets)
+    assert "is damaged" in out and "can't be rebuilt" in out
     assert "delete" in out and "FORERUN_CACHE" in out
     assert {p.name: p.read_bytes() for p in fresh_cache.iterdir()} == before
     assert list(tmpdir_of_child.iterdir()) == []
