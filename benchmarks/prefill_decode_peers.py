@@ -97,7 +97,7 @@ def main() -> None:
                "llama.cpp stock": lambda ids, n: run_llama(stock, ids, n),
                "llama.cpp flash attention": lambda ids, n: run_llama(flash, ids, n)}
     prompts = {length: doc_ids(ours, length) for length in lengths}
-    for name, run in runners.items():                   # warm-up
+    for run in runners.values():                         # warm-up
         run(prompts[lengths[0]][:32], 4)
     runs: list[dict] = []
     for r in range(args.rounds):

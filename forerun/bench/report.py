@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from forerun.bench.summary import OVERALL, PLAIN, BenchReport
-from forerun.machine.output_files import check_output_dir, written_whole
+from forerun.machine.output_files import (
+    check_output_dir,
+    check_replaceable,
+    record_written,
+    written_whole,
+)
 
 # -- formatting ----------------------------------------------------------------
 
@@ -236,11 +241,20 @@ def plot_speedup(report: BenchReport, path: Path, format: str | None = None) -> 
     plt.close(fig)
 
 
-def write_reports(report: BenchReport, out_dir: str | Path) -> dict[str, Any]:
+#: The files :func:`write_reports` writes.
+REPORT_FILES = ("report.json", "report.md", "speedup.png")
+
+
+def write_reports(report: BenchReport, out_dir: str | Path, *, force: bool = False
+                  ) -> dict[str, Any]:
     """Write ``report.json``, ``report.md`` and ``speedup.png`` into
-    ``out_dir``; returns ``{"files": [...], "messages": [...]}`` (a message
-    says why the chart is missing)."""
+    ``out_dir``, recorded in its marker file; a file of those names that
+    forerun did not write there is replaced only with ``force``
+    (:func:`~forerun.machine.output_files.check_replaceable`).  Returns
+    ``{"files": [...], "messages": [...]}`` (a message says why the chart
+    is missing)."""
     out = check_output_dir(out_dir, "--out")
+    check_replaceable(out, list(REPORT_FILES), "--out", force=force)
     files = []
     with written_whole(out / "report.json") as tmp:
         tmp.write_text(json.dumps(report.to_dict(), indent=1, ensure_ascii=False) + "\n",
@@ -257,4 +271,5 @@ def write_reports(report: BenchReport, out_dir: str | Path) -> dict[str, Any]:
     except ImportError:
         messages.append("speedup.png not written: matplotlib is not installed "
                         "(pip install 'forerun[bench]' or pip install matplotlib)")
+    record_written(out, [f.name for f in files], "bench-report")
     return {"files": files, "messages": messages}

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from forerun.cli.options import WEIGHT_CHOICES
-from forerun.machine.output_files import check_output_dir
+from forerun.machine.output_files import check_output_dir, check_replaceable
 
 DEFAULT_METHODS = "plain,draft,ngram"
 
@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", "-o", default=None, metavar="DIR",
                    help="where report.md, report.json and speedup.png go "
                         "(default: bench-out/<timestamp>)")
+    p.add_argument("--force", action="store_true",
+                   help="replace report files in --out that forerun did not write (by default "
+                        "they are kept and the run refused)")
     p.add_argument("--context-length", type=int, default=None,
                    help="KV cache size in positions (default: the model's, at most 4096)")
     p.add_argument("--device", default=None, help="torch device (default: cuda, mps or cpu)")
@@ -105,7 +108,7 @@ def settings_from_args(args: argparse.Namespace):
 def run_from_args(args: argparse.Namespace) -> int:
     from forerun.bench.prompts import load_prompts, select_prompts
     from forerun.bench.registry import available_methods
-    from forerun.bench.report import print_report, write_reports
+    from forerun.bench.report import REPORT_FILES, print_report, write_reports
     from forerun.bench.runner import run_bench
 
     if args.list_methods:
@@ -117,15 +120,17 @@ def run_from_args(args: argparse.Namespace) -> int:
     # Read the prompts before spending seconds on loading a model.
     prompts = select_prompts(load_prompts(settings.prompts), settings.categories,
                              settings.limit)
-    out = Path(args.out) if args.out else (
+    out = Path(args.out) if args.out is not None else (
         Path("bench-out") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    check_output_dir(out, "--out")   # before minutes of benchmarking, not after
+    # before minutes of benchmarking, not after
+    check_replaceable(check_output_dir(args.out if args.out is not None else out, "--out"),
+                      list(REPORT_FILES), "--out", force=args.force)
     print(f"bench: {len(prompts)} prompts, methods {', '.join(settings.method_names())}, "
           f"temperature {', '.join(f'{t:g}' for t in settings.temperatures)}; "
           f"reports go to {out}", file=sys.stderr)
     report = run_bench(settings, prompts=prompts)
     print_report(report)
-    written = write_reports(report, out)
+    written = write_reports(report, out, force=args.force)
     for message in written["messages"]:
         print(f"bench: {message}", file=sys.stderr)
     print("\nwrote " + ", ".join(str(f) for f in written["files"]))

@@ -7,7 +7,7 @@ import itertools
 import sys
 
 from forerun.errors import ForerunError
-from forerun.machine.output_files import check_output_file
+from forerun.machine.output_files import check_output_file, check_replaceable_file
 
 
 def add_parser(sub) -> None:
@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
                              "by their own split, as an EAGLE head's training holds them")
     train.add_argument("--heads", type=int, default=3, help="number of heads (default 3)")
     train.add_argument("--out", "-o", required=True, help="output .safetensors file")
+    train.add_argument("--force", action="store_true",
+                       help="replace a file at --out that is not forerun's Medusa heads "
+                            "(by default it is kept and the run refused)")
     train.add_argument("--epochs", type=int, default=2)
     train.add_argument("--max-tokens", type=int, default=None,
                        help="training tokens to use (default: the whole corpus)")
@@ -76,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from forerun.api import load
+    from forerun.drafters.medusa import is_medusa_file
     from forerun.training.medusa import TrainSettings, train_medusa
     from forerun.training.token_manifest import TokenManifest
 
@@ -91,7 +95,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not 0 <= args.off_path_weight <= 1:
         raise ForerunError("--off-path-weight must lie in 0..1")
     if args.out is not None:   # before minutes of training, not after
-        check_output_file(args.out, "--out")
+        out = check_output_file(args.out, "--out")
+        check_replaceable_file(out, "--out", "a Medusa heads file", is_medusa_file,
+                               force=args.force)
     if args.data and args.held_out_tokens is not None:
         raise ForerunError("--held-out-tokens applies to --corpus; --data holds out records "
                            "by the manifests' own split")
@@ -116,7 +122,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                  args.corpus or [], args.out, settings=settings, seq_len=args.seq_len,
                  max_tokens=args.max_tokens, held_out_tokens=args.held_out_tokens,
                  top_k=args.teacher_top_k, cache=not args.no_cache,
-                 progress=not args.quiet, log=log, records=records)
+                 progress=not args.quiet, log=log, records=records, force=args.force)
     return 0
 
 

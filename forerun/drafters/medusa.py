@@ -51,7 +51,11 @@ from forerun.decoding.draft_length import refine_seconds
 from forerun.decoding.sampling import TokenSampler
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
 from forerun.machine.json_files import read_json_object
-from forerun.machine.output_files import check_output_file, written_whole
+from forerun.machine.output_files import (
+    check_output_file,
+    check_replaceable_file,
+    written_whole,
+)
 
 FORMAT = "forerun-medusa/1"
 ORIGINAL_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -201,8 +205,11 @@ class MedusaHeads:
             out["vocab"] = self.vocab.detach().to("cpu", torch.int32).contiguous()
         return out
 
-    def save(self, path: str | Path, dtype: torch.dtype = torch.float16) -> None:
-        """Write forerun's format (see the module docstring)."""
+    def save(self, path: str | Path, dtype: torch.dtype = torch.float16, *,
+             force: bool = False) -> None:
+        """Write forerun's format (see the module docstring).  An existing
+        file at ``path`` is replaced only if it is forerun's Medusa file
+        (:func:`is_medusa_file`), or with ``force``."""
         from safetensors.torch import save_file
 
         meta = {"format": FORMAT, "num_heads": str(self.num_heads),
@@ -213,6 +220,8 @@ class MedusaHeads:
         for key, value in self.info.items():
             meta[key] = value if isinstance(value, str) else json.dumps(value)
         path = check_output_file(path, "the heads' path")
+        check_replaceable_file(path, "the heads' path", "a Medusa heads file", is_medusa_file,
+                               force=force)
         with written_whole(path) as tmp:
             save_file(self.state_dict(dtype), str(tmp), metadata=meta)
 
@@ -242,6 +251,18 @@ class MedusaHeads:
 
 def _read_config(path: Path) -> dict:
     return read_json_object(path, ModelFormatError, missing_ok=True)
+
+
+def is_medusa_file(path: Path) -> bool:
+    """Whether ``path`` is a safetensors file in forerun's Medusa format (its
+    metadata's format tag): a file forerun wrote and may write again."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == FORMAT
+    except Exception:  # safetensors raises several types: not ours either way
+        return False
 
 
 def _read_tensors(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -344,13 +344,15 @@ def run_batch(decoder: Decoder, jobs: Sequence[Callable[[Decoder], T]], parallel
             done.put(n)
 
     started = running = 0
+    threads: list[threading.Thread] = []
     try:
         while started < len(jobs) or running:
             while running < parallel and started < len(jobs):
                 member = forwards.member()
                 forwards.join(member)
-                threading.Thread(target=run, args=(started, member), daemon=True,
-                                 name=f"forerun-batch-{started}").start()
+                threads.append(threading.Thread(target=run, args=(started, member), daemon=True,
+                                                name=f"forerun-batch-{started}"))
+                threads[-1].start()
                 started += 1
                 running += 1
             forwards.step()
@@ -362,6 +364,11 @@ def run_batch(decoder: Decoder, jobs: Sequence[Callable[[Decoder], T]], parallel
     except BaseException as exc:      # Ctrl-C, a failing callback: no member waits on
         forwards.close(exc)
         raise
+    # Every job has ended; its thread is past its last torch call.  Joined
+    # so that none is still unwinding when the caller (or the process) goes
+    # on: a thread alive at exit once ended a process with "terminate called".
+    for thread in threads:
+        thread.join()
     for error in errors:
         if error is not None:
             raise error

@@ -162,8 +162,8 @@ class CalibrationStore:
                     "measuring again: %s was measured with other processes holding %s "
                     "cores, and the machine is idle now", path.name, measured.get("other_cores"))
                 value = None
-        except (ValueError, TypeError, KeyError):
-            value = None
+        except (ValueError, TypeError, KeyError, ArithmeticError):
+            value = None          # a validator that met what it did not expect
         if value is None:
             try:
                 path.unlink()
@@ -223,8 +223,6 @@ def idle_now() -> bool:
 def valid_costs(length: int) -> Callable[[Any], list | None]:
     """A validator for stored verification costs: a list of ``length``
     entries, each ``None`` or a finite positive number of seconds."""
-    import math
-
     def check(value: Any) -> list | None:
         if not isinstance(value, list) or len(value) != length:
             return None
@@ -233,7 +231,7 @@ def valid_costs(length: int) -> Callable[[Any], list | None]:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 return None
-            if not math.isfinite(v) or v <= 0:
+            if not 0 < v < 1e6:           # seconds; NaN fails, a huge int before float()
                 return None
         if all(v is None for v in value):
             return None

@@ -12,7 +12,8 @@ A folder of forerun's artefacts (an exported head) carries a marker,
 :data:`MARKER`, naming the files forerun wrote there and their stamps:
 :func:`check_replaceable` refuses to replace any other file, or one changed
 since, unless the user forces it, so a model folder given by mistake is
-never overwritten."""
+never overwritten.  A single file forerun writes carries its marker inside
+(a Medusa file's format tag): :func:`check_replaceable_file`."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from forerun.errors import ForerunError
@@ -80,6 +81,19 @@ def check_replaceable(folder: Path, names: list[str], option: str, *, force: boo
                 f"{option} {folder} holds {name}, which forerun did not write there (or which "
                 f"changed since): it is not replaced; choose another folder, or pass {hint} "
                 f"to replace it")
+
+
+def check_replaceable_file(path: Path, option: str, kind: str, ours: Callable[[Path], bool],
+                           *, force: bool = False, hint: str = "--force") -> None:
+    """Refuse to replace the file ``path`` unless it is forerun's own ``kind``
+    (``ours(path)`` says so from the file's own marker, e.g. a format tag
+    in its metadata) or ``force``: a file forerun did not write is never
+    overwritten by mistake."""
+    if force or not path.exists() or ours(path):
+        return
+    raise OutputPathError(
+        f"{option} {path} exists and is not {kind} that forerun wrote: it is not replaced; "
+        f"choose another path, or pass {hint} to replace it")
 
 
 def record_written(folder: Path, names: list[str], kind: str) -> None:

@@ -68,7 +68,8 @@ class GroupingResult:
             assert all(isinstance(v, int) and not isinstance(v, bool) for v in ints)
             assert 0 <= exact <= top and (first is None or exact < first <= top)
             assert exact >= 1 or first == 1     # 0: one position already differed
-            assert isinstance(diff, (int, float)) and diff == diff and diff >= 0
+            assert isinstance(diff, (int, float)) and not isinstance(diff, bool)
+            assert 0 <= diff < 1e30       # NaN fails, and a huge int before float()
             return cls(exact, top, first, float(diff), contexts)
         except (AssertionError, KeyError, TypeError):
             return None

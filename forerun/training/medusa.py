@@ -572,17 +572,20 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
                  max_tokens: int | None = None, held_out_tokens: int | None = None,
                  top_k: int = 10, cache: bool = True, progress: bool = True,
                  log: Callable[[str], None] | None = print,
-                 records: Iterable | None = None) -> TrainResult:
+                 records: Iterable | None = None, force: bool = False) -> TrainResult:
     """The whole pipeline: corpus, cached teacher data, training, held-out
-    accuracy, and the heads written to ``out`` (forerun's format).
-    ``records``: token-manifest records to train on instead of the text
-    files ``corpus`` (:func:`corpus_from_records`)."""
-    from forerun.machine.output_files import check_output_file
+    accuracy, and the heads written to ``out`` (forerun's format; a file
+    there that is not forerun's Medusa heads is replaced only with
+    ``force``).  ``records``: token-manifest records to train on instead of
+    the text files ``corpus`` (:func:`corpus_from_records`)."""
+    from forerun.drafters.medusa import is_medusa_file
+    from forerun.machine.output_files import check_output_file, check_replaceable_file
     from forerun.machine.paths import cache_dir
 
     settings = settings or TrainSettings()
     if out is not None:   # before the corpus, the teacher and the training
         out = check_output_file(out, "out")
+        check_replaceable_file(out, "out", "a Medusa heads file", is_medusa_file, force=force)
     if settings.heads < 1:
         raise ConfigError(f"--heads must be at least 1, got {settings.heads}")
     if settings.epochs < 1:
@@ -636,6 +639,6 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
     for line in result.accuracy.lines():
         log("  " + line)
     if out is not None:
-        result.heads.save(out)
+        result.heads.save(out, force=force)
         log(f"wrote {out} ({Path(out).stat().st_size / 1e6:.1f} MB)")
     return result

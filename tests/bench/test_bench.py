@@ -23,6 +23,7 @@ from forerun.bench import (
 from forerun.bench.prompts import DEFAULT_PROMPTS
 from forerun.cli.main import main
 from forerun.errors import ForerunError
+from forerun.machine.output_files import OutputPathError
 
 from .conftest import PROMPTS
 
@@ -441,6 +442,23 @@ def test_report_files(tiny, tmp_path):
         assert not written["messages"]
 
 
+def test_reports_replace_their_own_files_but_never_a_users(tiny, tmp_path):
+    """A folder's report files are rewritten when forerun wrote them, and a
+    report.md of someone else's is refused, unchanged, unless forced."""
+    report = bench(tiny, methods=("plain",), warmup=0)
+    write_reports(report, tmp_path / "again")
+    write_reports(report, tmp_path / "again")               # its own files: replaced
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("my notes")
+    with pytest.raises(OutputPathError, match="holds report.md, which forerun did not write"):
+        write_reports(report, mine)
+    assert (mine / "report.md").read_text() == "my notes"
+    assert not (mine / "report.json").exists()
+    write_reports(report, mine, force=True)
+    assert "plain" in (mine / "report.md").read_text()
+
+
 def test_report_without_matplotlib(tiny, tmp_path, monkeypatch):
     report = bench(tiny, warmup=0)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -465,6 +483,25 @@ def test_cli_bench(tiny_folders, prompt_file, tmp_path, capsys):
     data = json.loads((out / "report.json").read_text())
     assert data["settings"]["prompt_count"] == 1
     assert data["settings"]["temperatures"] == [0.0, 0.5]
+
+
+def test_cli_bench_refuses_a_users_file_and_a_blank_out_before_running(
+        tiny_folders, prompt_file, tmp_path, capsys):
+    target, _ = tiny_folders
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.json").write_text("{}")
+    args = ["bench", "--model", str(target), "--prompts", str(prompt_file), "--methods",
+            "plain", "--limit", "1", "-n", "2", "-q"]
+    assert main([*args, "--out", str(mine)]) == 1
+    err = capsys.readouterr().err
+    assert "holds report.json, which forerun did not write" in err and "--force" in err
+    assert "Traceback" not in err and "bench: " not in err     # refused before running
+    assert (mine / "report.json").read_text() == "{}"
+    assert main([*args, "--out", " "]) == 1
+    assert "--out is empty" in capsys.readouterr().err
+    assert main([*args, "--out", str(mine), "--force"]) == 0
+    assert json.loads((mine / "report.json").read_text())["settings"]
 
 
 def test_cli_errors_are_clean(prompt_file, capsys):

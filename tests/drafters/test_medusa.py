@@ -18,6 +18,7 @@ from forerun.decoding.stats import GenerationStats
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.medusa import MedusaDrafter, MedusaHeads, shipped_heads_path
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
+from forerun.machine.output_files import OutputPathError
 from forerun.training.medusa import TrainSettings, build_corpus, train_medusa
 from forerun.training.text_files import corpus_files
 from method_runs import greedy_tokens
@@ -379,6 +380,36 @@ def test_cli_train_and_info(tmp_path, monkeypatch, capsys):
     assert cli_main(["medusa", "train", "--model", str(folder), "--corpus",
                      str(tmp_path / "nowhere"), "--out", str(out), "--quiet"]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_heads_never_replace_a_file_forerun_did_not_write(tmp_path, monkeypatch, capsys):
+    """``medusa train --out`` onto a file of the user's (another model's
+    weights) is refused before training and leaves it as it was; forerun's
+    own heads file is replaced, and ``--force`` replaces anything."""
+    heads = random_heads(n=2)
+    theirs = tmp_path / "model.safetensors"
+    from safetensors.torch import save_file
+    save_file({"w": torch.zeros(2)}, str(theirs))
+    before = theirs.read_bytes()
+    with pytest.raises(OutputPathError, match="is not a Medusa heads file that forerun wrote"):
+        heads.save(theirs)
+    assert theirs.read_bytes() == before
+    ours = tmp_path / "heads.safetensors"
+    heads.save(ours)
+    heads.save(ours)                                    # forerun's own file
+    assert MedusaHeads.load(ours).num_heads == 2
+    heads.save(theirs, force=True)
+    assert MedusaHeads.load(theirs).num_heads == 2
+
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert cli_main(["medusa", "train", "--model", str(tiny_folder(tmp_path)), "--corpus",
+                     str(tmp_path / "nowhere"), "--out", str(notes), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "--out" in err and "not a Medusa heads file" in err and "--force" in err
+    assert "does not exist" not in err                   # refused before the corpus
+    assert notes.read_text() == "mine"
 
 
 def test_shipped_heads_lookup():

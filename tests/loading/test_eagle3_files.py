@@ -473,3 +473,74 @@ def test_bad_int8_storage_is_refused(tmp_path, edit, words):
     rewrite(folder, **edit)
     with pytest.raises(ModelFormatError, match=words):
         load_eagle3(folder)
+
+
+def test_any_edit_of_a_head_folder_loads_or_is_refused_never_a_crash(tmp_path):
+    """Fuzzed: config.json with any one value replaced by another of any
+    type (or removed), or replaced whole by any JSON, and model.safetensors
+    cut or with a byte changed anywhere: load_eagle3 gives a head or a
+    ForerunError, nothing else."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from forerun.errors import ForerunError
+    from quick import draws
+
+    folder = exported(tmp_path)
+    original = json.loads((folder / "config.json").read_text())
+    weights = (folder / "model.safetensors").read_bytes()
+
+    def paths(value, at=()):
+        yield at
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield from paths(v, at + (k,))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                yield from paths(v, at + (i,))
+
+    every = [p for p in paths(original) if p]
+    values = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40),
+                       st.floats(allow_nan=True), st.text(max_size=8),
+                       st.lists(st.integers(-5, 5), max_size=3),
+                       st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+                       st.just("<remove>"), st.just("<keep>"))
+    whole = st.one_of(st.none(), st.recursive(
+        st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=4)),
+        lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+        max_leaves=6))
+    damage = st.one_of(st.none(), st.tuples(st.just("cut"), st.integers(0, len(weights))),
+                       st.tuples(st.just("byte"), st.integers(0, len(weights) - 1),
+                                 st.integers(0, 255)))
+
+    @settings(max_examples=draws(300, 60), deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(where=st.sampled_from(every), value=values, config=whole, damage=damage)
+    def check(where, value, config, damage):
+        data = json.loads(json.dumps(original))
+        parent = data
+        for key in where[:-1]:
+            parent = parent[key]
+        if value == "<remove>":
+            parent.pop(where[-1])
+        elif value != "<keep>":
+            parent[where[-1]] = value
+        if config is not None:
+            data = config
+        (folder / "config.json").write_text(json.dumps(data))
+        content = weights
+        if damage is not None and damage[0] == "cut":
+            content = weights[:damage[1]]
+        elif damage is not None:
+            content = bytearray(weights)
+            content[damage[1]] = damage[2]
+            content = bytes(content)
+        (folder / "model.safetensors").write_bytes(content)
+        try:
+            head = load_eagle3(folder)
+        except ForerunError:
+            return
+        assert head.config.hidden_size >= 1 and head.d2t.numel() == head.config.draft_vocab_size
+
+    check()

@@ -289,3 +289,60 @@ def test_saved_costs_carry_the_load_of_the_span_they_were_timed_in(cache, monkey
     store.save([None, 0.1])
     saved = json.loads(store.path.read_text())["conditions"]
     assert saved["busy"] is False and saved["other_cores"] == 0.0
+
+
+def test_any_record_reads_as_a_value_or_as_absent_never_a_crash(cache, monkeypatch):
+    """Fuzzed: a stored record with any JSON in place of its value, its
+    conditions or the whole record (huge integers, NaN, nesting) is read by
+    every validator forerun stores with as a valid value or as absent (then
+    deleted, and measured again), never as an exception."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from forerun.engines.format_choice import FormatChoice
+    from forerun.engines.prefill_kernel import PrefillChoice
+    from quick import draws
+
+    monkeypatch.setattr(calibration, "idle_now", lambda: True)
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**1100, 2**1100),
+                        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6))
+    json_values = st.recursive(scalars, lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)),
+        max_leaves=12)
+    number = st.one_of(st.integers(0, 20), st.floats(0, 1), scalars)
+    # Values shaped as each validator's record, any field of them anything.
+    shaped = st.one_of(
+        st.lists(number, min_size=3, max_size=3),
+        st.fixed_dictionaries({"exact_group": number, "max_group": number,
+                               "first_inexact": number, "max_difference": number,
+                               "contexts": st.lists(number, max_size=2)}),
+        st.fixed_dictionaries({"kernel": st.sampled_from(["int8", "float32-gemm", "x"]),
+                               "milliseconds": st.fixed_dictionaries(
+                                   {"int8": number, "float32-gemm": number})}),
+        st.fixed_dictionaries({"format": st.sampled_from(["q4", "q8"]),
+                               "milliseconds": st.fixed_dictionaries(
+                                   {"q4": st.lists(number, max_size=4),
+                                    "q8": st.lists(number, max_size=4)})}),
+        st.fixed_dictionaries({"busy": st.one_of(st.booleans(), number),
+                               "other_cores": number}))
+    validators = [valid_costs(3), GroupingResult.from_dict, PrefillChoice.from_dict,
+                  lambda d: FormatChoice.from_dict(d, ("q4", "q8"))]
+    store = CalibrationStore("costs", {"model": "m"})
+
+    @settings(max_examples=draws(400, 80), deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(part=st.sampled_from(["value", "conditions", "record"]),
+           value=st.one_of(json_values, shaped), which=st.integers(0, len(validators) - 1))
+    def check(part, value, which):
+        store.save([None, 0.1, 0.2])
+        record = json.loads(store.path.read_text())
+        if part == "record":
+            record = value
+        else:
+            record[part] = value
+        store.path.write_text(json.dumps(record))
+        got = store.load(validators[which])
+        if got is None:
+            assert not store.path.exists()
+
+    check()
