@@ -11,6 +11,10 @@ figure is decode tokens per second (prefill excluded), the median over
     python benchmarks/busy_machine.py --model smollm2-135m --methods none
     python benchmarks/busy_machine.py --settings default passive \\
         --out benchmarks/results/busy-machine.json
+    python benchmarks/busy_machine.py --engines torch llama.cpp --methods none
+
+``--engines``: forerun's engines to run (``llama.cpp`` needs
+``forerun[llama]``); each row names its engine.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
 CHILD = r"""
 import json, sys, forerun
-model = forerun.load(sys.argv[1], progress=False)
+model = forerun.load(sys.argv[1], progress=False, engine=sys.argv[5])
 method = sys.argv[2]
 if method == "default":     # the preset's own drafter, as forerun generate runs it
     from forerun.speculation.config import resolve_for_preset
@@ -62,10 +66,11 @@ def busy_loop() -> subprocess.Popen:
     return proc
 
 
-def one_run(model: str, method: str, tokens: int, env: dict, busy: bool) -> dict:
+def one_run(model: str, engine: str, method: str, tokens: int, env: dict, busy: bool) -> dict:
     spinner = busy_loop() if busy else None
     try:
-        out = subprocess.run([sys.executable, "-c", CHILD, model, method, PROMPT, str(tokens)],
+        out = subprocess.run([sys.executable, "-c", CHILD, model, method, PROMPT, str(tokens),
+                              engine],
                              env={**os.environ, **env}, capture_output=True, text=True,
                              timeout=1800)
     finally:
@@ -73,7 +78,8 @@ def one_run(model: str, method: str, tokens: int, env: dict, busy: bool) -> dict
             spinner.kill()
             spinner.wait()
     if out.returncode != 0:
-        raise SystemExit(f"run failed ({env}, {method}, busy={busy}):\n{out.stderr[-2000:]}")
+        raise SystemExit(f"run failed ({engine}, {env}, {method}, busy={busy}):\n"
+                         f"{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -85,36 +91,43 @@ def main() -> None:
                         "--draft value")
     p.add_argument("--settings", nargs="+", default=["default", "unset"],
                    choices=sorted(SETTINGS))
+    p.add_argument("--engines", nargs="+", default=["torch"], choices=["torch", "llama.cpp"])
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None, help="write the result here (JSON)")
     args = p.parse_args()
 
     print(machine_line())
-    cells: dict[tuple[str, str, str], list[float]] = {}
-    tokens_of: dict[tuple[str, str], list[int]] = {}
+    cells: dict[tuple[str, str, str, str], list[float]] = {}
+    tokens_of: dict[tuple[str, str, str], list[int]] = {}
     for r in range(args.rounds):
+        for engine in args.engines:
+            for setting in args.settings:
+                for method in args.methods:
+                    for busy in (False, True):
+                        got = one_run(args.model, engine, method, args.tokens,
+                                      SETTINGS[setting], busy)
+                        key = (engine, setting, method, "busy" if busy else "idle")
+                        cells.setdefault(key, []).append(got["tps"])
+                        tokens_of.setdefault(key[:3], got["tokens"])
+                        print(f"round {r + 1}: {engine:9} {setting:10} {method:8} {key[3]:5} "
+                              f"{got['tps']:7.2f} tok/s  ({got['method']}, "
+                              f"OMP_WAIT_POLICY={got['policy']})", flush=True)
+    print(f"\n{'engine':9} {'setting':10} {'method':8} {'idle tok/s':>10} {'busy tok/s':>10} "
+          f"{'kept':>6}")
+    rows = []
+    for engine in args.engines:
         for setting in args.settings:
             for method in args.methods:
-                for busy in (False, True):
-                    got = one_run(args.model, method, args.tokens, SETTINGS[setting], busy)
-                    key = (setting, method, "busy" if busy else "idle")
-                    cells.setdefault(key, []).append(got["tps"])
-                    tokens_of.setdefault((setting, method), got["tokens"])
-                    print(f"round {r + 1}: {setting:10} {method:8} {key[2]:5} "
-                          f"{got['tps']:7.2f} tok/s  ({got['method']}, "
-                          f"OMP_WAIT_POLICY={got['policy']})", flush=True)
-    print(f"\n{'setting':10} {'method':8} {'idle tok/s':>10} {'busy tok/s':>10} {'kept':>6}")
-    rows = []
-    for setting in args.settings:
-        for method in args.methods:
-            idle = statistics.median(cells[(setting, method, "idle")])
-            busy = statistics.median(cells[(setting, method, "busy")])
-            rows.append({"setting": setting, "env": SETTINGS[setting], "method": method,
-                         "idle_tps": idle, "busy_tps": busy, "kept": busy / idle,
-                         "idle_runs": cells[(setting, method, "idle")],
-                         "busy_runs": cells[(setting, method, "busy")]})
-            print(f"{setting:10} {method:8} {idle:10.2f} {busy:10.2f} {busy / idle:6.0%}")
+                idle = statistics.median(cells[(engine, setting, method, "idle")])
+                busy = statistics.median(cells[(engine, setting, method, "busy")])
+                rows.append({"engine": engine, "setting": setting, "env": SETTINGS[setting],
+                             "method": method, "idle_tps": idle, "busy_tps": busy,
+                             "kept": busy / idle,
+                             "idle_runs": cells[(engine, setting, method, "idle")],
+                             "busy_runs": cells[(engine, setting, method, "busy")]})
+                print(f"{engine:9} {setting:10} {method:8} {idle:10.2f} {busy:10.2f} "
+                      f"{busy / idle:6.0%}")
     same = len({json.dumps(t) for t in tokens_of.values()}) == 1
     print(f"\nevery setting and method gave the same tokens: {same}")
     if args.out:

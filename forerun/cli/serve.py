@@ -111,6 +111,7 @@ def _check_options(args: argparse.Namespace) -> None:
 def _build_service(args: argparse.Namespace):
     """Load the model (and its draft model), and assemble the server's parts."""
     import forerun
+    from forerun.api.busy_threads import ThreadsForLoad
     from forerun.cli.main import speculative_config
     from forerun.loading.presets import DEFAULT_MODEL
     from forerun.server.app import Service
@@ -144,15 +145,18 @@ def _build_service(args: argparse.Namespace):
     def on_finish(finished) -> None:
         metrics.observe(finished.result, finished.ttft)
 
+    # The thread counts a busy machine may get, probed now (once per machine).
+    threads = ThreadsForLoad(model)
+    threads.prepare()
     worker: EngineWorker
     if parallel > 1:
         from forerun.server.batch_worker import BatchWorker
 
         worker = BatchWorker(model, prefix_cache, max_queue=args.max_queue, parallel=parallel,
-                             on_finish=on_finish)
+                             on_finish=on_finish, threads=threads)
     else:
         worker = EngineWorker(model, prefix_cache, max_queue=args.max_queue,
-                              on_finish=on_finish)
+                              on_finish=on_finish, threads=threads)
     worker_ref.append(worker)
     service = Service(translator, worker, metrics, api_key=args.api_key,
                       created=int(time.time()))

@@ -16,8 +16,8 @@ is imported, looks at the machine for 0.1 s and sets
 or more.  It leaves everything alone when torch is already imported (too
 late to matter), when the user set ``OMP_WAIT_POLICY`` or
 ``GOMP_SPINCOUNT``, and when ``FORERUN_OMP_DEFAULTS=0``.  A machine that
-becomes busy later, while a server runs, keeps the spinning policy; set
-``OMP_WAIT_POLICY=passive`` for a server that shares its cores.
+becomes busy later keeps the policy chosen here; a server follows the load
+with its thread count instead (:mod:`forerun.api.busy_threads`).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from forerun.server.errors import (
     unavailable,
 )
 from forerun.server.metrics import Metrics
+from forerun.server.openapi import openapi_document
 from forerun.server.schemas import ChatCompletionRequest, CompletionRequest, parse
 from forerun.server.translate import GenerationSpec, Translator
 from forerun.server.worker import EngineWorker, Finished, Job, QueueFullError, ShuttingDownError
@@ -73,6 +74,7 @@ def create_app(service: Service) -> Starlette:
     app = Starlette(routes=[
         Route("/health", routes.health, methods=["GET"]),
         Route("/metrics", routes.metrics, methods=["GET"]),
+        Route("/openapi.json", routes.openapi, methods=["GET"]),
         Route("/v1/models", routes.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
         Route("/v1/chat/completions", routes.chat, methods=["POST"]),
@@ -91,7 +93,7 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     if exc.status_code == 404:
         err = not_found(f"no route {request.method} {request.url.path}; the endpoints are "
                         f"/v1/models, /v1/chat/completions, /v1/completions, /health, "
-                        f"/metrics")
+                        f"/metrics, /openapi.json")
     else:
         err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
     return JSONResponse(err.body(), status_code=err.status, headers=exc.headers)
@@ -116,6 +118,9 @@ class _Routes:
     async def metrics(self, request: Request) -> Response:
         body, content_type = self.s.metrics.render()
         return Response(body, headers={"Content-Type": content_type})
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_document())
 
     async def models(self, request: Request) -> Response:
         return await self._answer("models", request, self._models)

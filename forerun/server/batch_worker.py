@@ -26,6 +26,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from forerun.api.busy_threads import ThreadsForLoad
 from forerun.errors import ForerunError
 from forerun.generation.batch import BatchedDecoder, SharedForwards
 from forerun.server.prefix_cache import PrefixCache, Reuse
@@ -47,8 +48,9 @@ class BatchWorker(EngineWorker):
     prompt lookup); any other is answered with an error."""
 
     def __init__(self, model, prefix_cache: PrefixCache, *, max_queue: int, parallel: int,
-                 on_finish=None) -> None:
-        super().__init__(model, prefix_cache, max_queue=max_queue, on_finish=on_finish)
+                 on_finish=None, threads: ThreadsForLoad | None = None) -> None:
+        super().__init__(model, prefix_cache, max_queue=max_queue, on_finish=on_finish,
+                         threads=threads)
         if parallel < 2:
             raise ValueError("a batch worker runs at least 2 slots; use EngineWorker for one")
         self.parallel = parallel
@@ -77,6 +79,8 @@ class BatchWorker(EngineWorker):
             if self._closing.is_set() and self._busy == 0 and self._queue.empty():
                 return
             if self._busy:
+                if self.threads is not None:
+                    forwards.threads = self.threads.threads_now()
                 forwards.step(timeout=0.05)
 
     def _admit(self, block: bool) -> None:

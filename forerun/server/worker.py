@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from forerun.api.busy_threads import ThreadsForLoad
 from forerun.errors import ForerunError
 from forerun.generation.result import GenerationResult
 from forerun.server.prefix_cache import PrefixCache, Reuse
@@ -74,14 +75,19 @@ class EngineWorker:
     ``max_queue``: how many requests may wait (the one running excluded);
     :meth:`submit` raises :class:`QueueFullError` beyond it.
     ``on_finish(Finished)`` is called on the worker thread after each
-    generation (metrics).
+    generation (metrics).  ``threads``: the thread count each generation
+    runs on, chosen again as the machine's load changes
+    (:class:`~forerun.api.busy_threads.ThreadsForLoad`); without it, the
+    model's own.
     """
 
     def __init__(self, model, prefix_cache: PrefixCache, *, max_queue: int,
-                 on_finish: Callable[[Finished], None] | None = None) -> None:
+                 on_finish: Callable[[Finished], None] | None = None,
+                 threads: ThreadsForLoad | None = None) -> None:
         if max_queue < 1:
             raise ValueError("max_queue must be at least 1")
         self.model = model
+        self.threads = threads
         self.prefix_cache = prefix_cache
         self.on_finish = on_finish
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
@@ -91,6 +97,8 @@ class EngineWorker:
 
     # -- the event loop's side ------------------------------------------------
     def start(self) -> None:
+        if self.threads is not None:
+            self.threads.start()
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -121,6 +129,8 @@ class EngineWorker:
             current.cancel.set()
 
     def join(self, timeout: float | None = None) -> None:
+        if self.threads is not None:
+            self.threads.close()
         self.shutdown()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -152,6 +162,9 @@ class EngineWorker:
         self._current = job
         if self._closing.is_set():      # shutdown() may have missed this job
             job.cancel.set()
+        decoder = self.model.decoder
+        if self.threads is not None and decoder.threads != (n := self.threads.threads_now()):
+            decoder.set_threads(n)           # on this (the engine's) thread
         try:
             outcome = self._generate(job, self.model.decoder, lambda: (
                 self.prefix_cache.prepare(job.spec.prompt_ids), self.model.stream))
