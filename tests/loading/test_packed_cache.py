@@ -172,3 +172,14 @@ def test_bit_rot_in_a_cache_that_cant_be_written(gguf_path, cache, large_files, 
     monkeypatch.setattr(packed_cache, "remove_path", lambda p: None)
     with pytest.warns(UserWarning, match="packed-weight cache is not used.*damaged"):
         assert torch.equal(logits(gguf_path, "q4"), first)
+
+
+def test_a_network_replaced_while_it_is_read_is_rebuilt(gguf_path, cache, monkeypatch, capsys):
+    """The file hashed must be the file mapped: one whose inode, size or
+    modification time changed between the two is not used."""
+    first = logits(gguf_path, "q4")
+    real = packed_cache._identity
+    monkeypatch.setattr(packed_cache, "_identity", lambda path: (*real(path)[:3], -1))
+    capsys.readouterr()
+    assert torch.equal(logits(gguf_path, "q4"), first)
+    assert f"{FILE_NAME} changed while it was read" in capsys.readouterr().err

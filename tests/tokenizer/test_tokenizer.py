@@ -137,6 +137,23 @@ def test_save_load_roundtrip_tiny(tmp_path):
         Tokenizer.load(tmp_path / "tok")
 
 
+def test_loads_of_the_same_files_share_one_tokenizer_and_other_files_do_not(tmp_path):
+    """A target and its draft load the same saved tokenizer: one object
+    (tens of MB), while it lives; files that differ in anything, another."""
+    tok = tiny()
+    tok.save(tmp_path / "a")
+    tok.save(tmp_path / "b")
+    first = Tokenizer.load(tmp_path / "a")
+    assert Tokenizer.load(tmp_path / "b") is first
+    extra = json.loads((tmp_path / "b" / "forerun_tokenizer.json").read_text())
+    extra["chat_template"] = "{{ messages[0]['content'] }}"
+    (tmp_path / "b" / "forerun_tokenizer.json").write_text(json.dumps(extra))
+    other = Tokenizer.load(tmp_path / "b")
+    assert other is not first and other.chat_template != first.chat_template
+    assert Tokenizer.load(tmp_path / "a") is first
+    assert first.encode("ab ab1") == tok.encode("ab ab1")
+
+
 def test_saved_in_the_quick_form_that_reads_back_the_same(tmp_path):
     """Compact, the vocabulary in its tokens' byte order, the merges as
     "a b" strings (what tokenizers reads fastest), and the same tokenizer."""
