@@ -375,6 +375,26 @@ static inline __m512 bcast_ps(__m256 v) {
     return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v)));
 }
 
+/* The products of a chunk pair (4-bit, or two 6-bit chunks) added to the
+ * sums of TT activation rows: for each row pair i, w0[i] holds both rows'
+ * chunk 2p and w1[i] their chunk 2p + 1, against the chunks' 32 activation
+ * bytes each (at a + t * Kp and 32 bytes on) broadcast to both halves. */
+static inline __attribute__((always_inline)) void pair_sums_wide(
+        __m512i sums[ROWS / 2][TILE], const __m512i *w0, const __m512i *w1, const int8_t *a,
+        int Kp, int TT) {
+    for (int t = 0; t < TT; t++) {
+        const int8_t *at = a + (size_t)t * Kp;
+        __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)at));
+        __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(at + 32)));
+        __asm__("" : "+v"(x0), "+v"(x1));       /* as in q4_group */
+        for (int i = 0; i < ROWS / 2; i++) {
+            sums[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums[i][t], w0[i], x0),
+                                             w1[i], x1);
+            __asm__("" : "+v"(sums[i][t]));    /* as in q4_group */
+        }
+    }
+}
+
 /* q4_group in 512-bit registers, with the same results (see WIDE above):
  * rows 2i and 2i + 1's 32 bytes of a chunk pair are adjacent (UNIT), so one
  * 512-bit load gives [row 2i | row 2i + 1], and its low and high nibbles are
@@ -403,17 +423,7 @@ static inline __attribute__((always_inline)) void q4_group_wide(
                 w0[i] = _mm512_and_si512(packed, nibble);
                 w1[i] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
             }
-            for (int t = 0; t < TT; t++) {
-                const int8_t *at = ab + (size_t)t * Kp + 64 * p;
-                __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)at));
-                __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(at + 32)));
-                __asm__("" : "+v"(x0), "+v"(x1));       /* as in q4_group */
-                for (int i = 0; i < ROWS / 2; i++) {
-                    sums[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums[i][t], w0[i], x0),
-                                                     w1[i], x1);
-                    __asm__("" : "+v"(sums[i][t]));    /* as in q4_group */
-                }
-            }
+            pair_sums_wide(sums, w0, w1, ab + 64 * p, Kp, TT);
         }
         /* Rows r and r + 1's 8 half-float scales and minimums are adjacent. */
         const uint16_t *sb = scale + (size_t)g0 * ROWS, *mb = min + (size_t)g0 * ROWS;
@@ -616,17 +626,7 @@ static inline __attribute__((always_inline)) void q6_group_wide(
                 for (int i = 0; i < ROWS / 2; i++)
                     q6_chunks_wide(_mm512_loadu_si512((const void *)(qb + UNIT * (ROWS * p + 2 * i))),
                                    hv[i], p, &w0[i], &w1[i]);
-                for (int t = 0; t < TT; t++) {
-                    const int8_t *at = a + (size_t)t * Kp + (size_t)b * BLOCK + 64 * p;
-                    __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)at));
-                    __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(at + 32)));
-                    __asm__("" : "+v"(x0), "+v"(x1));   /* as in q4_group */
-                    for (int i = 0; i < ROWS / 2; i++) {
-                        sums[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums[i][t], w0[i], x0),
-                                                         w1[i], x1);
-                        __asm__("" : "+v"(sums[i][t]));  /* as in q4_group */
-                    }
-                }
+                pair_sums_wide(sums, w0, w1, a + (size_t)b * BLOCK + 64 * p, Kp, TT);
             }
             /* [row r | row r + 1]'s scales: d times the half groups' int8s. */
             __m512 scale[ROWS / 2];
