@@ -178,6 +178,41 @@ def chat_ids(model, text: str) -> list[int]:
     return model.encode_prompt(messages=[{"role": "user", "content": text}])
 
 
+def forerun_greedy(model, ids: Sequence[int], n: int, **options: Any
+                   ) -> tuple[list[int], float, float, float]:
+    """``n`` tokens after ``ids`` through ``model.stream`` (greedy, the end
+    of sequence ignored; ``options`` go to ``stream``): the tokens, seconds
+    in all, seconds to the first token, CPU seconds of this process in all."""
+    first = None
+    t, c = time.perf_counter(), time.process_time()
+    stream = model.stream(prompt_ids=list(ids), max_new_tokens=n, ignore_eos=True, **options)
+    for _ in stream:
+        if first is None:
+            first = time.perf_counter() - t
+    total = time.perf_counter() - t
+    return list(stream.result.tokens), total, first or total, time.process_time() - c
+
+
+def llama_greedy(llm, ids: Sequence[int], n: int) -> tuple[list[int], float, float, float]:
+    """The same through llama-cpp-python's ``Llama.generate`` (its cache
+    reset first, greedy, no penalty)."""
+    llm.reset()
+    tokens: list[int] = []
+    first = None
+    t, c = time.perf_counter(), time.process_time()
+    gen = llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
+                       repeat_penalty=1.0, reset=True)
+    for token in gen:
+        tokens.append(int(token))
+        if first is None:
+            first = time.perf_counter() - t
+        if len(tokens) == n:
+            break
+    gen.close()
+    total = time.perf_counter() - t
+    return tokens, total, first or total, time.process_time() - c
+
+
 def source_at(revision: str, path: str) -> bytes:
     """The file ``path`` of this repository as it was at ``revision``."""
     return subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, check=True,

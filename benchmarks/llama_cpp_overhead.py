@@ -23,38 +23,16 @@ import statistics
 import time
 
 import torch
-from harness import CHAT_PROMPTS, chat_ids, load_model, machine_line, model_options, parser
-
-
-def run_forerun(model, ids: list[int], n: int) -> tuple[list[int], float, float, float]:
-    """Tokens, seconds in all, seconds to the first token, CPU seconds of
-    this process in all."""
-    first = None
-    t, c = time.perf_counter(), time.process_time()
-    stream = model.stream(prompt_ids=ids, max_new_tokens=n, ignore_eos=True)
-    for _ in stream:
-        if first is None:
-            first = time.perf_counter() - t
-    total = time.perf_counter() - t
-    return list(stream.result.tokens), total, first or total, time.process_time() - c
-
-
-def run_llama(llm, ids: list[int], n: int) -> tuple[list[int], float, float, float]:
-    llm.reset()
-    tokens: list[int] = []
-    first = None
-    t, c = time.perf_counter(), time.process_time()
-    gen = llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
-                       repeat_penalty=1.0, reset=True)
-    for token in gen:
-        tokens.append(int(token))
-        if first is None:
-            first = time.perf_counter() - t
-        if len(tokens) == n:
-            break
-    gen.close()
-    total = time.perf_counter() - t
-    return tokens, total, first or total, time.process_time() - c
+from harness import (
+    CHAT_PROMPTS,
+    chat_ids,
+    forerun_greedy,
+    llama_greedy,
+    load_model,
+    machine_line,
+    model_options,
+    parser,
+)
 
 
 def main() -> None:
@@ -85,8 +63,8 @@ def main() -> None:
     print(f"llama-cpp-python load: {time.perf_counter() - t:.1f} s")
     print(f"threads: {threads}, n_ubatch: {ubatch}, flash attention on, f16 keys, q8_0 values")
 
-    runners = {"forerun": lambda ids, n: run_forerun(ours, ids, n),
-               "llama-cpp-python": lambda ids, n: run_llama(llm, ids, n)}
+    runners = {"forerun": lambda ids, n: forerun_greedy(ours, ids, n),
+               "llama-cpp-python": lambda ids, n: llama_greedy(llm, ids, n)}
     rates: dict[str, list[float]] = {name: [] for name in runners}
     decode_rates: dict[str, list[float]] = {name: [] for name in runners}
     cpu_rates: dict[str, list[float]] = {name: [] for name in runners}

@@ -26,10 +26,18 @@ on an idle machine: every figure is a time.
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 
-from harness import ROOT, load_model, machine_line, model_options, parser, write_result
+from harness import (
+    ROOT,
+    forerun_greedy,
+    llama_greedy,
+    load_model,
+    machine_line,
+    model_options,
+    parser,
+    write_result,
+)
 
 
 def doc_ids(model, length: int) -> list[int]:
@@ -39,35 +47,6 @@ def doc_ids(model, length: int) -> list[int]:
     if len(ids) < length:
         raise SystemExit(f"the docs hold {len(ids)} tokens, fewer than {length}")
     return ids[:length]
-
-
-def run_forerun(model, ids: list[int], n: int) -> tuple[list[int], float, float]:
-    """Tokens, seconds to the first token, seconds in all."""
-    t = time.perf_counter()
-    first = None
-    stream = model.stream(prompt_ids=ids, max_new_tokens=n, ignore_eos=True, draft="none")
-    for _ in stream:
-        if first is None:
-            first = time.perf_counter() - t
-    total = time.perf_counter() - t
-    return list(stream.result.tokens), first or total, total
-
-
-def run_llama(llm, ids: list[int], n: int) -> tuple[list[int], float, float]:
-    llm.reset()
-    tokens: list[int] = []
-    t = time.perf_counter()
-    first = None
-    gen = llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
-                       repeat_penalty=1.0, reset=True)
-    for token in gen:
-        tokens.append(int(token))
-        if first is None:
-            first = time.perf_counter() - t
-        if len(tokens) == n:
-            break
-    gen.close()
-    return tokens, first or 0.0, time.perf_counter() - t
 
 
 def main() -> None:
@@ -93,9 +72,9 @@ def main() -> None:
     flash = import_llama_cpp().Llama(model_path=str(path), n_ctx=args.context_length,
                                      n_threads=cores, n_threads_batch=cores, verbose=False,
                                      flash_attn=True)
-    runners = {"forerun": lambda ids, n: run_forerun(ours, ids, n),
-               "llama.cpp stock": lambda ids, n: run_llama(stock, ids, n),
-               "llama.cpp flash attention": lambda ids, n: run_llama(flash, ids, n)}
+    runners = {"forerun": lambda ids, n: forerun_greedy(ours, ids, n, draft="none"),
+               "llama.cpp stock": lambda ids, n: llama_greedy(stock, ids, n),
+               "llama.cpp flash attention": lambda ids, n: llama_greedy(flash, ids, n)}
     prompts = {length: doc_ids(ours, length) for length in lengths}
     for run in runners.values():                         # warm-up
         run(prompts[lengths[0]][:32], 4)
@@ -104,7 +83,7 @@ def main() -> None:
         order = list(runners) if r % 2 == 0 else list(reversed(runners))
         for length in lengths:
             for name in order:
-                tokens, first, total = runners[name](prompts[length], args.new_tokens)
+                tokens, total, first, _ = runners[name](prompts[length], args.new_tokens)
                 runs.append({"round": r, "length": length, "runner": name,
                              "prefill_tok_s": length / first,
                              "decode_tok_s": (len(tokens) - 1) / max(total - first, 1e-9),
@@ -142,7 +121,6 @@ def main() -> None:
     if args.out:
         write_result(Path(args.out), {"model": args.model, "new_tokens": args.new_tokens,
                                       "lengths": lengths, "runs": runs})
-    ours.close()
     stock.close()
     flash.close()
 

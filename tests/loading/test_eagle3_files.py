@@ -484,27 +484,15 @@ def test_any_edit_of_a_head_folder_loads_or_is_refused_never_a_crash(tmp_path):
     from hypothesis import strategies as st
 
     from forerun.errors import ForerunError
+    from json_edits import edit_values, edited, places
     from quick import draws
 
     folder = exported(tmp_path)
     original = json.loads((folder / "config.json").read_text())
     weights = (folder / "model.safetensors").read_bytes()
 
-    def paths(value, at=()):
-        yield at
-        if isinstance(value, dict):
-            for k, v in value.items():
-                yield from paths(v, at + (k,))
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                yield from paths(v, at + (i,))
-
-    every = [p for p in paths(original) if p]
-    values = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40),
-                       st.floats(allow_nan=True), st.text(max_size=8),
-                       st.lists(st.integers(-5, 5), max_size=3),
-                       st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
-                       st.just("<remove>"), st.just("<keep>"))
+    every = list(places(original))
+    values = edit_values(keep=True)
     whole = st.one_of(st.none(), st.recursive(
         st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=4)),
         lambda inner: st.one_of(st.lists(inner, max_size=3),
@@ -518,16 +506,7 @@ def test_any_edit_of_a_head_folder_loads_or_is_refused_never_a_crash(tmp_path):
               suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(where=st.sampled_from(every), value=values, config=whole, damage=damage)
     def check(where, value, config, damage):
-        data = json.loads(json.dumps(original))
-        parent = data
-        for key in where[:-1]:
-            parent = parent[key]
-        if value == "<remove>":
-            parent.pop(where[-1])
-        elif value != "<keep>":
-            parent[where[-1]] = value
-        if config is not None:
-            data = config
+        data = edited(original, where, value) if config is None else config
         (folder / "config.json").write_text(json.dumps(data))
         content = weights
         if damage is not None and damage[0] == "cut":

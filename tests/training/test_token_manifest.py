@@ -308,6 +308,8 @@ def test_any_edit_of_a_manifest_opens_or_is_refused_never_a_crash(tmp_path):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
+    from json_edits import edit_values, edited, places
+
     writer = new(tmp_path / "m", shard_tokens=100)
     for r in records(6):
         writer.add(r)
@@ -315,35 +317,15 @@ def test_any_edit_of_a_manifest_opens_or_is_refused_never_a_crash(tmp_path):
     original = json.loads((tmp_path / "m" / MANIFEST).read_text())
     shards = {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir() if p.name != MANIFEST}
 
-    def paths(value, at=()):
-        yield at
-        if isinstance(value, dict):
-            for k, v in value.items():
-                yield from paths(v, at + (k,))
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                yield from paths(v, at + (i,))
-
-    every = [p for p in paths(original) if p]
-    values = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40),
-                       st.floats(allow_nan=True), st.text(max_size=8),
-                       st.lists(st.integers(-5, 5), max_size=3),
-                       st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
-                       st.just("<remove>"))
+    every = list(places(original))
+    values = edit_values()
 
     @settings(max_examples=draws(300, 60), deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(where=st.sampled_from(every), value=values, cut=st.one_of(st.none(),
                                                                     st.integers(0, 400)))
     def check(where, value, cut):
-        data = json.loads(json.dumps(original))
-        parent = data
-        for key in where[:-1]:
-            parent = parent[key]
-        if value == "<remove>":
-            parent.pop(where[-1]) if isinstance(parent, dict) else parent.pop(where[-1])
-        else:
-            parent[where[-1]] = value
+        data = edited(original, where, value)
         folder = tmp_path / "m"
         (folder / MANIFEST).write_text(json.dumps(data))
         for name, content in shards.items():
