@@ -120,11 +120,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     # Read the prompts before spending seconds on loading a model.
     prompts = select_prompts(load_prompts(settings.prompts), settings.categories,
                              settings.limit)
-    out = Path(args.out) if args.out is not None else (
-        Path("bench-out") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    # before minutes of benchmarking, not after
-    check_replaceable(check_output_dir(args.out if args.out is not None else out, "--out"),
-                      list(REPORT_FILES), "--out", force=args.force)
+    # Checked before minutes of benchmarking, not after (a blank --out is refused).
+    out = check_output_dir(args.out if args.out is not None else (
+        Path("bench-out") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")), "--out")
+    check_replaceable(out, list(REPORT_FILES), "--out", force=args.force)
     print(f"bench: {len(prompts)} prompts, methods {', '.join(settings.method_names())}, "
           f"temperature {', '.join(f'{t:g}' for t in settings.temperatures)}; "
           f"reports go to {out}", file=sys.stderr)

@@ -7,7 +7,6 @@ import itertools
 import sys
 
 from forerun.errors import ForerunError
-from forerun.machine.output_files import check_output_file, check_replaceable_file
 
 
 def add_parser(sub) -> None:
@@ -79,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from forerun.api import load
-    from forerun.drafters.medusa import is_medusa_file
+    from forerun.drafters.medusa import heads_path
     from forerun.training.medusa import TrainSettings, train_medusa
     from forerun.training.token_manifest import TokenManifest
 
@@ -95,9 +94,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not 0 <= args.off_path_weight <= 1:
         raise ForerunError("--off-path-weight must lie in 0..1")
     if args.out is not None:   # before minutes of training, not after
-        out = check_output_file(args.out, "--out")
-        check_replaceable_file(out, "--out", "a Medusa heads file", is_medusa_file,
-                               force=args.force)
+        heads_path(args.out, "--out", force=args.force)
     if args.data and args.held_out_tokens is not None:
         raise ForerunError("--held-out-tokens applies to --corpus; --data holds out records "
                            "by the manifests' own split")

@@ -219,9 +219,7 @@ class MedusaHeads:
             meta["vocab_size"] = str(self.vocab_size)
         for key, value in self.info.items():
             meta[key] = value if isinstance(value, str) else json.dumps(value)
-        path = check_output_file(path, "the heads' path")
-        check_replaceable_file(path, "the heads' path", "a Medusa heads file", is_medusa_file,
-                               force=force)
+        path = heads_path(path, "the heads' path", force=force)
         with written_whole(path) as tmp:
             save_file(self.state_dict(dtype), str(tmp), metadata=meta)
 
@@ -251,6 +249,15 @@ class MedusaHeads:
 
 def _read_config(path: Path) -> dict:
     return read_json_object(path, ModelFormatError, missing_ok=True)
+
+
+def heads_path(path: str | Path, option: str, *, force: bool = False) -> Path:
+    """``path`` as a place to write heads to (``option`` names it in the
+    error): a file that can be written, and not a file forerun did not
+    write unless ``force`` (:func:`is_medusa_file`)."""
+    out = check_output_file(path, option)
+    check_replaceable_file(out, option, "a Medusa heads file", is_medusa_file, force=force)
+    return out
 
 
 def is_medusa_file(path: Path) -> bool:

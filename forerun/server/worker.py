@@ -166,7 +166,7 @@ class EngineWorker:
         if self.threads is not None and decoder.threads != (n := self.threads.threads_now()):
             decoder.set_threads(n)           # on this (the engine's) thread
         try:
-            outcome = self._generate(job, self.model.decoder, lambda: (
+            outcome = self._generate(job, decoder, lambda: (
                 self.prefix_cache.prepare(job.spec.prompt_ids), self.model.stream))
         finally:
             self._current = None

@@ -578,14 +578,12 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
     there that is not forerun's Medusa heads is replaced only with
     ``force``).  ``records``: token-manifest records to train on instead of
     the text files ``corpus`` (:func:`corpus_from_records`)."""
-    from forerun.drafters.medusa import is_medusa_file
-    from forerun.machine.output_files import check_output_file, check_replaceable_file
+    from forerun.drafters.medusa import heads_path
     from forerun.machine.paths import cache_dir
 
     settings = settings or TrainSettings()
     if out is not None:   # before the corpus, the teacher and the training
-        out = check_output_file(out, "out")
-        check_replaceable_file(out, "out", "a Medusa heads file", is_medusa_file, force=force)
+        out = heads_path(out, "out", force=force)
     if settings.heads < 1:
         raise ConfigError(f"--heads must be at least 1, got {settings.heads}")
     if settings.epochs < 1:
