@@ -215,9 +215,10 @@ def _rows(record: _Record, j: int, local: torch.Tensor, *, in_vocab: bool) -> to
     target (``p + 2 + j >= loss_start``) and, with ``in_vocab``, whose
     target argmax (at ``p + 1 + j``) is in the draft vocabulary."""
     n = len(record) - 1 - j
+    device = record.argmax.device
     if n <= 0:
-        return torch.zeros(0, dtype=torch.long)
-    p = torch.arange(n)
+        return torch.zeros(0, dtype=torch.long, device=device)
+    p = torch.arange(n, device=device)
     ok = p + 2 + j >= record.loss_start
     if in_vocab:
         ok &= local[record.argmax[1 + j:1 + j + n]] >= 0
@@ -284,7 +285,7 @@ def evaluate(model: TrainableEagle3, records: Iterable[_Record], steps: int,
         hits: list[torch.Tensor] = []
         for j, out in enumerate(outs):
             rows = _rows(record, j, local, in_vocab=False)
-            hit = torch.zeros(out.shape[0], dtype=torch.bool)
+            hit = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
             for a in range(0, rows.numel(), LOSS_ROWS):
                 part = rows[a:a + LOSS_ROWS]
                 logits = model.logits(out[part])

@@ -192,6 +192,8 @@ class TrainableEagle3(nn.Module):
         q = attn.q_proj(inputs).view(t, c.num_heads, c.head_dim).transpose(0, 1)
         k = attn.k_proj(inputs).view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
         v = attn.v_proj(inputs).view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        if self.rope.inv_freq.device != positions.device:    # (the module was moved)
+            self.rope.inv_freq = self.rope.inv_freq.to(positions.device)
         cos, sin = self.rope.cos_sin(positions, torch.float32)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, residual
 
@@ -253,7 +255,7 @@ class TrainableEagle3(nn.Module):
             if n <= 0:
                 break
             x = self.fuse(states[:n]) if j == 0 else outs[-1][:n]
-            positions = torch.arange(j, j + n)
+            positions = torch.arange(j, j + n, device=embeds.device)
             q, k, v, residual = self._qkv(embeds[1 + j:1 + j + n], x, positions)
             if j == 0:
                 base_k, base_v = k, v
@@ -265,7 +267,7 @@ class TrainableEagle3(nn.Module):
                 kb = base_k[:, :n].repeat_interleave(groups, dim=0)
                 vb = base_v[:, :n].repeat_interleave(groups, dim=0)
                 scores = (q @ kb.transpose(-1, -2)) * scale              # [nh, n, n]
-                causal = torch.ones(n, n, dtype=torch.bool).tril()
+                causal = torch.ones(n, n, dtype=torch.bool, device=embeds.device).tril()
                 scores = scores.masked_fill(~causal, float("-inf"))
                 dk = torch.stack([d[:, :n] for d in diag_k], dim=2)      # [nh, n, j, hd]
                 dv = torch.stack([d[:, :n] for d in diag_v], dim=2)

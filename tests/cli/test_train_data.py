@@ -180,9 +180,9 @@ def test_a_resume_with_other_settings_or_of_a_foreign_or_damaged_manifest_is_ref
     assert err.startswith("forerun: error: ") and str(file) in err
     assert "another tokenizer" in err and "Traceback" not in err
 
-    file.write_text(json.dumps(dict(data, version=2)))
+    file.write_text(json.dumps(dict(data, version=3)))
     assert main(["train", "data", "--out", str(out), "--resume"]) == 1
-    assert "format version 2" in capsys.readouterr().err
+    assert "format version 3" in capsys.readouterr().err
 
     file.write_text(json.dumps(data))
     shard = out / data["shards"][0]["file"]

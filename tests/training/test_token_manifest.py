@@ -77,9 +77,11 @@ def test_records_round_trip_through_shards_that_close_at_their_size(tmp_path):
     for s in shards[:-1]:
         assert s["tokens"] >= 300 and s["tokens"] - s["records"][-1]["n"] < 300
     assert shards[-1]["tokens"] < 300
-    # 4 bytes a token, and only the shards the manifest names are on disk
+    # 4 bytes a token, compressed, and only the shards the manifest names are on disk
     assert {p.name for p in out.iterdir()} == {MANIFEST} | {s["file"] for s in shards}
-    assert sum((out / s["file"]).stat().st_size for s in shards) == 4 * m.tokens
+    assert all(s["file"].endswith(".bin.xz") for s in shards) and m.data["version"] == 2
+    assert sum(s["bytes"] for s in shards) == 4 * m.tokens
+    assert [(out / s["file"]).stat().st_size for s in shards] == [s["stored"] for s in shards]
 
 
 def test_the_held_out_split_is_fixed_by_the_tokens_and_covers_every_record_once(tmp_path):
@@ -163,8 +165,10 @@ def test_a_manifest_for_another_tokenizer_is_refused(tmp_path):
         assert "forerun train data" in str(err.value)
 
 
-def test_a_truncated_or_changed_or_missing_shard_is_refused_naming_it(tmp_path):
+@pytest.mark.parametrize("compress", [True, False], ids=["xz", "raw"])
+def test_a_truncated_or_changed_or_missing_shard_is_refused_naming_it(tmp_path, compress):
     writer = new(tmp_path / "m", shard_tokens=10_000)
+    writer.compress = compress
     for r in records(5):
         writer.add(r)
     writer.flush()
@@ -176,10 +180,14 @@ def test_a_truncated_or_changed_or_missing_shard_is_refused_naming_it(tmp_path):
     assert str(shard) in str(err.value) and "build the data again" in str(err.value)
     with pytest.raises(ManifestError, match="is truncated or changed: it holds"):
         ManifestWriter.resume(tmp_path / "m", fingerprint=FP)
-    shard.write_bytes(data[:8] + bytes([data[8] ^ 1]) + data[9:])
-    with pytest.raises(ManifestError, match="was changed since it was written"):
+    at = len(data) // 2
+    shard.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1:])
+    with pytest.raises(ManifestError, match="changed since it was written"):
         TokenManifest.open(tmp_path / "m")
-    TokenManifest.open(tmp_path / "m", verify=False)      # sizes alone: it passes
+    opened = TokenManifest.open(tmp_path / "m", verify=False)    # sizes alone: it passes
+    if compress:        # and reading the records refuses it
+        with pytest.raises(ManifestError, match="changed since it was written"):
+            list(opened.records())
     shard.unlink()
     with pytest.raises(ManifestError, match="is missing"):
         TokenManifest.open(tmp_path / "m")
@@ -340,3 +348,45 @@ def test_any_edit_of_a_manifest_opens_or_is_refused_never_a_crash(tmp_path):
             pass
 
     check()
+
+
+def test_raw_shards_of_version_1_read_and_compress_to_the_same_records(tmp_path,
+                                                                        monkeypatch):
+    """A manifest of raw shards (format version 1, before compression)
+    reads as before and resumes raw; compress_shards makes it version 2
+    with the same records, and a stop while it writes the manifest leaves
+    the raw manifest whole."""
+    made = records(12)
+    writer = new(tmp_path / "m", shard_tokens=300)
+    writer.compress = False
+    for r in made:
+        writer.add(r)
+    writer.flush()
+    file = tmp_path / "m" / MANIFEST
+    data = json.loads(file.read_text())
+    file.write_text(json.dumps({**data, "version": 1}))
+    old = TokenManifest.open(tmp_path / "m")
+    assert all(s["file"].endswith(".bin") for s in old.data["shards"])
+    assert not ManifestWriter.resume(tmp_path / "m", fingerprint=FP).compress
+
+    real_write = tm._write_bytes
+
+    def fail_on_manifest(path, blob):
+        if MANIFEST in path.name:
+            raise OSError("disk full")
+        real_write(path, blob)
+
+    monkeypatch.setattr(tm, "_write_bytes", fail_on_manifest)
+    with pytest.raises(OSError):
+        tm.compress_shards(tmp_path / "m")
+    monkeypatch.setattr(tm, "_write_bytes", real_write)
+    still = TokenManifest.open(tmp_path / "m")
+    assert still.data["version"] == 1 and all(same(a, b) for a, b in zip(made, still))
+
+    assert tm.compress_shards(tmp_path / "m") == len(old.data["shards"])
+    new_m = TokenManifest.open(tmp_path / "m")
+    assert new_m.data["version"] == 2
+    assert all(s["file"].endswith(".bin.xz") for s in new_m.data["shards"])
+    assert not list((tmp_path / "m").glob("*.bin"))
+    assert all(same(a, b) for a, b in zip(made, new_m)) and len(list(new_m)) == 12
+    assert tm.compress_shards(tmp_path / "m") == 0        # nothing left to do
