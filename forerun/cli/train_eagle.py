@@ -96,6 +96,11 @@ def add_eagle_parser(tsub) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="the run's seed (default 0)")
     p.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS",
                    help="write the checkpoint every this many steps (default 100)")
+    p.add_argument("--compute", choices=("float32", "bfloat16"), default="float32",
+                   help="the training's arithmetic (default float32); bfloat16: autocast, "
+                        "the matrix products in bfloat16, parameters and optimiser in "
+                        "float32 (on a Xeon with AVX512-BF16 and no AMX it trained at 0.6 "
+                        "times float32's rate: docs/training-eagle.md)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "int8"),
                    default="bfloat16",
                    help="the saved head's dtype (default bfloat16, as published heads; int8: "
@@ -132,9 +137,11 @@ def _settings(args: argparse.Namespace):
         draft_vocab=args.draft_vocab, aux_layers=_aux_layers(args.aux_layers), lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, batch_tokens=args.batch_tokens,
         piece_tokens=args.piece_tokens,
-        epochs=args.epochs, max_steps=args.max_steps, seed=args.seed, held_out=args.held_out)
+        epochs=args.epochs, max_steps=args.max_steps, seed=args.seed, held_out=args.held_out,
+        compute=args.compute)
     settings.validate()
     return settings
+
 
 
 def _check_out(out: Path, force: bool) -> None:

@@ -7,6 +7,7 @@ refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -175,6 +176,49 @@ def test_the_gradient_is_the_plain_losss(target, records, features):
     assert abs(float(plain.detach()) - loss) < 1e-4 * abs(loss)
     for n, p in model.named_parameters():
         assert (got[n] - p.grad).norm() <= 1e-5 * p.grad.norm(), n
+
+
+def test_a_bfloat16_step_matches_a_float32_one_within_the_stated_tolerance(
+        target, records, features):
+    """compute="bfloat16" (autocast): the loss and the gradient of a step
+    are float32's within COMPUTE_TOLERANCE, yet not equal (the products did
+    run in bfloat16); a twin that rounds the features to bfloat16 before
+    the float32 forward is as close, and one that scales step 0's rows
+    wrongly is not."""
+    from forerun.training.eagle import COMPUTE_TOLERANCE
+
+    model, record, _, local = _one_record(target, records, features)
+    scales = [0.5, 0.3, 0.2]
+
+    def step(compute, scale=scales, rec=record):
+        model.zero_grad()
+        loss = _record_backward(model, rec, 3, scale, local, compute)
+        return loss, torch.cat([p.grad.flatten() for p in model.parameters()
+                                if p.grad is not None])
+
+    def close(a, b) -> bool:
+        (la, ga), (lb, gb) = a, b
+        cos = float(torch.nn.functional.cosine_similarity(ga, gb, dim=0))
+        return (abs(la - lb) <= COMPUTE_TOLERANCE["loss"] * abs(lb)
+                and cos >= COMPUTE_TOLERANCE["gradient_cosine"])
+
+    full = step("float32")
+    half = step("bfloat16")
+    assert close(half, full) and half[0] != full[0]
+    rounded = dataclasses.replace(record, aux=record.aux.bfloat16().float(),
+                                  embeds=record.embeds.bfloat16().float())
+    assert close(step("float32", rec=rounded), full)
+    assert not close(step("bfloat16", scale=[1.5, 0.3, 0.2]), full)
+
+
+def test_a_bfloat16_run_learns_as_a_float32_one_does(target, records, features):
+    full = run(target, records, features, epochs=4)
+    half = run(target, records, features, epochs=4, compute="bfloat16")
+    assert half.final is not None and full.final is not None
+    assert half.final.top1[0] > half.initial.top1[0] + 0.2
+    assert half.final.top1[0] == pytest.approx(full.final.top1[0], abs=0.05)
+    assert half.weights.info["settings"]["compute"] == "bfloat16"
+    assert "compute" not in full.weights.info["settings"]     # float32: as before
 
 
 def test_the_metrics_are_a_brute_force_count(target, records, features):
