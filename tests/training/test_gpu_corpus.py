@@ -6,6 +6,8 @@ trained on it) makes files forerun reads."""
 
 from __future__ import annotations
 
+import json
+import lzma
 import sys
 import tarfile
 from pathlib import Path
@@ -94,8 +96,15 @@ def test_a_whole_run_makes_a_manifest_and_a_head_forerun_reads(tiny, tmp_path, g
     from forerun.training.token_manifest import TokenManifest
 
     out = tmp_path / "out"
+    sources = tmp_path / "sources.jsonl.xz"
+    with lzma.open(sources, "wt", encoding="utf-8") as f:
+        for i in range(40):
+            f.write(json.dumps({"kind": "document", "lang": "English", "source": f"doc{i}",
+                                "text": f"Document {i} explains how the tool reads its "
+                                        f"configuration file and writes a report."}) + "\n")
     assert make_corpus.main([
         "--gguf", str(tiny), "--model-name", "tiny", "--out", str(out),
+        "--sources", str(sources),
         "--work", str(tmp_path / "work"), "--device", "cpu", "--dtype", "float32",
         "--slots", "8", "--max-len", "512", "--generate-seconds", "3",
         "--finish-seconds", "1", "--train-seconds", "8", "--smoke", "--epochs", "1",
@@ -110,6 +119,8 @@ def test_a_whole_run_makes_a_manifest_and_a_head_forerun_reads(tiny, tmp_path, g
     manifest = TokenManifest.open(folder, fingerprint=fingerprint)
     assert manifest.settings["made_by"] == "training-data/gpu/make_corpus.py"
     assert manifest.data["runs"][0]["generated_tokens"] > 0
+    # a random model's requests never end: each document is asked plainly instead
+    assert manifest.data["counters"]["counts"]["request_asked_instead"] > 0
     head = load_eagle3(out / "head", target_layers=8)
     assert head.config.aux_layers == (2, 4, 5)
     assert head.info["training"]["steps"] >= 1

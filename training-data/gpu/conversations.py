@@ -8,7 +8,9 @@ format (``docs/training-data.md``):
   prompt (the topic steers the question, never the answer);
 * **requests about a document**: a local document (``sources.py``) opens
   the user's message and the target writes the request after it, under a
-  system message that asks for that; then it answers the whole message;
+  system message that asks for that (where what it writes is dropped, one
+  of a few plain requests takes its place); then it answers the whole
+  message;
 * **translations into English** of local non-English text, asked in one of
   a few plain phrasings;
 * **follow-ups**: a share of the answered conversations gets a second user
@@ -58,6 +60,16 @@ TOPICS = (
 DOCUMENT_SYSTEM = ("The user pastes a document and then asks you to do something with it: "
                    "summarise it, answer a question about it, explain a part of it, or "
                    "extract facts from it.")
+#: a document's request where the one the target wrote is dropped (on the
+#: H200 run, 1,147 of about 1,360 written requests ran on as more document)
+DOCUMENT_ASKS = (
+    "Summarise the text above in a few sentences.",
+    "What are the main points of this document?",
+    "Explain what this describes in simple terms.",
+    "List the key facts this text gives.",
+    "Write three questions this document answers, and answer them.",
+    "What would someone need to know before using what this describes?",
+)
 TRANSLATE_ASKS = (
     "Translate the following {lang} text into English:\n\n{text}",
     "What does this mean in English?\n\n{text}",
@@ -199,12 +211,14 @@ class Conversations:
         self._finished()
         self.tokens["query"] += len(tokens)
         request = self._text(tokens)
-        problem = self._query_problem(tokens, reason, request)
-        if problem is None and self.bench.overlaps(job.tag["head"]):
-            problem = "bench_overlap"
-        if problem is not None:
-            self._count_drop("request", problem)
+        if self.bench.overlaps(job.tag["head"]):
+            self._count_drop("request", "bench_overlap")
             return
+        problem = self._query_problem(tokens, reason, request)
+        if problem is not None:      # a plain request instead
+            self._count_drop("request", problem)
+            self.counts["request_asked_instead"] += 1
+            request = DOCUMENT_ASKS[job.tag["index"] % len(DOCUMENT_ASKS)]
         self._answer(job.tag["index"], "document", job.tag["head"] + request, request,
                      source=job.tag["source"])
 
