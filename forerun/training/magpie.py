@@ -59,7 +59,7 @@ import hashlib
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
@@ -188,6 +188,23 @@ def degenerate(tokens: Sequence[int], *, n: int = 4, min_distinct: float = 0.4) 
         return False
     grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
     return len(set(grams)) / len(grams) < min_distinct
+
+
+def query_problem(text: str, tokens: Sequence[int], finish_reason: str,
+                  specials: Collection[int]) -> str | None:
+    """Why a sampled query (its stripped ``text`` and ``tokens``, its end
+    token last) is dropped, or None: it did not end its turn ("too_long"),
+    has fewer than two words ("empty"), special tokens inside
+    ("special_tokens"), or repeats itself ("degenerate")."""
+    if finish_reason != "stop":
+        return "too_long"
+    if len(words(text)) < 2:
+        return "empty"
+    if any(t in specials for t in tokens[:-1]):
+        return "special_tokens"
+    if degenerate(tokens):
+        return "degenerate"
+    return None
 
 
 class BenchOverlap:
@@ -407,14 +424,7 @@ class Magpie:
         out = Outcome(text=r.text.strip(), tokens=list(r.tokens), seconds=seconds)
         if r.finish_reason == "cancelled":
             raise Stopped
-        if r.finish_reason != "stop":
-            out.dropped = "too_long"
-        elif len(words(out.text)) < 2:
-            out.dropped = "empty"
-        elif any(t in self._specials for t in out.tokens[:-1]):
-            out.dropped = "special_tokens"
-        elif degenerate(out.tokens):
-            out.dropped = "degenerate"
+        out.dropped = query_problem(out.text, out.tokens, r.finish_reason, self._specials)
         return out
 
     def item_on(self, member: Any, seed: int, index: int,

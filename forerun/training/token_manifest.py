@@ -183,9 +183,12 @@ class TokenManifest:
                 f"is {fingerprint}: its token ids mean other tokens here. Build the data "
                 f"for this model: forerun train data --model ... --out NEW_FOLDER")
         for shard in data["shards"]:
-            _check_shard(root, shard, verify)
-        if verify:
-            _check_vocabulary(root, data)
+            _check_shard(root, shard)
+        if verify:       # each shard read (and decompressed) once for both checks
+            for shard in data["shards"]:
+                blob = _shard_bytes(root, shard)
+                _check_digest(root, shard, blob)
+                _check_vocabulary(root, shard, blob, data["vocab_size"])
         return manifest
 
     @property
@@ -316,7 +319,7 @@ def _compressed(shard: dict[str, Any]) -> bool:
     return str(shard.get("file", "")).endswith(".xz")
 
 
-def _check_shard(root: Path, shard: dict[str, Any], verify: bool) -> None:
+def _check_shard(root: Path, shard: dict[str, Any]) -> None:
     path = root / shard["file"]
     try:
         size = path.stat().st_size
@@ -329,7 +332,11 @@ def _check_shard(root: Path, shard: dict[str, Any], verify: bool) -> None:
                             f"manifest says {want}. Restore it, or delete the "
                             f"folder {root} and build the data again "
                             f"(forerun train data --out ...)")
-    if verify and hashlib.sha256(_shard_bytes(root, shard)).hexdigest() != shard.get("sha256"):
+
+
+def _check_digest(root: Path, shard: dict[str, Any], blob: bytes) -> None:
+    path = root / shard["file"]
+    if hashlib.sha256(blob).hexdigest() != shard.get("sha256"):
         raise ManifestError(f"{path} was changed since it was written (its SHA-256 is not "
                             f"the manifest's). Restore it, or delete the folder {root} and "
                             f"build the data again (forerun train data --out ...)")
@@ -357,18 +364,16 @@ def _shard_bytes(root: Path, shard: dict[str, Any]) -> bytes:
     return blob
 
 
-def _check_vocabulary(root: Path, data: dict[str, Any]) -> None:
-    """Every token id of every shard within the manifest's vocabulary."""
-    vocab = data["vocab_size"]
-    for shard in data["shards"]:
-        tokens = np.frombuffer(_shard_bytes(root, shard), dtype=_DTYPE)
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-            at = int(np.argmax((tokens < 0) | (tokens >= vocab)))
-            raise ManifestError(
-                f"{root / shard['file']} holds the token id {int(tokens[at])} (position {at}), "
-                f"outside the vocabulary of {vocab} ids that {root / MANIFEST} gives: the "
-                f"manifest or the shard was changed. Delete the folder {root} and build the "
-                f"data again (forerun train data --out ...)")
+def _check_vocabulary(root: Path, shard: dict[str, Any], blob: bytes, vocab: int) -> None:
+    """Every token id of a shard within the manifest's vocabulary."""
+    tokens = np.frombuffer(blob, dtype=_DTYPE)
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        at = int(np.argmax((tokens < 0) | (tokens >= vocab)))
+        raise ManifestError(
+            f"{root / shard['file']} holds the token id {int(tokens[at])} (position {at}), "
+            f"outside the vocabulary of {vocab} ids that {root / MANIFEST} gives: the "
+            f"manifest or the shard was changed. Delete the folder {root} and build the "
+            f"data again (forerun train data --out ...)")
 
 
 def _sha256(path: Path) -> str:
@@ -558,18 +563,18 @@ class ManifestWriter:
     def _write_shard(self, index: int, records: list[Record]) -> dict[str, Any]:
         blob = b"".join(r.tokens.tobytes() for r in records)
         digest = hashlib.sha256(blob).hexdigest()
-        entry: dict[str, Any] = {"bytes": len(blob), "sha256": digest}
+        name = f"shard-{index:05d}-{digest[:16]}.bin"
+        stored: dict[str, int] = {}
         if self.compress:
-            entry["file"] = f"shard-{index:05d}-{digest[:16]}.bin.xz"
-            entry["stored"] = _store_compressed(self.root / entry["file"], blob, digest)
+            name += ".xz"
+            stored["stored"] = _store_compressed(self.root / name, blob, digest)
         else:
-            entry["file"] = f"shard-{index:05d}-{digest[:16]}.bin"
-            path = self.root / entry["file"]
+            path = self.root / name
             if not (path.is_file() and path.stat().st_size == len(blob)
                     and _sha256(path) == digest):
                 _write_whole(path, blob)
-        return {"file": entry.pop("file"), **entry, "tokens": len(blob) // _DTYPE.itemsize,
-                "records": [r.meta() for r in records]}
+        return {"file": name, "bytes": len(blob), "sha256": digest, **stored,
+                "tokens": len(blob) // _DTYPE.itemsize, "records": [r.meta() for r in records]}
 
     def _remove_leftovers(self) -> None:
         """Shard files the manifest does not name and temporary files: what

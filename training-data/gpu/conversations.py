@@ -37,8 +37,14 @@ import numpy as np
 from batcher import Batcher, Job
 
 from forerun.protocol.token_sequences import common_prefix
-from forerun.training.magpie import SENTINEL, BenchOverlap, degenerate, magpie_prefix
-from forerun.training.token_manifest import Dedup, ManifestWriter, Record, text_key, words
+from forerun.training.magpie import (
+    SENTINEL,
+    BenchOverlap,
+    degenerate,
+    magpie_prefix,
+    query_problem,
+)
+from forerun.training.token_manifest import Dedup, ManifestWriter, Record, text_key
 
 TOPICS = (
     "You are an assistant that translates texts between English, Chinese, French, German "
@@ -176,17 +182,10 @@ class Conversations:
 
     # -- checks -----------------------------------------------------------------
     def _query_problem(self, tokens: list[int], reason: str, text: str) -> str | None:
-        if reason != "stop":
-            return "too_long"
-        if len(words(text)) < 2:
-            return "empty"
-        if any(t in self.specials for t in tokens[:-1]):
-            return "special_tokens"
-        if degenerate(tokens):
-            return "degenerate"
-        if self.bench.overlaps(text, query=True):
+        problem = query_problem(text, tokens, reason, self.specials)
+        if problem is None and self.bench.overlaps(text, query=True):
             return "bench_overlap"
-        return None
+        return problem
 
     def _text(self, tokens: list[int]) -> str:
         body = tokens[:-1] if tokens and tokens[-1] in self.answer_stop else tokens
