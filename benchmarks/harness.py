@@ -182,7 +182,12 @@ def forerun_greedy(model, ids: Sequence[int], n: int, **options: Any
                    ) -> tuple[list[int], float, float, float]:
     """``n`` tokens after ``ids`` through ``model.stream`` (greedy, the end
     of sequence ignored; ``options`` go to ``stream``): the tokens, seconds
-    in all, seconds to the first token, CPU seconds of this process in all."""
+    in all, seconds to the first token, CPU seconds of this process in all.
+    The model's cached prompt is forgotten first, as :func:`llama_greedy`
+    resets llama.cpp's, so the whole prompt is read: a run of a prompt that
+    shares blocks with the one before would otherwise reuse them and time
+    less than a prefill."""
+    model.reset_cache()
     first = None
     t, c = time.perf_counter(), time.process_time()
     stream = model.stream(prompt_ids=list(ids), max_new_tokens=n, ignore_eos=True, **options)
@@ -190,6 +195,9 @@ def forerun_greedy(model, ids: Sequence[int], n: int, **options: Any
         if first is None:
             first = time.perf_counter() - t
     total = time.perf_counter() - t
+    reused = stream.result.stats.reused_prompt_tokens
+    if reused:
+        raise RuntimeError(f"{reused} prompt tokens came from the cache: not a whole prefill")
     return list(stream.result.tokens), total, first or total, time.process_time() - c
 
 
@@ -220,15 +228,17 @@ def source_at(revision: str, path: str) -> bytes:
 
 
 def build_library(source: bytes, folder: Path, name: str,
-                  extra: Sequence[str] = ()) -> ctypes.CDLL:
-    """``source`` (C) built into ``folder`` as ``name``, with the flags
-    forerun builds its native library with and ``extra``, and loaded."""
+                  extra: Sequence[str] = (), more: Sequence[Path] = ()) -> ctypes.CDLL:
+    """``source`` (C) built into ``folder`` as ``name``, with the C files
+    ``more``, the flags forerun builds its native library with and
+    ``extra``, and loaded."""
     from forerun.kernels.build import FLAGS
 
     path = folder / f"{name}.c"
     path.write_bytes(source)
     library = folder / f"{name}.so"
-    subprocess.run(["cc", *FLAGS, *extra, str(path), "-o", str(library), "-lm"], check=True)
+    subprocess.run(["cc", *FLAGS, *extra, str(path), *map(str, more), "-o", str(library),
+                    "-lm"], check=True)
     return ctypes.CDLL(str(library))
 
 

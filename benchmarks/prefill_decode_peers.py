@@ -10,7 +10,8 @@ after each.
 The peers are llama-cpp-python's ``Llama`` as it comes
 (``forerun.bench.llama_cpp_reference.stock_llama``: its own batch sizes, f16
 keys and values, flash attention off) and the same with flash attention on,
-so that llama.cpp's best setting at each length is in the table.  forerun
+so that llama.cpp's best setting at each length is in the table.  Where
+forerun's kernels have AMX tiles, forerun runs once more with them off.  forerun
 runs its default weights (the GGUF's own 4- and 6-bit blocks, ``q4``) with
 plain decoding.  Prompts are the text of forerun's own docs cut to each
 length, fed as token ids (no chat template), so every runner reads the same
@@ -40,6 +41,17 @@ from harness import (
 )
 
 
+def without_tiles(kernels, run):
+    """``run()`` with the kernels' AMX tiles off (the AVX512-VNNI passes for
+    every product: the same results, the earlier speed)."""
+    rows = kernels.tile_rows
+    kernels.set_tile_rows(1 << 30)
+    try:
+        return run()
+    finally:
+        kernels.set_tile_rows(rows)
+
+
 def doc_ids(model, length: int) -> list[int]:
     """The first ``length`` tokens of forerun's docs."""
     text = "\n\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
@@ -60,21 +72,22 @@ def main() -> None:
     if max(lengths) + args.new_tokens > args.context_length:
         p.error("--context-length must hold the longest prompt and its answer")
 
-    from forerun.bench.llama_cpp_reference import machine_cores, stock_llama
-    from forerun.engines.llama_cpp_engine import import_llama_cpp
+    from forerun.bench.llama_cpp_reference import stock_llama
+    from forerun.kernels.native import native_kernels
     from forerun.loading.load import resolve_spec
 
     print(machine_line())
     ours = load_model(args)
     path = resolve_spec(args.model)
     stock = stock_llama(path, context_length=args.context_length)
-    cores = machine_cores()
-    flash = import_llama_cpp().Llama(model_path=str(path), n_ctx=args.context_length,
-                                     n_threads=cores, n_threads_batch=cores, verbose=False,
-                                     flash_attn=True)
+    flash = stock_llama(path, context_length=args.context_length, flash_attn=True)
     runners = {"forerun": lambda ids, n: forerun_greedy(ours, ids, n, draft="none"),
                "llama.cpp stock": lambda ids, n: llama_greedy(stock, ids, n),
                "llama.cpp flash attention": lambda ids, n: llama_greedy(flash, ids, n)}
+    kernels = native_kernels()
+    if kernels is not None and kernels.tile_rows is not None:
+        runners["forerun without AMX tiles"] = lambda ids, n: without_tiles(
+            kernels, lambda: forerun_greedy(ours, ids, n, draft="none"))
     prompts = {length: doc_ids(ours, length) for length in lengths}
     for run in runners.values():                         # warm-up
         run(prompts[lengths[0]][:32], 4)
@@ -106,7 +119,7 @@ def main() -> None:
                   f"{median(length, name, 'decode_tok_s'):.2f} |")
     print("\nforerun / llama.cpp's best setting at each length:")
     for length in lengths:
-        best = {key: max(median(length, n, key) for n in runners if n != "forerun")
+        best = {key: max(median(length, n, key) for n in runners if n.startswith("llama"))
                 for key in ("prefill_tok_s", "decode_tok_s")}
         print(f"  {length:5d} tokens: prefill "
               f"{median(length, 'forerun', 'prefill_tok_s') / best['prefill_tok_s']:.2f}x, "

@@ -6,7 +6,7 @@ distinct weights per matrix so that they stream from memory as a real step's
 do.
 
     python benchmarks/products_ab.py --against HEAD~1 [--positions 1,2,3,4,5,6]
-        [--rounds 6] [--build avx2|dot] [--cflags -DFR_TILE=6]
+        [--rounds 6] [--build avx2|dot|amx] [--cflags -DFR_TILE=6]
 
 It builds ``forerun/kernels/avx2_int_products.c`` as it was at
 ``--against`` and as it is in this tree (with the flags forerun builds it
@@ -38,7 +38,7 @@ from harness import (
     timed,
 )
 
-from forerun.kernels.build import dot_build
+from forerun.kernels.build import DOT_BUILDS, TILES_SOURCE, dot_builds
 from forerun.kernels.layouts import padded_rows
 from forerun.machine.cpu import cpu_flags
 
@@ -49,7 +49,8 @@ HEAD = (151936, 1536, True)
 
 
 def build(source: bytes, folder: Path, name: str, extra: tuple[str, ...]) -> ctypes.CDLL:
-    lib = build_library(source, folder, name, extra)
+    lib = build_library(source, folder, name, extra,
+                        (TILES_SOURCE,) if "-DFR_AMX" in extra else ())
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.fr_q4_linear.argtypes = [p, i, i, i, p, p, p, i, p, i]
     lib.fr_q6_linear.argtypes = [p, i, i, i, p, p, p, p, i, p, i]
@@ -98,19 +99,29 @@ def main() -> None:
     p.add_argument("--positions", default="1,2,3,4,5,6")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--build", choices=("avx2", "dot"), default="avx2",
-                   help="avx2: forerun's AVX2 build; dot: this CPU's vpdpbusd build")
+    p.add_argument("--build", choices=("avx2", "dot", "amx"), default="avx2",
+                   help="avx2: forerun's AVX2 build; dot: this CPU's best vpdpbusd build; "
+                        "amx: AVX512-VNNI at --against, AMX tiles in this tree")
+    p.add_argument("--tile-rows", type=int, default=0,
+                   help="--build amx: the positions from which the tiles run (0: the "
+                        "build's own)")
     p.add_argument("--cflags", default="",
                    help="extra compiler flags for this tree's build only, e.g. -DFR_TILE=6")
     args = p.parse_args()
     if args.rounds < 2:
         p.error("--rounds must be at least 2 (the first warms up)")
     extra: tuple[str, ...] = ()
+    ours: tuple[str, ...] = ()
+    builds_here = dict(dot_builds(cpu_flags()))
     if args.build == "dot":
-        chosen = dot_build(cpu_flags())
-        if chosen is None:
+        if not builds_here:
             raise SystemExit("this CPU has no vpdpbusd build")
-        extra = chosen[1]
+        extra = next(iter(builds_here.values()))
+    elif args.build == "amx":
+        if "amx-int8" not in builds_here:
+            raise SystemExit("this CPU has no AMX tiles (amx_int8, amx_tile)")
+        extra = dict((n, e) for n, _, e in DOT_BUILDS)["avx512-vnni"]
+        ours = tuple(f for f in builds_here["amx-int8"] if f not in extra)
     theirs = source_at(args.against, SOURCE)
     counts = positions_list(args.positions)
     mats = matrices(args.layers)
@@ -119,7 +130,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         builds = {f"at {args.against}": build(theirs, Path(tmp), "theirs", extra),
                   "this tree": build((ROOT / SOURCE).read_bytes(), Path(tmp), "ours",
-                                     (*extra, *args.cflags.split()))}
+                                     (*extra, *ours, *args.cflags.split()))}
+        if args.tile_rows:
+            builds["this tree"].fr_set_amx_rows(args.tile_rows)
         passes = interleaved({(name, t): (lambda lib=lib, t=t: one_pass(lib, mats, x, y, t))
                               for t in counts for name, lib in builds.items()}, args.rounds)
         # The first round warms up.

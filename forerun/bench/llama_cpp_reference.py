@@ -57,7 +57,8 @@ def _weight_buffers(extra_buffers: bool) -> Iterator[None]:
         low.llama_model_default_params = original
 
 
-def stock_llama(path: str | Path, *, context_length: int, draft_model: Any = None) -> Any:
+def stock_llama(path: str | Path, *, context_length: int, draft_model: Any = None,
+                flash_attn: bool = False) -> Any:
     """llama-cpp-python's ``Llama`` over ``path`` with its own defaults: only
     the context (``n_ctx``), the threads (``n_threads`` and
     ``n_threads_batch``: this machine's cores, where ``Llama`` would take
@@ -71,16 +72,22 @@ def stock_llama(path: str | Path, *, context_length: int, draft_model: Any = Non
     once prompt and answer pass them.  With a draft model ``Llama``
     computes every position's logits either way.
 
+    ``flash_attn``: llama.cpp's flash attention on (its other setting a
+    user may pick), all else as above.
+
     One exception to the defaults: on a CPU that advertises AMX the extra
     weight buffers are off, as in forerun's engine
     (:func:`~forerun.engines.llama_cpp_engine.default_extra_buffers`):
     llama.cpp's AMX kernels crash the process in virtual machines that
-    advertise AMX without allowing it, which would end the whole run."""
+    advertise AMX (on a Xeon whose tiles forerun's own kernels use, too),
+    which would end the whole run."""
     lc = import_llama_cpp()
     cores = machine_cores()
     options: dict[str, Any] = {}
     if draft_model is not None:
         options.update(draft_model=draft_model, logits_all=True)
+    if flash_attn:
+        options.update(flash_attn=True)
     with _weight_buffers(False) if cpu_has_amx() else nullcontext():
         return lc.Llama(model_path=str(path), n_ctx=context_length, n_threads=cores,
                         n_threads_batch=cores, verbose=False, **options)

@@ -141,9 +141,10 @@ def cpu_has_amx() -> bool:
 def default_extra_buffers() -> bool:
     """llama.cpp's extra weight buffers (repacked layouts, AMX) by default,
     except on a CPU that advertises AMX: llama.cpp's AMX matrix multiply
-    crashes the process (SIGSEGV) on batched forwards in virtual machines
-    that advertise AMX without letting programs use it.  ``extra_buffers=True``
-    turns them back on where AMX works."""
+    crashes the process (SIGSEGV or SIGILL) on batched forwards in virtual
+    machines that advertise AMX, even on a Xeon whose tiles programs may use
+    (forerun's own AMX products run there; llama-cpp-python 0.3.36).
+    ``extra_buffers=True`` turns them back on where they work."""
     return not cpu_has_amx()
 
 

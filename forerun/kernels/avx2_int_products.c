@@ -123,7 +123,11 @@
 #define DPBUSD(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16( \
     _mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
 #endif
+#ifdef FR_AMX
+#define FR_DPBUSD_KIND 1024    /* AMX tiles for many positions, vpdpbusd for few */
+#else
 #define FR_DPBUSD_KIND FR_DPBUSD
+#endif
 #else
 #define FR_DPBUSD_KIND -1
 #endif
@@ -157,11 +161,30 @@
 
 int fr_abi_version(void) { return 7; }
 
+#ifdef FR_AMX
+/* The tile products of amx_int_products.c: from fr_amx_rows() positions up,
+ * with the same results as the passes below; each returns -1 (nothing
+ * written) where the tiles can't be had, and the passes run instead. */
+int fr_amx_rows(void);
+int fr_amx_q4_matmul(const uint8_t *q, const uint16_t *scale, const uint16_t *min, int N,
+                     int Kp, const int8_t *a, const float *sa, const float *sasum, int T,
+                     float *y, int threads);
+int fr_amx_q8_matmul(const int8_t *q, const float *scale, int N, int Kp, const int8_t *a,
+                     const float *sa, int T, float *y, int threads);
+int fr_amx_q6_matmul(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *d,
+                     int N, int Kp, const int8_t *a, const float *sa, int T, float *y,
+                     int threads);
+#define TILES(T) ((T) >= fr_amx_rows())
+#else
+#define TILES(T) 0
+#endif
+
 /* The rows of this build's row groups: its layout of every matrix. */
 int fr_row_group(void) { return ROWS; }
 
 /* How this build sums products: -1 vpmaddubsw (AVX2), 0 the vpdpbusd code
- * with its AVX2 stand-in, 256 AVX-VNNI, 512 AVX512-VNNI. */
+ * with its AVX2 stand-in, 256 AVX-VNNI, 512 AVX512-VNNI, 1024 AMX tiles for
+ * many positions with AVX512-VNNI for few. */
 int fr_dot_instruction(void) { return FR_DPBUSD_KIND; }
 
 /* One group of 32 values (k0 + 32 <= K) into the chunk layout at ab:
@@ -750,6 +773,10 @@ void fr_q4_matmul(const uint8_t *q, const uint16_t *scale, const uint16_t *min, 
                   int Kp, const int8_t *a, const float *sa, const float *sasum, int T,
                   float *y, int threads) {
     const int ng = Kp / GROUP;
+#ifdef FR_AMX
+    if (TILES(T) && fr_amx_q4_matmul(q, scale, min, N, Kp, a, sa, sasum, T, y, threads) == 0)
+        return;
+#endif
     FOR_CHUNKS {
         const int n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
 #define Q4_CALL(n, t0, TT_, valid)                                              \
@@ -764,6 +791,9 @@ void fr_q4_matmul(const uint8_t *q, const uint16_t *scale, const uint16_t *min, 
 void fr_q8_matmul(const int8_t *q, const float *scale, int N, int Kp, const int8_t *a,
                   const float *sa, int T, float *y, int threads) {
     const int ng = Kp / GROUP;
+#ifdef FR_AMX
+    if (TILES(T) && fr_amx_q8_matmul(q, scale, N, Kp, a, sa, T, y, threads) == 0) return;
+#endif
     FOR_CHUNKS {
         const int n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
 #define Q8_CALL(n, t0, TT_, valid)                                              \
@@ -830,6 +860,12 @@ int fr_q6_linear(const float *x, int T, int K, int Kp, const uint8_t *ql, const 
     int32_t *hs = malloc((size_t)T * 2 * (Kp / GROUP) * sizeof(int32_t));
     if (!hs) { free(a); free(sa); free(sasum); return -1; }
     quantize_rows(x, T, K, Kp, a, sa, sasum, threads);
+#ifdef FR_AMX
+    if (TILES(T) && fr_amx_q6_matmul(ql, qh, sc, d, N, Kp, a, sa, T, y, threads) == 0) {
+        free(a); free(sa); free(sasum); free(hs);
+        return 0;
+    }
+#endif
     half_sums(a, T, Kp, hs);
     q6_matmul(ql, qh, sc, d, N, Kp, a, sa, hs, T, y, threads);
     free(a); free(sa); free(sasum); free(hs);

@@ -17,7 +17,7 @@ from forerun.kernels.layouts import GROUP, padded
 # How a build's products sum, by what its fr_dot_instruction() returns (the
 # C file's FR_DPBUSD).
 INSTRUCTIONS = {-1: "avx2", 0: "avx2 stand-in for vpdpbusd", 256: "avx-vnni",
-                512: "avx512-vnni"}
+                512: "avx512-vnni", 1024: "amx-int8"}
 # Bumped whenever the layouts or the functions' signatures change (the
 # packed-weight cache is keyed by it).
 ABI_VERSION = 7
@@ -48,6 +48,15 @@ class NativeKernels:
         self.path = path
         # How its products sum (:data:`INSTRUCTIONS`): "avx2", "avx512-vnni", ...
         self.instruction = INSTRUCTIONS.get(lib.fr_dot_instruction(), "unknown")
+        # An AMX build: from how many positions its products take the tiles
+        # (None in other builds).  Where the OS refuses the tiles, its
+        # products run the AVX512-VNNI passes, with the same results.
+        self._amx_rows = self._set_amx_rows = None
+        if self.instruction == "amx-int8":
+            self._amx_rows, self._set_amx_rows = lib.fr_amx_rows, lib.fr_set_amx_rows
+            self._amx_rows.restype, self._set_amx_rows.argtypes = _I, [_I]
+            if not lib.fr_amx_ready():
+                self.instruction = "avx512-vnni (the OS refused the AMX tiles)"
         # The rows of its row groups (to_row_groups): the layout of every
         # matrix it multiplies, 4 in the AVX512-VNNI build, 1 in the AVX2 one.
         self.row_group: int = lib.fr_row_group()
@@ -78,6 +87,20 @@ class NativeKernels:
         self._attention = lib.fr_attention
         self._attention.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _I]
         self._attention.restype = _I
+
+    @property
+    def tile_rows(self) -> int | None:
+        """From how many positions the products take the AMX tiles (None in
+        a build without them)."""
+        return None if self._amx_rows is None else int(self._amx_rows())
+
+    def set_tile_rows(self, rows: int) -> None:
+        """Make the products take the tiles from ``rows`` positions up
+        (benchmarks and tests: the results are the same either way, only
+        the speed changes).  Raises ValueError in a build without them."""
+        if self._set_amx_rows is None:
+            raise ValueError(f"the {self.instruction} build has no AMX tiles")
+        self._set_amx_rows(rows)
 
     def quantize(self, x: torch.Tensor) -> QuantizedRows:
         """``x`` float32 ``[T, K]`` quantized to int8 per group of 32."""

@@ -56,15 +56,21 @@ class Unavailable(Exception):
 
 SOURCE = Path(__file__).with_name("avx2_int_products.c")
 LAYER_OPS_SOURCE = Path(__file__).with_name("avx2_layer_ops.c")
+# Compiled into every build, empty but in the AMX one (FR_AMX).
+TILES_SOURCE = Path(__file__).with_name("amx_int_products.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Builds whose products use vpdpbusd (see the C file's FR_DPBUSD), best
 # first: a name, the /proc/cpuinfo flags the CPU needs, the extra compiler
 # flags.  The layouts are made for 256-bit registers; the AVX512-VNNI build
-# also runs 512-bit passes over them (the C file's WIDE).
+# also runs 512-bit passes over them (the C file's WIDE).  The AMX build is
+# the AVX512-VNNI build with tile products for many positions
+# (amx_int_products.c), in the same layout and with the same results.
+_AVX512_VNNI = ("-mavx512vnni", "-mavx512vl", "-mavx512bw", "-mprefer-vector-width=256",
+                "-DFR_DPBUSD=512")
 DOT_BUILDS = (
-    ("avx512-vnni", ("avx512_vnni", "avx512vl", "avx512bw"),
-     ("-mavx512vnni", "-mavx512vl", "-mavx512bw", "-mprefer-vector-width=256",
-      "-DFR_DPBUSD=512")),
+    ("amx-int8", ("amx_int8", "amx_tile", "avx512_vnni", "avx512vl", "avx512bw"),
+     (*_AVX512_VNNI, "-mamx-tile", "-mamx-int8", "-DFR_AMX")),
+    ("avx512-vnni", ("avx512_vnni", "avx512vl", "avx512bw"), _AVX512_VNNI),
     ("avx-vnni", ("avx_vnni",), ("-mavxvnni", "-DFR_DPBUSD=256")),
 )
 # The vpdpbusd code with an AVX2 stand-in for the instruction, in row groups
@@ -73,9 +79,9 @@ DOT_BUILDS = (
 STAND_IN_FLAGS = ("-DFR_DPBUSD=0", "-DFR_ROWS=4")
 
 
-def sources() -> tuple[Path, Path]:
+def sources() -> tuple[Path, Path, Path]:
     """The C files the library is built from."""
-    return SOURCE, LAYER_OPS_SOURCE
+    return SOURCE, LAYER_OPS_SOURCE, TILES_SOURCE
 
 
 @functools.cache
@@ -328,10 +334,14 @@ def _touch(path: Path) -> None:
         pass
 
 
+def dot_builds(cpu_flags: Set[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """The :data:`DOT_BUILDS` whose CPU flags are all in ``cpu_flags``, best
+    first, as (name, extra compiler flags)."""
+    return [(name, extra) for name, needs, extra in DOT_BUILDS
+            if all(f in cpu_flags for f in needs)]
+
+
 def dot_build(cpu_flags: Set[str]) -> tuple[str, tuple[str, ...]] | None:
-    """The first of :data:`DOT_BUILDS` whose CPU flags are all in
-    ``cpu_flags``, as (name, extra compiler flags); None if none is."""
-    for name, needs, extra in DOT_BUILDS:
-        if all(f in cpu_flags for f in needs):
-            return name, extra
-    return None
+    """The first of :func:`dot_builds`; None if there is none."""
+    builds = dot_builds(cpu_flags)
+    return builds[0] if builds else None

@@ -60,7 +60,7 @@ import torch
 from forerun.kernels.binding import NativeKernels
 from forerun.kernels.build import (
     Unavailable,
-    dot_build,
+    dot_builds,
     find_compiler,
     load_library,
     source_digest,
@@ -171,35 +171,41 @@ def unavailable_reason() -> str | None:
 
 
 def dot_product_reason() -> str | None:
-    """Why the products don't use a vpdpbusd build (None when they do, or
-    when the native kernels aren't used at all); decided as
-    :func:`unavailable_reason` is."""
+    """Why the products don't use a vpdpbusd build, or not the CPU's best
+    (None when they use the best, or when the native kernels aren't used at
+    all); decided as :func:`unavailable_reason` is."""
     native_kernels()
     return _state.get("dot_reason")  # type: ignore[return-value]
 
 
 def _dot_product_library(avx2: NativeKernels, timing: Timing | None) -> NativeKernels:
-    """The library the products use (under ``_lock``): the CPU's vpdpbusd
-    build where it builds, passes the checks, matches ``avx2`` bit for bit
-    and ``timing`` judges it faster (untimed where forced on); else
-    ``avx2``.  Records why in "dot_reason"."""
-    chosen = dot_build(cpu_flags())
-    if chosen is None:
+    """The library the products use (under ``_lock``): the CPU's best
+    vpdpbusd build (:func:`~forerun.kernels.build.dot_builds`: AMX tiles
+    before AVX512-VNNI) that builds, passes the checks and matches ``avx2``
+    bit for bit, where ``timing`` judges it faster (untimed where forced
+    on); else ``avx2``.  Records why in "dot_reason"."""
+    candidates = dot_builds(cpu_flags())
+    if not candidates:
         _state["dot_reason"] = "this CPU has no vpdpbusd (AVX512-VNNI or AVX-VNNI)"
         return avx2
-    name, extra = chosen
-    try:
-        dot = build_library(extra)
-        check_same_products(dot, avx2)
-    except Unavailable as exc:
-        _state["dot_reason"] = f"the {name} build is not used: {exc}"
+    refused = []
+    for name, extra in candidates:        # best first: a build that fails gives way
+        try:
+            dot = build_library(extra)
+            check_same_products(dot, avx2)
+        except Unavailable as exc:
+            refused.append(f"the {name} build is not used: {exc}")
+            continue
+        break
+    else:
+        _state["dot_reason"] = "; ".join(refused)
         return avx2
     if not _forced_on():
         reason = timing.dot_against_avx2(name, dot, avx2)  # type: ignore[union-attr]
         if reason is not None:
-            _state["dot_reason"] = reason
+            _state["dot_reason"] = "; ".join([*refused, reason])
             return avx2
-    _state["dot_reason"] = None
+    _state["dot_reason"] = "; ".join(refused) or None
     return dot
 
 

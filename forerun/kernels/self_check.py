@@ -159,7 +159,8 @@ def check_layer_ops(kernels: NativeKernels) -> None:
 
 def check_same_products(dot: NativeKernels, avx2: NativeKernels) -> None:
     """``dot``'s products equal ``avx2``'s bit for bit: the 4-, 6- and 8-bit
-    products of 1 to 9 rows, on random values with the extreme weights
+    products of 1 to 9 rows and of 16, 17 and 40 (an AMX build's tiles take
+    those, from 16 rows during the check), on random values with the extreme weights
     (products that would overflow an int16 sum if a build let them), each
     build given the matrices in its own row groups.  Raises Unavailable
     naming the first that differs."""
@@ -169,7 +170,19 @@ def check_same_products(dot: NativeKernels, avx2: NativeKernels) -> None:
     m.q4[0], m.q6[0], m.q8[0] = 15, 63, -128  # the largest products
     packed = {lib.row_group: (m.packed4(lib.row_group), m.packed6(lib.row_group),
                               m.packed8(lib.row_group)) for lib in (dot, avx2)}
-    for t in range(1, 10):
+    tile_rows = dot.tile_rows
+    if tile_rows is not None:
+        dot.set_tile_rows(16)               # the tiles take 16 rows and more here
+    try:
+        _compare_products(dot, avx2, packed, gen, k)
+    finally:
+        if tile_rows is not None:
+            dot.set_tile_rows(tile_rows)
+
+
+def _compare_products(dot: NativeKernels, avx2: NativeKernels, packed: dict,
+                      gen: torch.Generator, k: int) -> None:
+    for t in (*range(1, 10), 16, 17, 40):
         x = torch.randn(t, k, generator=gen) * 3
         x[0, :64] = 100                      # whole groups at +127
         # Each lambda runs within its own iteration, but binding x keeps that

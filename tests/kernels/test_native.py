@@ -402,7 +402,7 @@ def _load_in_a_process(cache) -> str:
 
 def _libraries_a_load_builds() -> int:
     """The AVX2 library, and its vpdpbusd build where this CPU has the instruction."""
-    return 1 + (build.dot_build(cpu_flags()) is not None)
+    return 1 + (build.dot_build(cpu_flags()) is not None)   # the first dot build that passes
 
 
 def test_a_damaged_library_is_built_again(fresh_cache):
@@ -550,8 +550,13 @@ def test_the_timing_against_torch_runs(kernels):
 def test_the_dot_product_build_follows_the_cpu_flags():
     zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni",
             "avx512_bf16"}
-    assert build.dot_build(zen4) == ("avx512-vnni", build.DOT_BUILDS[0][2])
-    assert build.dot_build({"avx2", "avx_vnni"}) == ("avx-vnni", build.DOT_BUILDS[1][2])
+    builds = {name: extra for name, _, extra in build.DOT_BUILDS}
+    assert build.dot_build(zen4) == ("avx512-vnni", builds["avx512-vnni"])
+    xeon = zen4 | {"amx_tile", "amx_int8", "amx_bf16"}
+    assert build.dot_builds(xeon) == [("amx-int8", builds["amx-int8"]),
+                                      ("avx512-vnni", builds["avx512-vnni"])]
+    assert build.dot_build(zen4 | {"amx_tile"}) == ("avx512-vnni", builds["avx512-vnni"])
+    assert build.dot_build({"avx2", "avx_vnni"}) == ("avx-vnni", builds["avx-vnni"])
     assert build.dot_build({"avx2", "avx512_vnni"}) is None       # VNNI needs 512-bit VL here
     assert build.dot_build(zen4 - {"avx512bw"}) is None           # and byte operations
     assert build.dot_build({"avx2", "fma", "f16c"}) is None
@@ -574,7 +579,7 @@ def test_the_vpdpbusd_code_gives_the_avx2_products_bit_for_bit(kernels, which):
         if chosen is None:
             pytest.skip("this CPU has no vpdpbusd")
         stand_in = native.build_library(chosen[1])
-        assert stand_in.instruction in ("avx512-vnni", "avx-vnni")
+        assert stand_in.instruction.split()[0] in ("amx-int8", "avx512-vnni", "avx-vnni")
     assert avx2.instruction == "avx2"
     assert stand_in.path != avx2.path
     self_check.check_same_products(stand_in, avx2)
@@ -613,7 +618,79 @@ def test_the_vnni_builds_compile(fresh_cache):
 
 def _as_if_the_cpu_had_vpdpbusd(monkeypatch) -> None:
     """The stand-in build offered as this CPU's dot-product build."""
-    monkeypatch.setattr(native, "dot_build", lambda flags: ("stand-in", build.STAND_IN_FLAGS))
+    monkeypatch.setattr(native, "dot_builds", lambda flags: [("stand-in", build.STAND_IN_FLAGS)])
+
+
+# -- the AMX build ------------------------------------------------------------------
+
+@pytest.fixture()
+def amx_build(kernels):
+    """This CPU's AMX build, its tiles taking every product (the test is
+    skipped where the CPU has none or the OS refuses them); its own start
+    is restored after (the loaded library is the process's)."""
+    flags = dict(build.dot_builds(cpu_flags()))
+    if "amx-int8" not in flags:
+        pytest.skip("this CPU has no AMX tiles")
+    amx = native.build_library(flags["amx-int8"])
+    if amx.instruction != "amx-int8":
+        pytest.skip(amx.instruction)
+    rows = amx.tile_rows
+    amx.set_tile_rows(1)
+    yield amx
+    amx.set_tile_rows(rows)
+
+
+@pytest.mark.parametrize("n,k", [(37, 1280), (16, 1536), (3, 256)])
+def test_the_amx_tiles_give_the_avx2_products_bit_for_bit(amx_build, n, k):
+    """Through the tiles (16 weight rows by 16 positions a product), every
+    format's products equal the AVX2 build's bit for bit: any number of
+    positions (part tiles of positions and of rows), each position's result
+    the same as alone."""
+    amx, avx2 = amx_build, native.layer_ops()
+    gen = torch.Generator().manual_seed(5)
+    values = (_random_q4(n, k, gen), _random_q6(n, k, gen),
+              quantize_int8(torch.randn(n, k, generator=gen)))
+    layers = {lib.row_group: [cls.build(v, None, lib.row_group) for cls, v in zip(
+        (NativeInt4Linear, NativeInt6Linear, NativeInt8Linear), values)]
+        for lib in (amx, avx2)}
+
+    def products(lib, x):
+        q4, q6, q8 = layers[lib.row_group]
+        return (lib.q4_linear(x, q4.q, q4.scale, q4.minimum, n),
+                lib.q6_linear(x, q6.low, q6.high, q6.scale, q6.d, n),
+                lib.q8_linear(x, q8.q, q8.scale, n))
+    for t in (1, 5, 16, 17, 40, 130):
+        x = torch.randn(t, k, generator=gen) * 2
+        for ours, theirs, fmt in zip(products(amx, x), products(avx2, x), ("q4", "q6", "q8")):
+            assert torch.equal(ours, theirs), (fmt, t)
+        alone = products(amx, x[-1:])
+        assert all(torch.equal(a[0], b[-1]) for a, b in zip(alone, products(amx, x)))
+
+
+def test_the_amx_tiles_start_where_they_are_told(amx_build):
+    """The positions from which the tiles run are the build's own until
+    changed; the other builds have none to change."""
+    amx = amx_build
+    assert amx.tile_rows == 1
+    amx.set_tile_rows(64)
+    assert amx.tile_rows == 64
+    assert native.layer_ops().tile_rows is None
+    with pytest.raises(ValueError, match="no AMX tiles"):
+        native.layer_ops().set_tile_rows(1)
+
+
+def test_an_amx_build_that_computes_wrongly_is_not_used(altered_source, monkeypatch):
+    """An AMX build whose tile products are off (here each 4-bit group's
+    minimum left out, in the tiles' float steps only) fails the bit-for-bit
+    check at the positions its tiles take, and the next build serves."""
+    if "amx-int8" not in dict(build.dot_builds(cpu_flags())):
+        pytest.skip("this CPU has no AMX tiles")
+    altered_source("TILES_SOURCE", "a = _mm512_fmadd_ps(_mm512_set1_ps(scales[TM + row]), ds, a);",
+                   "")
+    kernels = native.native_kernels()
+    assert kernels is not None and kernels.instruction.startswith("avx512-vnni")
+    assert "the amx-int8 build is not used" in native.dot_product_reason()
+    assert "4-bit products of 16 rows" in native.dot_product_reason()
 
 
 def test_a_vpdpbusd_build_that_computes_wrongly_is_not_used(altered_source, monkeypatch):
