@@ -581,23 +581,13 @@ class EagleTrainer:
                  else TrainableEagle3.from_weights(self.init))
         local = torch.full((self.target_config.vocab_size,), -1, dtype=torch.long)
         local[draft_ids] = torch.arange(draft_ids.numel())
-        decay = [p for n, p in model.named_parameters() if "norm" not in n]
-        no_decay = [p for n, p in model.named_parameters() if "norm" in n]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}],
-                                lr=s.lr, betas=s.betas)
+        opt = make_optimizer(model, s)
         pieces = record_pieces(self.train, s.piece_tokens)
         epochs = [epoch_batches(pieces, e, s) for e in range(s.epochs)]
         planned = sum(len(b) for b in epochs)
         if s.max_steps is not None:
             planned = min(planned, s.max_steps)
-        warmup = max(1, int(s.warmup * planned))
-
-        def lr_at(step: int) -> float:
-            if step < warmup:
-                return s.lr * (step + 1) / warmup
-            t = min(1.0, (step - warmup) / max(1, planned - warmup))
-            return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+        lr_at = lr_schedule(s, planned)
 
         def held_out() -> Iterable[_Record]:       # read again each time: memory
             return (self.features(r) for r in self.held_out)
@@ -716,21 +706,55 @@ class EagleTrainer:
             if piece.record not in loaded:
                 loaded[piece.record] = self.features(self.train[piece.record])
         records = [loaded[piece.record].piece(piece.start, piece.end) for piece in batch]
-        counts = [sum(int(_rows(r, j, local, in_vocab=True).numel()) for r in records)
-                  for j in range(s.ttt_steps)]
-        scales = [s.step_decay ** j / c if c else 0.0 for j, c in enumerate(counts)]
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        loss = 0.0
-        for record in records:
-            loss += _record_backward(model, record, s.ttt_steps, scales, local, s.compute)
-        for p in model.parameters():       # a batch without a counted row
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
-        opt.step()
-        return loss
+        return optimizer_step(model, opt, records, local, s, lr)
+
+
+def make_optimizer(model: TrainableEagle3, s: EagleSettings) -> torch.optim.AdamW:
+    """AdamW over the head's parameters as training runs it: ``s.lr``,
+    ``s.betas``, weight decay ``s.weight_decay`` on everything but the
+    norms, which get none."""
+    decay = [p for n, p in model.named_parameters() if "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if "norm" in n]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=s.lr, betas=s.betas)
+
+
+def lr_schedule(s: EagleSettings, planned: int) -> Callable[[int], float]:
+    """The learning rate of each step of ``planned``: a linear warmup over
+    the first ``s.warmup`` share, then a cosine down to a tenth of ``s.lr``."""
+    warmup = max(1, int(s.warmup * planned))
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return s.lr * (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, planned - warmup))
+        return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    return lr_at
+
+
+def optimizer_step(model: TrainableEagle3, opt: torch.optim.Optimizer,
+                   records: Sequence[_Record], local: torch.Tensor, s: EagleSettings,
+                   lr: float) -> float:
+    """One optimiser step over the features ``records`` (a batch's pieces)
+    at learning rate ``lr``: every training-time-test step's loss scaled by
+    its decay over its counted rows, gradients clipped to ``s.clip``;
+    returns the batch's loss."""
+    counts = [sum(int(_rows(r, j, local, in_vocab=True).numel()) for r in records)
+              for j in range(s.ttt_steps)]
+    scales = [s.step_decay ** j / c if c else 0.0 for j, c in enumerate(counts)]
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss = 0.0
+    for record in records:
+        loss += _record_backward(model, record, s.ttt_steps, scales, local, s.compute)
+    for p in model.parameters():       # a batch without a counted row
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
+    opt.step()
+    return loss
 
 
 def _diverged(step: int, loss: float, ckpt: Path | None, saved_step: int | None

@@ -23,11 +23,12 @@ from forerun.loading.eagle3_files import save_eagle3
 from forerun.training.eagle import (
     EagleSettings,
     _Record,
-    _record_backward,
-    _rows,
     epoch_batches,
     evaluate,
     head_config,
+    lr_schedule,
+    make_optimizer,
+    optimizer_step,
     record_pieces,
     split_records,
 )
@@ -110,22 +111,12 @@ def train_head(target, records: Sequence[Any], *, seconds: float, out: str,
     initial = evaluate(model, held_out(), steps, ids_on, local)
     eval_seconds = time.monotonic() - t0
     log("before training: " + initial.line())
-    decay = [p for n, p in model.named_parameters() if "norm" not in n]
-    no_decay = [p for n, p in model.named_parameters() if "norm" in n]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=s.lr, betas=s.betas)
+    opt = make_optimizer(model, s)
     pieces = record_pieces(train, s.piece_tokens)
     batches = [b for e in range(s.epochs) for b in epoch_batches(pieces, e, s)]
     planned = len(batches)
-    warmup = max(1, int(s.warmup * planned))
+    lr_at = lr_schedule(s, planned)
     budget_end = started + seconds - eval_seconds - min(10.0, 0.1 * seconds)   # eval, save
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return s.lr * (step + 1) / warmup
-        t = min(1.0, (step - warmup) / max(1, planned - warmup))
-        return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
     torch.manual_seed(s.seed)
     step, trained, loop_start = 0, 0, time.monotonic()
@@ -137,20 +128,7 @@ def train_head(target, records: Sequence[Any], *, seconds: float, out: str,
             if p.record not in loaded:
                 loaded[p.record] = feats.record(train[p.record])
         recs = [loaded[p.record].piece(p.start, p.end) for p in batch]
-        rows = [sum(int(_rows(r, j, local, in_vocab=True).numel()) for r in recs)
-                for j in range(steps)]
-        scales = [s.step_decay ** j / n if n else 0.0 for j, n in enumerate(rows)]
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        opt.zero_grad(set_to_none=True)
-        loss = 0.0
-        for r in recs:
-            loss += _record_backward(model, r, steps, scales, local)
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
-        opt.step()
+        loss = optimizer_step(model, opt, recs, local, s, lr_at(step))
         step += 1
         trained += sum(len(p) for p in batch)
         if step == 20:       # cut the plan to what the budget holds
@@ -159,6 +137,7 @@ def train_head(target, records: Sequence[Any], *, seconds: float, out: str,
             if fits < planned:
                 log(f"planned steps cut from {planned} to {fits} ({rate * 1000:.0f} ms a step)")
                 planned = fits
+                lr_at = lr_schedule(s, planned)         # warmup and cosine of the cut plan
         if step % 200 == 0:
             log(f"step {step}/{planned}: loss {loss:.3f}, {trained:,} tokens, "
                 f"{trained / (time.monotonic() - loop_start):,.0f} tokens/s")
