@@ -100,6 +100,34 @@ static void configure_tiles(int half_groups) {
     _tile_loadconfig(&c);
 }
 
+/* One small tile product checked against the same sums in scalar code:
+ * 1 where the tiles compute here, 0 where the OS refuses them, -1 where
+ * they compute wrongly.  Run in a process of its own before a process
+ * uses the tiles (self_check.check_tiles_in_a_process): a machine that
+ * advertises AMX but faults on it ends that process, not the user's. */
+int fr_amx_probe(void) {
+    if (!fr_amx_ready()) return 0;
+    static uint8_t w[16 * 32] __attribute__((aligned(64)));
+    static int8_t x[8 * 64] __attribute__((aligned(64)));
+    static int32_t out[16 * 16] __attribute__((aligned(64)));
+    for (int i = 0; i < 16 * 32; i++) w[i] = (uint8_t)(i * 7 % 16);
+    for (int i = 0; i < 8 * 64; i++) x[i] = (int8_t)(i * 13 % 255 - 127);
+    configure_tiles(0);
+    _tile_zero(0);
+    _tile_loadd(2, w, 32);
+    _tile_loadd(3, x, 64);
+    _tile_dpbusd(0, 2, 3);
+    _tile_stored(0, out, 64);
+    _tile_release();
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 16; n++) {
+            int32_t want = 0;
+            for (int k = 0; k < 32; k++) want += w[32 * m + k] * x[64 * (k / 4) + 4 * n + k % 4];
+            if (out[16 * m + n] != want) return -1;
+        }
+    return 1;
+}
+
 /* 8 x 8 four-byte pieces transposed: c[i] holds chunk i (piece L: values
  * 4i..4i+3 of group L); g[L] then holds group L's 32 values in order. */
 static inline void transpose_chunks(const __m256i c[8], __m256i g[8]) {

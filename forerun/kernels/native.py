@@ -66,7 +66,12 @@ from forerun.kernels.build import (
     source_digest,
     sources,
 )
-from forerun.kernels.self_check import check_layer_ops, check_products, check_same_products
+from forerun.kernels.self_check import (
+    check_layer_ops,
+    check_products,
+    check_same_products,
+    check_tiles_in_a_process,
+)
 from forerun.machine.calibration import register_key_part
 from forerun.machine.cpu import cpu_flags
 
@@ -192,6 +197,8 @@ def _dot_product_library(avx2: NativeKernels, timing: Timing | None) -> NativeKe
     for name, extra in candidates:        # best first: a build that fails gives way
         try:
             dot = build_library(extra)
+            if dot.tile_rows is not None:       # the AMX build: its tiles tried elsewhere first
+                check_tiles_in_a_process(dot)
             check_same_products(dot, avx2)
         except Unavailable as exc:
             refused.append(f"the {name} build is not used: {exc}")

@@ -7,6 +7,9 @@ build's, bit for bit (:func:`check_same_products`).  Each raises
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -193,3 +196,30 @@ def _compare_products(dot: NativeKernels, avx2: NativeKernels, packed: dict,
             if not torch.equal(run(dot), run(avx2)):
                 raise Unavailable(f"its {name} products of {t} rows differ from the AVX2 "
                                   f"build's")
+
+
+def check_tiles_in_a_process(kernels: NativeKernels) -> None:
+    """An AMX build's tiles run a small product correctly in a process of
+    their own (``fr_amx_probe``), before this process runs any: a machine
+    that advertises AMX but faults on it (as llama.cpp's AMX kernels fault
+    in some virtual machines) ends the probe, not the caller.  Raises
+    Unavailable naming what happened; returns where the OS refuses the
+    tiles (the build then runs its vpdpbusd passes)."""
+    if not kernels.path.is_file():
+        raise Unavailable("its tiles can't be tried in a separate process: the library "
+                          "was built in a temporary folder and not kept")
+    script = ("import ctypes, sys; "
+              "sys.exit({1: 0, 0: 0, -1: 3}.get(ctypes.CDLL(sys.argv[1]).fr_amx_probe(), 4))")
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", script, str(kernels.path)],
+                              capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise Unavailable(f"its tiles could not be tried in a separate process ({exc})") from exc
+    if done.returncode < 0:
+        name = signal.Signals(-done.returncode).name
+        raise Unavailable(f"its AMX tiles ended a probe process with {name}")
+    if done.returncode == 3:
+        raise Unavailable("its AMX tiles computed a probe product wrongly")
+    if done.returncode != 0:
+        raise Unavailable(f"its AMX tile probe failed (exit {done.returncode}: "
+                          f"{done.stderr.decode(errors='replace').strip()[-200:]})")

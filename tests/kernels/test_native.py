@@ -760,3 +760,21 @@ def test_the_vpdpbusd_build_is_used_only_where_it_is_faster(fresh_cache, monkeyp
         if winner == "avx2":
             assert "no faster" in reason and "stand-in 3.0/4.0 ms" in reason
         native.reset()
+
+
+def test_the_amx_tiles_are_tried_in_a_process_of_their_own(amx_build):
+    """The probe of the tiles runs in a separate process and passes here."""
+    self_check.check_tiles_in_a_process(amx_build)
+
+
+def test_an_amx_build_whose_tiles_fault_is_not_used(altered_source):
+    """Tiles that fault (here the probe traps, SIGILL, as an instruction
+    the machine refuses would) end the probe process, never the caller's:
+    the build is refused, saying so, and the next build serves."""
+    if "amx-int8" not in dict(build.dot_builds(cpu_flags())):
+        pytest.skip("this CPU has no AMX tiles")
+    altered_source("TILES_SOURCE", "    if (!fr_amx_ready()) return 0;\n    static uint8_t w",
+                   "    __builtin_trap();\n    static uint8_t w")
+    kernels = native.native_kernels()
+    assert kernels is not None and kernels.instruction.startswith("avx512-vnni")
+    assert "its AMX tiles ended a probe process with SIGILL" in native.dot_product_reason()
