@@ -235,6 +235,15 @@ static void release(buffers *m) {
 
 enum kind { Q4, Q8, Q6 };
 
+/* Row `row` of m past the matrix (its row groups end at Np): zero weights
+ * and scales, so its sums are 0 and no byte past the matrix is read. */
+static void zero_row(buffers *m, int ng, int row) {
+    for (int g = 0; g < ng; g++) {
+        memset(m->w + (size_t)g * TILE_BYTES + UNIT * row, 0, UNIT);
+        m->scales[(2 * g) * TM + row] = m->scales[(2 * g + 1) * TM + row] = 0.0f;
+    }
+}
+
 /* Rows n0.. (a multiple of 16, row groups past Np zero) unpacked into m. */
 static void unpack_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *min, int Np,
                       int Kp, int n0, buffers *m) {
@@ -243,10 +252,7 @@ static void unpack_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *m
     for (int row = 0; row < TM; row++) {
         const int n = n0 + row, r = row % ROWS;
         if (n >= Np) {
-            for (int g = 0; g < ng; g++) {
-                memset(m->w + (size_t)g * TILE_BYTES + UNIT * row, 0, UNIT);
-                m->scales[(2 * g) * TM + row] = m->scales[(2 * g + 1) * TM + row] = 0.0f;
-            }
+            zero_row(m, ng, row);
             continue;
         }
         const uint8_t *base = q + (size_t)(n - r) * (Kp / 2);
@@ -278,7 +284,7 @@ static void unpack_q8(const int8_t *q, int Np, int Kp, int n0, buffers *m) {
     for (int row = 0; row < TM; row++) {
         const int n = n0 + row, r = row % ROWS;
         if (n >= Np) {
-            for (int g = 0; g < ng; g++) memset(m->w + (size_t)g * TILE_BYTES + UNIT * row, 0, UNIT);
+            zero_row(m, ng, row);
             continue;
         }
         const int8_t *base = q + (size_t)(n - r) * Kp;
@@ -302,10 +308,7 @@ static void unpack_q6(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, co
     for (int row = 0; row < TM; row++) {
         const int n = n0 + row, r = row % ROWS;
         if (n >= Np) {
-            for (int g = 0; g < ng; g++) {
-                memset(m->w + (size_t)g * TILE_BYTES + UNIT * row, 0, UNIT);
-                m->scales[(2 * g) * TM + row] = m->scales[(2 * g + 1) * TM + row] = 0.0f;
-            }
+            zero_row(m, ng, row);
             continue;
         }
         const uint8_t *lbase = ql + (size_t)(n - r) * (Kp / 2), *hbase = qh + (size_t)(n - r) * (Kp / 4);

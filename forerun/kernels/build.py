@@ -339,9 +339,3 @@ def dot_builds(cpu_flags: Set[str]) -> list[tuple[str, tuple[str, ...]]]:
     first, as (name, extra compiler flags)."""
     return [(name, extra) for name, needs, extra in DOT_BUILDS
             if all(f in cpu_flags for f in needs)]
-
-
-def dot_build(cpu_flags: Set[str]) -> tuple[str, tuple[str, ...]] | None:
-    """The first of :func:`dot_builds`; None if there is none."""
-    builds = dot_builds(cpu_flags)
-    return builds[0] if builds else None

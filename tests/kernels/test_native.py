@@ -402,7 +402,7 @@ def _load_in_a_process(cache) -> str:
 
 def _libraries_a_load_builds() -> int:
     """The AVX2 library, and its vpdpbusd build where this CPU has the instruction."""
-    return 1 + (build.dot_build(cpu_flags()) is not None)   # the first dot build that passes
+    return 1 + bool(build.dot_builds(cpu_flags()))   # the first dot build that passes
 
 
 def test_a_damaged_library_is_built_again(fresh_cache):
@@ -551,15 +551,15 @@ def test_the_dot_product_build_follows_the_cpu_flags():
     zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni",
             "avx512_bf16"}
     builds = {name: extra for name, _, extra in build.DOT_BUILDS}
-    assert build.dot_build(zen4) == ("avx512-vnni", builds["avx512-vnni"])
+    assert build.dot_builds(zen4) == [("avx512-vnni", builds["avx512-vnni"])]
     xeon = zen4 | {"amx_tile", "amx_int8", "amx_bf16"}
     assert build.dot_builds(xeon) == [("amx-int8", builds["amx-int8"]),
                                       ("avx512-vnni", builds["avx512-vnni"])]
-    assert build.dot_build(zen4 | {"amx_tile"}) == ("avx512-vnni", builds["avx512-vnni"])
-    assert build.dot_build({"avx2", "avx_vnni"}) == ("avx-vnni", builds["avx-vnni"])
-    assert build.dot_build({"avx2", "avx512_vnni"}) is None       # VNNI needs 512-bit VL here
-    assert build.dot_build(zen4 - {"avx512bw"}) is None           # and byte operations
-    assert build.dot_build({"avx2", "fma", "f16c"}) is None
+    assert build.dot_builds(zen4 | {"amx_tile"}) == [("avx512-vnni", builds["avx512-vnni"])]
+    assert build.dot_builds({"avx2", "avx_vnni"}) == [("avx-vnni", builds["avx-vnni"])]
+    assert build.dot_builds({"avx2", "avx512_vnni"}) == []       # VNNI needs 512-bit VL here
+    assert build.dot_builds(zen4 - {"avx512bw"}) == []           # and byte operations
+    assert build.dot_builds({"avx2", "fma", "f16c"}) == []
 
 
 @pytest.mark.parametrize("which", ["stand-in", "this CPU's"])
@@ -575,10 +575,10 @@ def test_the_vpdpbusd_code_gives_the_avx2_products_bit_for_bit(kernels, which):
         stand_in = native.build_library(build.STAND_IN_FLAGS)
         assert stand_in.instruction == "avx2 stand-in for vpdpbusd"
     else:
-        chosen = build.dot_build(cpu_flags())
-        if chosen is None:
+        chosen = build.dot_builds(cpu_flags())
+        if not chosen:
             pytest.skip("this CPU has no vpdpbusd")
-        stand_in = native.build_library(chosen[1])
+        stand_in = native.build_library(chosen[0][1])
         assert stand_in.instruction.split()[0] in ("amx-int8", "avx512-vnni", "avx-vnni")
     assert avx2.instruction == "avx2"
     assert stand_in.path != avx2.path
@@ -623,15 +623,21 @@ def _as_if_the_cpu_had_vpdpbusd(monkeypatch) -> None:
 
 # -- the AMX build ------------------------------------------------------------------
 
+def _amx_flags() -> tuple[str, ...]:
+    """The compiler flags of this CPU's AMX build (the test is skipped where
+    the CPU has no AMX tiles)."""
+    flags = dict(build.dot_builds(cpu_flags()))
+    if "amx-int8" not in flags:
+        pytest.skip("this CPU has no AMX tiles")
+    return flags["amx-int8"]
+
+
 @pytest.fixture()
 def amx_build(kernels):
     """This CPU's AMX build, its tiles taking every product (the test is
     skipped where the CPU has none or the OS refuses them); its own start
     is restored after (the loaded library is the process's)."""
-    flags = dict(build.dot_builds(cpu_flags()))
-    if "amx-int8" not in flags:
-        pytest.skip("this CPU has no AMX tiles")
-    amx = native.build_library(flags["amx-int8"])
+    amx = native.build_library(_amx_flags())
     if amx.instruction != "amx-int8":
         pytest.skip(amx.instruction)
     rows = amx.tile_rows
@@ -679,12 +685,11 @@ def test_the_amx_tiles_start_where_they_are_told(amx_build):
         native.layer_ops().set_tile_rows(1)
 
 
-def test_an_amx_build_that_computes_wrongly_is_not_used(altered_source, monkeypatch):
+def test_an_amx_build_that_computes_wrongly_is_not_used(altered_source):
     """An AMX build whose tile products are off (here each 4-bit group's
     minimum left out, in the tiles' float steps only) fails the bit-for-bit
     check at the positions its tiles take, and the next build serves."""
-    if "amx-int8" not in dict(build.dot_builds(cpu_flags())):
-        pytest.skip("this CPU has no AMX tiles")
+    _amx_flags()
     altered_source("TILES_SOURCE", "a = _mm512_fmadd_ps(_mm512_set1_ps(scales[TM + row]), ds, a);",
                    "")
     kernels = native.native_kernels()
@@ -771,8 +776,7 @@ def test_an_amx_build_whose_tiles_fault_is_not_used(altered_source):
     """Tiles that fault (here the probe traps, SIGILL, as an instruction
     the machine refuses would) end the probe process, never the caller's:
     the build is refused, saying so, and the next build serves."""
-    if "amx-int8" not in dict(build.dot_builds(cpu_flags())):
-        pytest.skip("this CPU has no AMX tiles")
+    _amx_flags()
     altered_source("TILES_SOURCE", "    if (!fr_amx_ready()) return 0;\n    static uint8_t w",
                    "    __builtin_trap();\n    static uint8_t w")
     kernels = native.native_kernels()
