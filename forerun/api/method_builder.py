@@ -55,6 +55,18 @@ def _chain(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMet
                                cost_store=cost_store(model))
 
 
+def _suffix(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMethod:
+    """Suffix drafting from this generation and the model's earlier
+    requests (:meth:`Model.suffix_store`), ``config.length`` long or as
+    long as its match pays."""
+    from forerun.decoding.speculative import SpeculativeDecoding
+    from forerun.drafters.suffix import SuffixDrafter, SuffixPlanner
+
+    model.verification_grouping()
+    planner = SuffixPlanner(SuffixDrafter(model.suffix_store()), k=config.length)
+    return SpeculativeDecoding(model.decoder, planner=planner, cost_store=cost_store(model))
+
+
 def _medusa(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMethod:
     """Medusa heads drafting a rank tree of ``config.nodes`` nodes (default:
     chosen by the heads' measured accuracies)."""
@@ -203,8 +215,8 @@ def eagle_head(model: Model, draft: Any):
     return EagleHead(weights, decoder.embed_tokens, weights_format=fmt, device=decoder.device)
 
 
-_BUILDERS = {"ngram": _chain, "drafter": _chain, "draft": _chain, "medusa": _medusa,
-             "draft-lookup": _lookup_or_draft, "draft-tree": _draft_tree,
+_BUILDERS = {"ngram": _chain, "suffix": _suffix, "drafter": _chain, "draft": _chain,
+             "medusa": _medusa, "draft-lookup": _lookup_or_draft, "draft-tree": _draft_tree,
              "draft-async": _async, "eagle": _eagle, "eagle-tree": _eagle,
              "eagle-lookup": _eagle}
 

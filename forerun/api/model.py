@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from forerun.api.engine_policy import measured_grouping, model_identity
 from forerun.decoding.sampling import SamplingParams
+from forerun.drafters.suffix_store import SuffixStore
 from forerun.errors import (
     ConfigError,
     ForerunError,
@@ -82,6 +83,7 @@ class Model:
         self._draft_models: dict[str, Model] = {}
         self._draft_lock = threading.Lock()
         self._grouping: GroupingResult | None = None
+        self._suffix_store: SuffixStore | None = None
         self.reuse_prompts = reuse_prompts
 
     def __repr__(self) -> str:
@@ -221,8 +223,9 @@ class Model:
         exact groups, measured on this machine), whatever runs beside it.
         ``parallel``: the most sequences decoded together (default: the
         most positions the engine computes exactly in one forward, at most
-        the number of requests).  Plain decoding and prompt lookup
-        (``draft="ngram"``) run batched; the torch engine only.
+        the number of requests).  Plain decoding, prompt lookup
+        (``draft="ngram"``) and suffix drafting (``draft="suffix"``) run
+        batched; the torch engine only.
         ``on_result(index, result)`` is called, on the calling thread, as
         each request ends (a progress bar)."""
         if isinstance(requests, (str, bytes, dict)) or not isinstance(requests, Sequence):
@@ -274,10 +277,10 @@ class Model:
         answer); it runs on a thread of its own.  ``parallel``: the most jobs
         at a time (default: the most positions the engine computes exactly
         in one forward, at most the number of jobs).  ``configs``: the
-        speculation configs the jobs use (prompt lookup's costs are read
-        first, here).  ``on_done(index, result)``: called on this thread as
-        each job ends.  The first job that raises has its error raised once
-        all ended."""
+        speculation configs the jobs use (the verification costs their
+        drafting chooses from are read first, here).  ``on_done(index,
+        result)``: called on this thread as each job ends.  The first job
+        that raises has its error raised once all ended."""
         from forerun.generation.batch import run_batch
 
         if parallel is not None and (not isinstance(parallel, int) or isinstance(parallel, bool)
@@ -286,7 +289,7 @@ class Model:
                                         f"{parallel!r}")
         with Holds([self._lock]):
             self.verification_grouping()
-            for config in {c.key: c for c in configs if c.method == "ngram"}.values():
+            for config in {c.key: c for c in configs if c.speculates}.values():
                 self.batch_costs(config)
             if parallel is None:
                 parallel = max(1, min(len(jobs), self.decoder.verify_group or 1))
@@ -298,7 +301,8 @@ class Model:
         model's sequences (:class:`~forerun.generation.batch.BatchedDecoder`,
         its forwards shared), with plain decoding or prompt lookup (the
         methods a batch runs: :data:`BATCHED_METHODS`).  It holds no lock
-        of the model: the batch owns the forwards.  For prompt lookup,
+        of the model: the batch owns the forwards.  For prompt lookup and
+        suffix drafting,
         :meth:`batch_costs` of the request's config must have been read on
         the engine thread first."""
         _refuse_unknown(kwargs)
@@ -321,24 +325,31 @@ class Model:
         else:
             costs = self._methods.get(("batch-costs", config.key))
             if costs is None:
-                raise ConfigError("a batch member's prompt lookup takes the costs "
+                raise ConfigError("a batch member's drafting takes the costs "
                                   "batch_costs(config) read on the engine thread; call it "
                                   "there before the batch starts")
             method = self._lookup(decoder, config)
             method.use_costs(costs)
         return GenerationStream(self._generation(method, ids, params, cancel))
 
-    @staticmethod
-    def _lookup(decoder, config: SpeculativeConfig, cost_store=None):
+    def _lookup(self, decoder, config: SpeculativeConfig, cost_store=None):
+        """A batch member's method: prompt lookup or suffix drafting."""
         from forerun.decoding.speculative import SpeculativeDecoding
+
+        if config.method == "suffix":
+            from forerun.drafters.suffix import SuffixDrafter, SuffixPlanner
+
+            return SpeculativeDecoding(decoder, planner=SuffixPlanner(
+                SuffixDrafter(self.suffix_store()), k=config.length), cost_store=cost_store)
         from forerun.drafters.ngram import NgramDrafter
 
         return SpeculativeDecoding(decoder, NgramDrafter(), k=config.length,
                                    cost_store=cost_store)
 
     def batch_costs(self, config: SpeculativeConfig) -> list[float | None]:
-        """The verification costs prompt lookup (``config``) chooses from in
-        a batch: those of this model alone (stored per machine, or measured
+        """The verification costs prompt lookup or suffix drafting
+        (``config``) chooses from in a batch: those of this model alone
+        (stored per machine, or measured
         now on a fork of its decoder, alone, and stored), read once.  Call it
         on the engine thread before a batch that uses ``config`` starts: its
         members only read them (:meth:`stream_in_batch`)."""
@@ -383,7 +394,9 @@ class Model:
         ``draft`` turns on speculative decoding (``None`` or ``"none"``: plain
         decoding; :mod:`forerun.speculation.config`): a :class:`Model` (or a preset
         name or path, loaded once and kept) sharing this model's tokenizer,
-        ``"ngram"`` for prompt lookup (no draft model), ``"medusa"`` for the
+        ``"ngram"`` for prompt lookup (no draft model), ``"suffix"`` for
+        prompt lookup and this model's earlier answers
+        (:meth:`suffix_store`), ``"medusa"`` for the
         Medusa heads forerun ships for this preset (``"medusa:PATH"`` for
         other heads; tree verification, ``draft_k`` fixes the tree's node
         count), or any
@@ -471,6 +484,16 @@ class Model:
                 loaded = self._draft_models[key] = load_draft_model(self, spec)
         return loaded
 
+    def suffix_store(self) -> SuffixStore:
+        """What suffix drafting (``draft="suffix"``) remembers of this
+        model's earlier requests, shared by all of them (made at first
+        use; :meth:`~forerun.drafters.suffix_store.SuffixStore.clear`
+        forgets it)."""
+        with self._draft_lock:
+            if self._suffix_store is None:
+                self._suffix_store = SuffixStore()
+            return self._suffix_store
+
     def _method(self, config: SpeculativeConfig):
         """The decoding method for ``config``, and the draft models it uses:
         built once per config (building may load a draft model and measure
@@ -531,13 +554,13 @@ class GenerationStream:
 
 
 #: The speculation methods a batch of sequences runs (Model.generate_batch,
-#: Model.stream_in_batch): plain decoding and prompt lookup.
-BATCHED_METHODS = ("none", "ngram")
+#: Model.stream_in_batch): plain decoding, prompt lookup and suffix drafting.
+BATCHED_METHODS = ("none", "ngram", "suffix")
 
 
 def _not_batched(config: SpeculativeConfig) -> str:
-    return (f"a batch of sequences runs plain decoding and prompt lookup (draft=None or "
-            f"'ngram'), not {config.describe()}")
+    return (f"a batch of sequences runs plain decoding, prompt lookup or suffix drafting "
+            f"(draft=None, 'ngram' or 'suffix'), not {config.describe()}")
 
 
 _NO_DRAFT_OPTIONS = dict(draft_k=None, draft_async=False, draft_threads=None,

@@ -34,6 +34,7 @@ class ForerunMethod(BenchMethod):
         self.description = description
         self.baseline = None if draft is None and not use_draft_model else "plain"
         self.config: SpeculativeConfig | None = None
+        self._asked: set[tuple[int, ...]] = set()
 
     def setup(self, ctx: BenchContext) -> None:
         draft = ctx.draft_model() if self.use_draft_model else self.draft
@@ -53,6 +54,7 @@ class ForerunMethod(BenchMethod):
 
     def generate(self, ctx: BenchContext, prompt_ids: Sequence[int], *, max_new_tokens: int,
                  temperature: float, seed: int) -> MethodOutput:
+        self._forget_repeats(ctx, prompt_ids)
         try:
             result = ctx.model.generate(prompt_ids=list(prompt_ids),
                                         max_new_tokens=max_new_tokens,
@@ -76,6 +78,21 @@ class ForerunMethod(BenchMethod):
             stats.update(async_tokens_per_second=s.async_tokens_per_second,
                          sync_tokens_per_second=s.sync_tokens_per_second)
         return MethodOutput(list(result.tokens), result.text, stats)
+
+    def _forget_repeats(self, ctx: BenchContext, prompt_ids: Sequence[int]) -> None:
+        """Suffix drafting remembers the model's earlier answers: a prompt
+        this method was asked before (the warm-up's, or every prompt again
+        at the next temperature) would draft its own earlier answer, which
+        no bench prompt's user gets.  Before such a prompt the model's
+        suffix store is cleared: each answer drafts from the answers to
+        other prompts only."""
+        if self.config is None or self.config.method != "suffix":
+            return
+        key = tuple(prompt_ids)
+        if key in self._asked:
+            ctx.model.suffix_store().clear()
+            self._asked.clear()
+        self._asked.add(key)
 
     def conclude(self, rows: Sequence[dict[str, Any]]) -> None:
         """Asynchronous drafting: in how many generations it paid by its own
@@ -172,6 +189,10 @@ register_method("ngram", lambda: ForerunMethod("ngram", draft="ngram",
                 "prompt-lookup (n-gram) speculation: Model.generate(draft='ngram')")
 register_pattern(r"ngram-k(\d+)", _ngram_k, "ngram-kN",
                  "prompt-lookup speculation, draft length fixed at N")
+register_method("suffix", lambda: ForerunMethod("suffix", draft="suffix",
+                                                description="suffix drafting, adaptive length"),
+                "suffix drafting from the prompt, the answer so far and the model's answers "
+                "to the bench's earlier prompts: Model.generate(draft='suffix')")
 def _medusa(match: re.Match) -> BenchMethod:
     path = match.group(1)
     heads = f"medusa:{path}" if path else "medusa"

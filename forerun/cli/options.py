@@ -39,6 +39,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", "-d", default=None,
                    help="speculative decoding with this draft: a preset, .gguf file or "
                         "folder sharing the model's tokenizer, 'ngram' (prompt lookup), "
+                        "'suffix' (prompt lookup and the model's earlier answers, "
+                        "which a server or chat remembers), "
                         "'medusa' (the preset's shipped Medusa heads; 'medusa:FILE' for "
                         "others), or 'none' for plain decoding "
                         "(default: the preset's own: ngram for qwen2.5-coder-1.5b, or its "

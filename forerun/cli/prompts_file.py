@@ -116,9 +116,9 @@ def _generated(args: argparse.Namespace, model, speculative, requests: list[dict
         return model.generate_batch(requests, parallel=args.parallel,
                                     on_result=lambda n, r: bar.update(), **common)
     if args.parallel not in (None, 1):
-        raise ForerunError(f"--parallel {args.parallel} decodes plain or with prompt lookup, "
-                           f"not {speculative.describe()}; pass --draft ngram or --draft "
-                           f"none, or leave --parallel out")
+        raise ForerunError(f"--parallel {args.parallel} decodes plain, with prompt lookup or "
+                           f"with suffix drafting, not {speculative.describe()}; pass --draft "
+                           f"ngram, --draft suffix or --draft none, or leave --parallel out")
     results = []
     for n, request in enumerate(requests):
         try:

@@ -180,9 +180,10 @@ def _slots(model, config, asked: int | None) -> int:
                           f"one request at a time; use --engine torch, or leave --parallel "
                           f"out")
     if config.method not in BATCHED_METHODS:
-        raise ConfigError(f"--parallel {asked}: requests decoded together use plain decoding "
-                          f"or prompt lookup, not {config.describe()}; pass --draft ngram or "
-                          f"--draft none, or leave --parallel out")
+        raise ConfigError(f"--parallel {asked}: requests decoded together use plain decoding, "
+                          f"prompt lookup or suffix drafting, not {config.describe()}; pass "
+                          f"--draft ngram, --draft suffix or --draft none, or leave --parallel "
+                          f"out")
     each = slot_bytes(model)
     free = available_bytes()
     # The first slot's cache is the model's own, already allocated.

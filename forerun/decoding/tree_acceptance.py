@@ -12,11 +12,15 @@ nodes the walk reaches.
   node, tried in order, with a residual ``r`` that starts as the target's
   distribution ``p`` and is updated after each rejected child:
 
-  - a *deterministic* child ``x`` (a point mass) is accepted with
-    probability ``r(x)``; on rejection ``r <- norm(r without x)``.  This is
-    SpecInfer's multi-step speculative sampling (Miao et al. 2024): the walk
-    is the same as drawing ``y ~ p`` and following the child whose token is
-    ``y``, if there is one;
+  - *deterministic* children (point masses: prompt lookup, suffix drafts,
+    Medusa's candidates): draw ``y ~ p`` with the sampler's generator and
+    follow the child whose token is ``y``; if none is, ``y`` is the added
+    token.  This is SpecInfer's multi-step speculative sampling (Miao et
+    al. 2024; accepting child ``x`` with probability ``r(x)``, then ``r <-
+    norm(r without x)``, is the same walk in distribution), drawn so that
+    each committed token is one draw from its position's ``p``, in order:
+    exactly the draws plain decoding makes.  With the same seed the output
+    is plain sampling's, token for token, whatever was drafted;
   - children *sampled without replacement* from the draft distribution
     ``q``: the ``i``-th was drawn from ``q_i``, which is ``q`` without the
     earlier siblings, renormalised.  Child ``x`` is accepted with
@@ -84,42 +88,19 @@ def accept_tree_sampled(tree: DraftTree, probs_of: ProbsOf, generator: torch.Gen
         if not kids:
             return path, _draw(p, generator)
         q = tree.sibling_probs.get(node)
-        uniforms = torch.rand(len(kids), generator=generator, device=generator.device).tolist()
         if q is None:
-            chosen, residual = _walk_point_masses(tree, kids, p, uniforms)
+            y = _draw(p, generator)
+            chosen = next((c for c in kids if tree.tokens[c] == y), None)
+            if chosen is None:
+                return path, y
         else:
+            uniforms = torch.rand(len(kids), generator=generator,
+                                  device=generator.device).tolist()
             chosen, residual = _walk_sampled(tree, kids, p, q, uniforms)
-        if chosen is None:
-            return path, _draw(residual, generator)
+            if chosen is None:
+                return path, _draw(residual, generator)
         path.append(chosen)
         node = chosen
-
-
-def _walk_point_masses(tree: DraftTree, kids: list[int], p: torch.Tensor,
-                       uniforms: list[float]) -> tuple[int | None, torch.Tensor]:
-    """Deterministic children: accept ``x`` with probability ``r(x)``, else
-    take ``x`` out of ``r``."""
-    width = p.numel()
-    xs = [tree.tokens[c] for c in kids]
-    inside = [x for x in xs if 0 <= x < width]
-    mass = dict(zip(inside, p[inside].tolist())) if inside else {}
-    total = float(p.sum())
-    zeroed: list[int] = []
-    for c, x, u in zip(kids, xs, uniforms):
-        px = mass.get(x, 0.0)
-        if u * total < px:
-            return c, p
-        if px > 0:                      # reject x: r <- r without x
-            total -= px
-            mass[x] = 0.0
-            zeroed.append(x)
-    residual = p
-    if zeroed:
-        residual = p.clone()
-        residual[zeroed] = 0.0
-        if float(residual.sum()) <= 0:   # rounding: p had no other mass
-            residual = p
-    return None, residual
 
 
 def _walk_sampled(tree: DraftTree, kids: list[int], p: torch.Tensor, q: torch.Tensor,

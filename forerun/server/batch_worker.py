@@ -98,7 +98,7 @@ class BatchWorker(EngineWorker):
     def _start(self, job: Job) -> None:
         prompt = job.spec.prompt_ids
         config = job.spec.options.get("speculative")
-        if config is not None and config.method == "ngram":
+        if config is not None and config.speculates:
             try:    # here, alone, before the member's thread reads them
                 self.model.batch_costs(config)
             except ForerunError as exc:

@@ -25,7 +25,8 @@ class _Body(BaseModel):
 
 class Speculative(BaseModel):
     """forerun's extension: the drafter of this request.  ``draft``:
-    ``"none"`` (plain decoding), ``"ngram"`` (prompt lookup), ``"medusa"``
+    ``"none"`` (plain decoding), ``"ngram"`` (prompt lookup), ``"suffix"``
+    (prompt lookup and the server's earlier answers), ``"medusa"``
     (the preset's Medusa heads), or the name of a draft model the server
     loaded; ``draft_k``: a fixed draft length (default: adaptive);
     ``draft_tree``: the draft model drafts a token tree (its node budget

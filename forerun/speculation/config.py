@@ -7,6 +7,8 @@ and ``forerun bench``) turns its speculation options into one frozen
 
 * ``None`` or ``"none"``: no drafter, plain decoding;
 * ``"ngram"``: prompt lookup (:mod:`forerun.drafters.ngram`);
+* ``"suffix"``: suffix drafting from this generation and the model's
+  earlier requests (:mod:`forerun.drafters.suffix`);
 * ``"medusa"``, ``"medusa:PATH"``, :class:`~forerun.drafters.medusa.MedusaHeads`
   or a tree drafter object: Medusa heads, verified as a tree;
 * ``"eagle"``, ``"eagle:PATH"`` or :class:`~forerun.engines.eagle3_weights.Eagle3Weights`:
@@ -37,13 +39,13 @@ from forerun.errors import GenerationConfigError
 
 NO_DRAFT = "none"
 #: Drafters named by a word, with no model to load.
-BUILTIN_DRAFTS = ("ngram", "medusa", "eagle")
+BUILTIN_DRAFTS = ("ngram", "suffix", "medusa", "eagle")
 
-#: What a config runs: plain decoding; prompt lookup; Medusa heads (a tree);
+#: What a config runs: plain decoding; prompt lookup; suffix drafting; Medusa heads (a tree);
 #: a Drafter object (a chain); a draft model drafting chains alone, beside
 #: prompt lookup, as trees, or in a thread of its own; an EAGLE-3 head
 #: drafting chains or trees.
-METHODS = ("none", "ngram", "medusa", "drafter", "draft", "draft-lookup", "draft-tree",
+METHODS = ("none", "ngram", "suffix", "medusa", "drafter", "draft", "draft-lookup", "draft-tree",
            "draft-async", "eagle", "eagle-tree", "eagle-lookup")
 
 #: The options :func:`resolve` takes, by their canonical (API) names.
@@ -125,13 +127,13 @@ PLAIN = SpeculativeConfig()
 
 
 def draft_kind(draft: Any) -> str:
-    """What ``draft`` names: ``"none"``, ``"ngram"``, ``"medusa"``,
+    """What ``draft`` names: ``"none"``, ``"ngram"``, ``"suffix"``, ``"medusa"``,
     ``"eagle"``, ``"drafter"`` (a Drafter object) or ``"model"``."""
     if draft is None or (isinstance(draft, str) and draft.lower() == NO_DRAFT):
         return "none"
     if isinstance(draft, str):
-        if draft == "ngram":
-            return "ngram"
+        if draft in ("ngram", "suffix"):
+            return draft
         for kind in ("medusa", "eagle"):
             if draft == kind or draft.startswith(kind + ":"):
                 return kind
@@ -281,7 +283,7 @@ def resolve(draft: Any = None, *, draft_k: Any = None, draft_lookup: Any = None,
             raise fail("draft_k", f"{n['draft_k']} is at most {most} ({what}), got {draft_k}")
     if kind == "medusa":
         return SpeculativeConfig("medusa", draft, nodes=medusa_nodes or draft_k)
-    if kind in ("ngram", "drafter"):
+    if kind in ("ngram", "suffix", "drafter"):
         return SpeculativeConfig(kind, draft, length=draft_k)
     # chains of a chosen length draft beside prompt lookup unless told not to
     lookup = draft_lookup or (draft_lookup is None and draft_k is None)

@@ -292,6 +292,31 @@ def test_ngram_method_runs_or_fails_cleanly(tiny):
         assert not report.mismatches()
 
 
+def test_suffix_method_never_drafts_a_prompts_own_earlier_answer(tiny):
+    """A prompt asked again (the warm-up's, every prompt at the next
+    temperature) clears the model's suffix store first; new prompts draft
+    from the earlier ones' answers."""
+    from forerun.bench.method import BenchContext
+    from forerun.bench.methods import ForerunMethod
+
+    model = tiny[0]
+    store = model.suffix_store()
+    store.clear()
+    ctx = BenchContext(model)
+    method = ForerunMethod("suffix", draft="suffix")
+    method.setup(ctx)
+    first, second = ([5, 6, 7, 8, 9], [20, 21, 22])
+    method.generate(ctx, first, max_new_tokens=6, temperature=0.0, seed=0)
+    one = len(store)
+    method.generate(ctx, second, max_new_tokens=6, temperature=0.0, seed=0)
+    assert len(store) > one                                  # both kept
+    method.generate(ctx, first, max_new_tokens=6, temperature=0.0, seed=0)
+    assert len(store) == one                                 # cleared, then this one
+    report = bench(tiny, methods=("plain", "suffix"), temperatures=(0.0, 0.0))
+    assert report.methods["suffix"]["status"] == "ok" and not report.mismatches()
+    store.clear()
+
+
 @pytest.mark.parametrize("name, method, draft", [
     ("eagle", "eagle", "eagle"),
     ("eagle-tree:/heads/h", "eagle-tree", "eagle:/heads/h"),

@@ -298,6 +298,52 @@ def test_deterministic_drafter_broken_twin_is_detected(monkeypatch):
     assert_detected(counts, COMBINED, [1], "deterministic residual_is_p")
 
 
+def _point_mass_methods():
+    from forerun.drafters.ngram import NgramDrafter
+
+    prompt = [1, 2, 3, 1, 2, 4, 1]
+    return prompt, {
+        "fixed-rule": SpeculativeDecoding(TableDecoder(TARGET), FixedRuleDrafter(), k=3),
+        "ngram": SpeculativeDecoding(TableDecoder(TARGET), NgramDrafter(1, 3), k=3),
+        "suffix": suffix_method()}
+
+
+def _tokens_per_seed(method, prompt, seeds) -> list[list[int]]:
+    return [run_method(method, prompt, N_TOKENS, TokenSampler(COMBINED, seed, "cpu"),
+                       GenerationStats()) for seed in seeds]
+
+
+def test_point_mass_drafts_give_plain_samplings_very_tokens():
+    """Each committed token is one draw from its position's distribution,
+    in order, as plain decoding draws it: with the same seed, sampled
+    speculative decoding with a deterministic drafter gives plain
+    sampling's tokens, whatever was drafted (the suffix store changes
+    from seed to seed)."""
+    prompt, methods = _point_mass_methods()
+    seeds = range(300)
+    plain = _tokens_per_seed(PlainDecoding(TableDecoder(TARGET)), prompt, seeds)
+    assert len({tuple(t) for t in plain}) > 30
+    for name, method in methods.items():
+        stats = GenerationStats()
+        for seed, want in zip(seeds, plain):
+            assert run_method(method, prompt, N_TOKENS, TokenSampler(COMBINED, seed, "cpu"),
+                              stats) == want, (name, seed)
+        assert stats.accepted > 0, name
+
+
+def test_point_mass_rule_exact_only_in_distribution_gives_other_tokens(monkeypatch):
+    """The broken twin: accepting a point mass ``x`` with probability p(x)
+    (else drawing from p without x) is exact in distribution, but its draws
+    are not plain decoding's, so seeded outputs differ."""
+    monkeypatch.setattr(speculative_module, "accept_tree_sampled",
+                        _accept_then(_right_residual))
+    prompt, methods = _point_mass_methods()
+    seeds = range(100)
+    plain = _tokens_per_seed(PlainDecoding(TableDecoder(TARGET)), prompt, seeds)
+    for name, method in methods.items():
+        assert _tokens_per_seed(method, prompt, seeds) != plain, name
+
+
 def test_ngram_drafter_is_exact():
     """Prompt lookup proposes what followed earlier occurrences: point-mass
     drafts, accepted with probability p(x)."""
@@ -321,6 +367,37 @@ def test_ngram_drafter_broken_twin_is_detected(monkeypatch):
     method = SpeculativeDecoding(TableDecoder(TARGET), NgramDrafter(1, 3), k=4)
     counts, _ = draw_counts(method, TOP_P, prompt, N_BROKEN, seed=5)
     assert_detected(counts, TOP_P, prompt, "ngram residual_is_p")
+
+
+def suffix_method() -> SpeculativeDecoding:
+    """Suffix drafting whose shared store keeps every earlier draw: most
+    drafts come from earlier answers to the same prompt, and they follow
+    earlier samples, not this one's."""
+    from forerun.drafters.suffix import SuffixDrafter, SuffixPlanner
+    from forerun.drafters.suffix_store import SuffixStore
+
+    return SpeculativeDecoding(TableDecoder(TARGET), planner=SuffixPlanner(
+        SuffixDrafter(SuffixStore(4096)), k=3))
+
+
+SUFFIX_PROMPT = [1, 2, 3, 1, 2, 4, 1]
+
+
+def test_suffix_drafter_is_exact():
+    method = suffix_method()
+    counts, stats = draw_counts(method, TOP_K, SUFFIX_PROMPT, N_SEQUENCES, seed=8)
+    check_stats(stats, N_SEQUENCES)
+    assert method.planner.rounds["shared"] > N_SEQUENCES // 2   # the store drafted
+    assert stats.accepted > 0.1 * stats.drafted
+    assert_exact(counts, TOP_K, SUFFIX_PROMPT, "suffix drafter")
+
+
+@pytest.mark.power
+def test_suffix_drafter_broken_twin_is_detected(monkeypatch):
+    monkeypatch.setattr(speculative_module, "accept_tree_sampled",
+                        _accept_then(lambda p, q, x: p))
+    counts, _ = draw_counts(suffix_method(), TOP_K, SUFFIX_PROMPT, N_BROKEN, seed=8)
+    assert_detected(counts, TOP_K, SUFFIX_PROMPT, "suffix residual_is_p")
 
 
 def lookup_or_draft(draft_table: torch.Tensor, alternate: bool = False):

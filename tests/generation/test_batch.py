@@ -1,7 +1,7 @@
 """Generations decoded together (``Model.generate_batch``,
 :mod:`forerun.generation.batch`): each result is what ``generate`` gives
 for that request alone, token for token, greedy and sampled with a seed,
-plain and with prompt lookup, whatever joins or leaves beside it; a
+plain, with prompt lookup and with suffix drafting, whatever joins or leaves beside it; a
 kernel whose rounding depends on the row count, unmeasured, makes that
 comparison fail; one request's error is its own."""
 
@@ -45,7 +45,7 @@ def _alone(model, requests, **common) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("draft", [None, "ngram"])
+@pytest.mark.parametrize("draft", [None, "ngram", "suffix"])
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("parallel", [3, 8])
 def test_each_result_is_the_requests_own(model, draft, sampled, parallel):
@@ -54,8 +54,27 @@ def test_each_result_is_the_requests_own(model, draft, sampled, parallel):
     want = _alone(model, requests, draft=draft)
     got = model.generate_batch(requests, draft=draft, parallel=parallel)
     assert [r.tokens for r in got] == want
+    if draft is not None:     # (drafts of a point mass: plain decoding's very draws)
+        assert want == _alone(model, requests)
     assert [len(r.tokens) for r in got] == LENGTHS
     assert all(r.finish_reason == "length" for r in got)
+
+
+def test_suffix_drafting_remembers_requests_alone_and_in_batches(model):
+    """One store per model: a request answered alone is drafted from when
+    it comes again in a batch, and the answers stay plain decoding's."""
+    model.suffix_store().clear()
+    request = dict(prompt="lorem ipsum dolor sit amet", max_new_tokens=30, ignore_eos=True)
+    plain = model.generate(**request).tokens
+    first = model.generate(**request, draft="suffix")
+    again = model.generate_batch([request, dict(request, prompt="x y")], draft="suffix",
+                                 parallel=2)
+    assert first.tokens == again[0].tokens == plain
+    s = again[0].stats
+    assert s.drafted >= 20 and s.accepted == s.drafted
+    assert s.rounds < first.stats.rounds or first.stats.accepted == first.stats.drafted
+    model.suffix_store().clear()
+    assert model.generate(**request, draft="suffix").tokens == plain
 
 
 def test_requests_in_every_form_keep_their_order(model):

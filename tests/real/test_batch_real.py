@@ -1,6 +1,7 @@
 """Batches on the real presets: every answer of ``Model.generate_batch`` is
 the answer ``generate`` gives that request alone, token for token, greedy
-and sampled with a seed, plain and with prompt lookup, with requests of
+and sampled with a seed, plain, with prompt lookup and with suffix drafting
+(sampled: its drafts come from the answers before), with requests of
 different lengths joining and leaving the batch."""
 
 import pytest
@@ -35,7 +36,8 @@ def _check(model, draft, sampled, parallel):
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
-@pytest.mark.parametrize("draft, sampled", [(None, False), ("ngram", False), (None, True)])
+@pytest.mark.parametrize("draft, sampled", [(None, False), ("ngram", False), (None, True),
+                                           ("suffix", True)])
 def test_a_batch_answers_each_request_as_alone(preset_model, name, draft, sampled):
     _check(preset_model(name, weights="q4"), draft, sampled, parallel=4)
 

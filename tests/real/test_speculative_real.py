@@ -123,3 +123,28 @@ def test_ngram_greedy_is_lossless(preset_model, preset):
             if text == REPEAT_PROMPTS[0] and k == 3:
                 # The verbatim-repeat prompt does get its drafts accepted.
                 assert out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m",
+                                    pytest.param("qwen2.5-coder-1.5b", marks=pytest.mark.slow)])
+def test_suffix_drafting_is_plain_decoding_greedy_and_seeded(preset_model, preset):
+    """Greedy, and sampled with a seed (drafts of fixed tokens draw each
+    token as plain decoding does): plain decoding's tokens, also when the
+    store holds the same request's earlier answer, which it then drafts."""
+    model = preset_model(preset, weights="q4")
+    model.suffix_store().clear()
+    for text in REPEAT_PROMPTS:
+        ids = model.encode_prompt(messages=messages(text))
+        plain = model.generate(prompt_ids=ids, max_new_tokens=64)
+        sampled = model.generate(prompt_ids=ids, max_new_tokens=64, temperature=0.8, seed=3)
+        for ask in ("first", "again"):
+            out = model.generate(prompt_ids=ids, max_new_tokens=64, draft="suffix")
+            assert_identical(model, ids, plain, out, f"suffix, {ask} ask, on {text[:30]!r}")
+            if ask == "again":      # its first answer drafted
+                assert out.stats.drafted >= 0.6 * (len(out.tokens) - 1)
+                assert out.stats.accepted >= 0.8 * out.stats.drafted
+        for ask in ("first", "again"):
+            out = model.generate(prompt_ids=ids, max_new_tokens=64, draft="suffix",
+                                 temperature=0.8, seed=3)
+            assert out.tokens == sampled.tokens, f"suffix sampled, {ask} ask, on {text[:30]!r}"
+    model.suffix_store().clear()

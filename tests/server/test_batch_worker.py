@@ -161,7 +161,8 @@ def test_a_request_for_a_drafter_a_batch_does_not_run_is_refused(tmp_path, tiny_
             (["--parallel", "-3"], "--parallel: must be a positive integer"),
             (["--parallel", "two"], "--parallel: must be a positive integer, got 'two'"),
             (["--parallel", "100000000"], "at most --parallel"),
-            (["--parallel", "2", "--draft", str(tiny_path)], "plain decoding or prompt lookup"),
+            (["--parallel", "2", "--draft", str(tiny_path)],
+             "plain decoding, prompt lookup or suffix drafting"),
             (["--parallel", "2", "--engine", "llama.cpp"], "one request at a time")]:
         if "llama.cpp" in extra:        # refused before the model (and its weights) load
             cmd = [c for c in cmd if c not in ("--weights", "q8")]

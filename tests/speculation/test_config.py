@@ -34,7 +34,7 @@ from forerun.speculation.config import (
 
 @pytest.mark.parametrize("value, kind", [
     (None, "none"), ("none", "none"), ("None", "none"),
-    ("ngram", "ngram"),
+    ("ngram", "ngram"), ("suffix", "suffix"),
     ("medusa", "medusa"), ("medusa:/some/heads.safetensors", "medusa"),
     (NgramDrafter(), "drafter"),
     ("qwen2.5-coder-0.5b", "model"), ("path/to/draft.gguf", "model"),
@@ -78,6 +78,8 @@ W = DEFAULT_DRAFT_WINDOW
     ("none", {}, PLAIN),
     ("ngram", {}, SpeculativeConfig("ngram", "ngram")),
     ("ngram", {"draft_k": 3}, SpeculativeConfig("ngram", "ngram", length=3)),
+    ("suffix", {}, SpeculativeConfig("suffix", "suffix")),
+    ("suffix", {"draft_k": 5}, SpeculativeConfig("suffix", "suffix", length=5)),
     (OWN, {"draft_k": 2}, SpeculativeConfig("drafter", OWN, length=2)),
     ("medusa", {}, SpeculativeConfig("medusa", "medusa")),
     ("medusa", {"tree_nodes": 8}, SpeculativeConfig("medusa", "medusa", nodes=8)),
@@ -132,6 +134,9 @@ def test_each_set_of_options_resolves_to_one_method(draft, options, expected):
     (DRAFT, {"draft_async": True, "target_threads": 0}, "target_threads",
      "{target_threads} must be a positive integer"),
     ("ngram", {"draft_lookup": True}, "draft_lookup", "for prompt lookup alone"),
+    ("suffix", {"draft_lookup": True}, "draft_lookup", "for prompt lookup alone"),
+    ("suffix", {"draft_tree": True}, "draft_tree", "need a draft model"),
+    ("suffix", {"draft_window": 64}, "draft_window", "{draft_window} is how much of the prompt"),
     (DRAFT, {"draft_lookup": True, "draft_k": 2}, "draft_lookup", "drop {draft_k}"),
     (DRAFT, {"draft_lookup": True, "draft_tree": True}, "draft_lookup", "drop {draft_tree}"),
     (DRAFT, {"draft_lookup": True, "draft_async": True}, "draft_lookup", "{draft_async}"),

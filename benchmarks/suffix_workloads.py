@@ -1,0 +1,215 @@
+"""Suffix drafting on the workloads it is for, and on the bench's prompts:
+plain decoding, prompt lookup (`ngram`) and suffix drafting (`suffix`), each
+generation timed end to end (the whole prompt read: the model's cached
+prompt is forgotten first), the three methods in turn on every item.
+
+Workloads (none from Spec-Bench or the test sets it draws on):
+
+* `repeat`: three requests, each asked twice in a row (greedy);
+* `regenerate`: three chats answered, then regenerated (sampled at
+  temperature 0.7, another seed: a user asking for another answer);
+* `edit`: one piece of code changed in five rounds ("rename X", "add type
+  hints", ...), each round's prompt holding the code the last round gave;
+* `bench`: `forerun bench`'s prompts (`--limit` a category), every turn.
+
+Suffix drafting's store is cleared before each workload, so a workload
+drafts only from its own earlier requests.  Every method's tokens are
+checked against plain decoding's (greedy, and sampled with the same seed:
+deterministic drafts give plain sampling's very tokens).
+
+    python benchmarks/suffix_workloads.py --out benchmarks/results/DATE-suffix-workloads.json
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+from harness import bench_prompts, load_model, machine_line, model_options, parser, write_result
+
+METHODS = {"plain": None, "ngram": "ngram", "suffix": "suffix"}
+
+REPEATED = (
+    "Write a Python function that parses an ISO 8601 date string and returns a datetime, "
+    "with error handling.",
+    "Explain how a hash map handles collisions, with a short example.",
+    "Write a bash script that backs up a directory into a dated tar.gz archive and keeps "
+    "the last seven archives.",
+)
+REGENERATED = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Suggest a name and a tagline for a bakery that only sells sourdough bread, and explain "
+    "the choice.",
+    "Give me five ideas for a weekend project with a Raspberry Pi.",
+)
+CODE = '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add_item(self, name, price, quantity=1):
+        if name in self.items:
+            self.items[name]["quantity"] += quantity
+        else:
+            self.items[name] = {"price": price, "quantity": quantity}
+
+    def remove(self, name, quantity=1):
+        item = self.items[name]
+        item["quantity"] -= quantity
+        if item["quantity"] <= 0:
+            del self.items[name]
+
+    def price_of(self, name):
+        return self.items[name]["price"]
+
+    def names(self):
+        return sorted(self.items)
+'''
+EDITS = (
+    "Rename the method add_item to add.",
+    "Add type hints to every method.",
+    "Make remove raise a KeyError with a clear message when the item is missing.",
+    "Add a method total_value that returns the sum of price times quantity.",
+    "Add a docstring to the class and to each method.",
+)
+
+
+def ask(model, method: str, ids: list[int], n: int, temperature: float = 0.0,
+        seed: int = 0) -> dict[str, Any]:
+    """One generation, the whole prompt read: its tokens, text, seconds and
+    counters."""
+    model.reset_cache()
+    start = time.perf_counter()
+    result = model.generate(prompt_ids=ids, max_new_tokens=n, draft=METHODS[method],
+                            temperature=temperature, seed=seed)
+    seconds = time.perf_counter() - start
+    s = result.stats
+    return {"tokens": list(result.tokens), "text": result.text, "seconds": seconds,
+            "new_tokens": s.new_tokens, "prefill_seconds": s.prefill_seconds,
+            "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted}
+
+
+def each_method(model, record: list, workload: str, label: str, ids: list[int], n: int,
+                **sampling: Any) -> dict[str, Any]:
+    """The item asked of every method in turn; plain's run, with every
+    method's run recorded (and checked against plain's tokens)."""
+    runs = {m: ask(model, m, ids, n, **sampling) for m in METHODS}
+    for m, run in runs.items():
+        same = run["tokens"] == runs["plain"]["tokens"]
+        if not same:
+            print(f"MISMATCH: {workload} {label} {m} differs from plain decoding")
+        record.append({"workload": workload, "item": label, "method": m,
+                       "identical": same, "prompt_tokens": len(ids),
+                       **{k: v for k, v in run.items() if k not in ("tokens", "text")}})
+    r = runs["suffix"]
+    print(f"{workload:10} {label:24} " + "  ".join(
+        f"{m} {runs[m]['seconds']:6.1f}s" for m in METHODS)
+        + f"  suffix: {r['accepted']}/{r['drafted']} in {r['rounds']} rounds", flush=True)
+    return runs["plain"]
+
+
+def chat(model, text: str, history: list | None = None) -> list[int]:
+    return model.encode_prompt(messages=(history or []) + [{"role": "user", "content": text}])
+
+
+def code_of(answer: str, previous: str) -> str:
+    """The code block of an answer (to its end if the fence was cut off)."""
+    found = re.search(r"```(?:python)?\n(.*?)(?:```|$)", answer, re.S)
+    return found.group(1) if found and found.group(1).strip() else previous
+
+
+def main() -> None:
+    p = parser(__doc__)
+    model_options(p, weights="q4")
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per answer")
+    p.add_argument("--edit-tokens", type=int, default=320, help="new tokens per code edit")
+    p.add_argument("--limit", type=int, default=3, help="bench prompts per category")
+    p.add_argument("--workloads", default="repeat,regenerate,edit,bench")
+    p.add_argument("--out", default=None, help="write the runs as JSON here")
+    args = p.parse_args()
+    model = load_model(args)
+    print(machine_line())
+    store = model.suffix_store()
+    record: list[dict[str, Any]] = []
+    chosen = args.workloads.split(",")
+    # a warm-up, untimed: each method's set-up (and cost measurement) first
+    for m in METHODS:
+        ask(model, m, chat(model, "Say hello."), 8)
+    if "repeat" in chosen:
+        store.clear()
+        for i, text in enumerate(REPEATED):
+            for time_ in ("first", "again"):
+                each_method(model, record, "repeat", f"{i}-{time_}", chat(model, text),
+                            args.tokens)
+    if "regenerate" in chosen:
+        store.clear()
+        for i, text in enumerate(REGENERATED):
+            for seed, time_ in ((1, "first"), (2, "again")):
+                each_method(model, record, "regenerate", f"{i}-{time_}", chat(model, text),
+                            args.tokens, temperature=0.7, seed=seed)
+    if "edit" in chosen:
+        store.clear()
+        code = CODE
+        for i, edit in enumerate(EDITS):
+            text = (f"Here is my code:\n```python\n{code}```\n{edit} Reply with the complete "
+                    f"updated code in one python block.")
+            plain = each_method(model, record, "edit", f"round-{i + 1}", chat(model, text),
+                                args.edit_tokens)
+            code = code_of(plain["text"], code)
+    if "bench" in chosen:
+        store.clear()
+        for prompt in bench_prompts(args.limit):
+            history: list[dict[str, str]] = []
+            for t, turn in enumerate(prompt.turns):
+                plain = each_method(model, record, "bench",
+                                    f"{prompt.category}-{prompt.question_id}-{t + 1}",
+                                    chat(model, turn, history), args.tokens)
+                history += [{"role": "user", "content": turn},
+                            {"role": "assistant", "content": plain["text"]}]
+    summary = summarize(record)
+    if args.out:
+        write_result(args.out, {"settings": vars(args), "summary": summary, "runs": record})
+
+
+def summarize(record: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per workload (the bench's per category, the repeated workloads' second
+    asks apart): seconds and tokens per method, and tok/s over plain's."""
+    groups: dict[tuple[str, str], dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in record:
+        name = r["workload"]
+        if name == "bench":
+            name = "bench " + r["item"].rsplit("-", 2)[0]
+        groups[(name, "all")][r["method"]].append(r)
+        if r["item"].endswith("-again"):
+            groups[(name, "asked again")][r["method"]].append(r)
+    rows = []
+    print("\n| workload | asks | plain tok/s | ngram | suffix | suffix tokens per verification "
+          "| identical |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for (name, part), runs in sorted(groups.items()):
+        rate = {m: sum(r["new_tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+                for m, rs in runs.items()}
+        s = runs["suffix"]
+        rounds = sum(r["rounds"] for r in s)
+        per = (sum(r["accepted"] for r in s) + rounds) / rounds if rounds else 1.0
+        same = all(r["identical"] for rs in runs.values() for r in rs)
+        row = {"workload": name, "part": part, "asks": len(runs["plain"]),
+               "tok_s": rate, "ngram_x": rate["ngram"] / rate["plain"],
+               "suffix_x": rate["suffix"] / rate["plain"], "suffix_tokens_per_round": per,
+               "identical": same}
+        rows.append(row)
+        print(f"| {name} ({part}) | {row['asks']} | {rate['plain']:.1f} | "
+              f"{row['ngram_x']:.2f}x | {row['suffix_x']:.2f}x | {per:.2f} | "
+              f"{'yes' if same else 'NO'} |")
+    bench = [r for r in rows if r["workload"].startswith("bench") and r["part"] == "all"]
+    if bench:
+        print(f"bench categories: suffix {min(r['suffix_x'] for r in bench):.2f}x to "
+              f"{max(r['suffix_x'] for r in bench):.2f}x plain (median "
+              f"{statistics.median(r['suffix_x'] for r in bench):.2f}x)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
