@@ -133,7 +133,9 @@ def test_greedy_speculative_equals_plain(arch, draft, k):
 
     measured = [r for r in rates if r is not None]
     if draft == "self":
-        assert measured and min(measured) > 0.98
+        # (adaptive: a draft as dear as the model, timed before its first
+        # step, may never pay, and then never drafts)
+        assert (measured or k is None) and min(measured, default=1.0) > 0.98
     elif draft == "perturbed" and k is not None:
         assert 0.2 < sum(measured) / len(measured) < 0.9
     elif draft == "other" and k is not None:

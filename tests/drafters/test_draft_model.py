@@ -158,10 +158,38 @@ def test_settle_keeps_only_what_is_known_committed():
 
 def test_step_seconds_is_measured():
     drafter, _, _ = make()
-    assert drafter.step_seconds() == 0.0
     drafter.begin([1])
     drafter.propose([1], 3, sampler())
     assert drafter.step_seconds() > 0.0
+
+
+def test_a_fresh_drafter_times_its_steps_and_leaves_its_cache_as_it_was(monkeypatch):
+    """Before any draft step, step_seconds() times one-token feeds (the
+    fastest: a model just loaded steps slowly at first) and rolls each back;
+    what the drafter proposes next is what it would have proposed."""
+    from types import SimpleNamespace
+
+    from forerun.drafters import draft_model
+
+    clock = SimpleNamespace(now=0.0)
+    costs = iter([0.4, 0.05, 0.06])         # the first feed of a cold model is slow
+
+    clocked = ClockedWrapper(TableDecoder(table(0)), clock,
+                             lambda tokens: next(costs, 0.05) if len(tokens) == 1 else 0.1)
+    monkeypatch.setattr(draft_model, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    drafter = DraftModelDrafter(clocked)
+    prompt = [1, 2, 3, 4]
+    drafter.begin(prompt)
+    assert drafter.step_seconds() == pytest.approx(0.05)
+    assert clocked.inner.length == 0 and drafter.context.fed == []
+    assert drafter.propose(prompt, 2, sampler()).tokens == greedy_chain(table(0), prompt, 2)
+    # with a filled cache (an estimate forgotten, as a new drafter's)
+    drafter._step_ema = None
+    length, fed = clocked.inner.length, list(drafter.context.fed)
+    assert drafter.step_seconds() == pytest.approx(0.05)
+    assert clocked.inner.length == length and drafter.context.fed == fed
+    sequence = prompt + [5]
+    assert drafter.propose(sequence, 3, sampler()).tokens == greedy_chain(table(0), sequence, 3)
 
 
 def test_a_stalled_first_step_does_not_keep_the_draft_cost_high(monkeypatch):
@@ -328,7 +356,9 @@ def test_what_a_draft_must_read_first_is_priced_from_its_timed_reads(monkeypatch
     drafter = DraftModelDrafter(clocked)
     prompt = [int(t) % V for t in range(3, 33)]
     drafter.begin(prompt)
-    assert drafter.catch_up_seconds(prompt, 1) == 0.0    # no step timed: nothing to price by
+    # no step timed yet: steps are timed first, and the read priced by them
+    assert drafter.catch_up_seconds(prompt, 1) == pytest.approx(
+        draft_context.READ_PRIOR * 0.05 * (len(prompt) - 1))
     draft = drafter.propose(prompt, 2, sampler())         # a read of 30 tokens, then a step
     assert drafter.step_seconds() == pytest.approx(0.05)
     # The round rejected the first draft and committed 2: the cache lacks both.

@@ -21,7 +21,7 @@ from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.eagle import EagleDrafter
 from forerun.drafters.lookup_or_draft_planner import LookupOrDraftPlanner
 from method_runs import greedy_tokens
-from table_decoders import ClockedWrapper, single_thread  # noqa: F401 (autouse fixture)
+from table_decoders import ClockedWrapper, TableDecoder, single_thread  # noqa: F401 (autouse fixture)
 from tiny_models import VOCAB, forerun_decoder, hf_model
 
 GREEDY = TokenSampler(SamplingParams(), 0, "cpu")
@@ -204,11 +204,12 @@ PROMPTS = [
 @pytest.mark.parametrize("window", [None, 12])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_greedy_lookup_or_draft_equals_plain(arch, window, monkeypatch):
-    """Plain decoding's tokens, with rounds of both drafters.  The choice
+    """Plain decoding's tokens, with a draft that pays and one that no
+    longer does.  The choice
     between them depends on measured times, so the models run on a fake
-    clock (30 ms a forward plus 2 a position, for both: the draft is the
-    target's size): on a busy machine (CI) real times made the model take
-    every round."""
+    clock (30 ms a forward plus 2 a position for the target, a fifth of
+    that for the draft, as a small draft costs): on a busy machine (CI)
+    real times made the model take every round."""
     from types import SimpleNamespace
 
     from forerun.decoding import draft_length, speculative
@@ -218,7 +219,7 @@ def test_greedy_lookup_or_draft_equals_plain(arch, window, monkeypatch):
     for module in (draft_length, speculative, draft_model):
         monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     cost = lambda tokens: 0.030 + 0.002 * len(tokens)   # noqa: E731
-    draft = ClockedWrapper(perturbed(arch), clock, cost)
+    draft = ClockedWrapper(perturbed(arch), clock, lambda tokens: cost(tokens) / 5)
     target = ClockedWrapper(tiny(arch, 0), clock, cost)
     planner = LookupOrDraftPlanner(DraftModelDrafter(draft, window=window))
     method = SpeculativeDecoding(target, planner=planner)
@@ -228,8 +229,14 @@ def test_greedy_lookup_or_draft_equals_plain(arch, window, monkeypatch):
         out = greedy_tokens(method, prompt, 48, stats)
         assert out == greedy_tokens(PlainDecoding(tiny(arch, 0)), prompt, 48)
         accepted += stats.accepted
-    assert accepted > 0
-    assert planner.rounds["lookup"] > 0 and planner.rounds["model"] > 0, planner.rounds
+    assert accepted > 0 and planner.rounds["model"] > 0, planner.rounds
+    # Then a draft that no longer pays (five times dearer): the rounds go
+    # to lookup wherever it finds tokens, and the draft model catches up
+    # whenever it drafts again; the output stays plain decoding's.
+    draft.cost = lambda tokens: 5 * cost(tokens)
+    for prompt in PROMPTS:
+        assert greedy_tokens(method, prompt, 48) == greedy_tokens(PlainDecoding(tiny(arch, 0)),
+                                                                  prompt, 48)
 
 
 def test_what_the_model_must_read_first_counts_against_drafting_with_it():
@@ -264,6 +271,37 @@ def test_what_the_model_must_read_first_counts_against_drafting_with_it():
     # read it at round 8.)
     assert rounds_before_drafting == 74
     assert reader.proposed[0] == 2
+
+
+@pytest.mark.parametrize("timed", [True, False], ids=["timed", "broken-twin-unpriced"])
+def test_a_fresh_draft_model_prices_its_read_before_reading(monkeypatch, timed):
+    """A draft model that never stepped yet (every generation's first in a
+    new process) times its step before the policy prices its read: a
+    600-token prompt asking for 32 tokens is not read, since 32 tokens
+    can't pay it back.  The broken twin prices an untimed draft at nothing
+    and reads the whole prompt at the first round."""
+    from types import SimpleNamespace
+
+    from forerun.drafters import draft_model
+
+    clock = SimpleNamespace(now=0.0)
+    # a draft step 0.03 s, a read 0.006 s a token (a 0.5B beside a 1.5B)
+    clocked = ClockedWrapper(TableDecoder(torch.zeros(3, 40, 40)), clock,
+                             lambda tokens: 0.03 if len(tokens) <= 2 else 0.006 * len(tokens))
+    monkeypatch.setattr(draft_model, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    drafter = DraftModelDrafter(clocked)
+    if not timed:
+        monkeypatch.setattr(drafter, "_time_steps", lambda: 0.0)
+    planner = planner_with_costs(drafter)
+    prompt = [1 + i % 37 for i in range(600)]
+    planner.begin(prompt, max_new_tokens=32)
+    sequence = prompt + [38]
+    tree = planner.draft(sequence, None, 100, GREEDY)
+    if timed:
+        assert drafter.step_seconds() == pytest.approx(0.03)
+        assert tree.num_nodes == 0 and clocked.inner.length == 0     # nothing read
+    else:
+        assert tree.num_nodes > 0 and clocked.inner.length > 500     # the prompt read
 
 
 @pytest.mark.parametrize("read,explores", [(2.0, False), (0.05, True)])
