@@ -72,6 +72,7 @@ threads = st.integers(1, 2)
 SPECULATION = st.one_of(
     st.just({}), st.sampled_from([{"draft": None}, {"draft": "none"}]),
     st.fixed_dictionaries({"draft": st.just("ngram")}, optional={"draft_k": draft_k}),
+    st.fixed_dictionaries({"draft": st.just("suffix")}, optional={"draft_k": draft_k}),
     st.fixed_dictionaries({"draft": st.just(DRAFT)}, optional={
         "draft_lookup": st.sampled_from([None, True, False])}),
     st.fixed_dictionaries({"draft": st.just(DRAFT), "draft_k": draft_k},
