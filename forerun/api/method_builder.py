@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from forerun.api.engine_policy import cost_store, probe_tokens
-from forerun.errors import ConfigError, TokenizerError
-from forerun.speculation.config import SpeculativeConfig
+from forerun.errors import ConfigError, ModelNotFoundError, TokenizerError
+from forerun.speculation.config import BUILTIN_DRAFTS, SpeculativeConfig
 
 if TYPE_CHECKING:
     from forerun.api.model import Model
@@ -184,7 +184,6 @@ def eagle_head(model: Model, draft: Any):
     from forerun.engines.eagle3_weights import Eagle3Weights
     from forerun.engines.eagle_head import EagleHead
     from forerun.engines.linear import QUANTIZED_FORMATS
-    from forerun.errors import ModelNotFoundError
     from forerun.loading.eagle3_files import load_eagle3, shipped_head_path
 
     decoder = model.decoder
@@ -263,7 +262,12 @@ def load_draft_model(target: Model, spec: Any, *, progress: bool = False) -> Mod
         decoder = target.decoder
         # The header first: another tokenizer or too short a context is
         # refused in a second, not after minutes of packing and measuring.
-        header = model_header(spec, progress=progress)
+        try:
+            header = model_header(spec, progress=progress)
+        except ModelNotFoundError as exc:
+            # a mistyped drafter ('sufix') reads as a model path: say both
+            raise ModelNotFoundError(f"draft {exc}; a draft may also be a built-in "
+                                     f"drafter: {', '.join(BUILTIN_DRAFTS)}") from None
         check_draft_model(target, str(spec), header.tokenizer,
                           header.config.max_position_embeddings)
         settings = decoder.settings

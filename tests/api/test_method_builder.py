@@ -11,7 +11,7 @@ import pytest
 import forerun
 from forerun.api.method_builder import check_draft_model, draft_weights, load_draft_model
 from forerun.drafters.draft_window import DEFAULT_DRAFT_WINDOW
-from forerun.errors import ConfigError, GenerationConfigError, TokenizerError
+from forerun.errors import ConfigError, GenerationConfigError, ModelNotFoundError, TokenizerError
 from forerun.speculation import resolve
 from tiny_models import hf_folders
 
@@ -66,6 +66,15 @@ def test_a_draft_with_another_tokenizer_is_refused_before_it_loads(tiny, tmp_pat
     (other / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(TokenizerError, match="different tokenizer"):
         load_draft_model(target, other)
+
+
+def test_a_mistyped_drafter_is_named_as_one(tiny, never_loads):
+    """'sufix' is neither a preset nor a path: the error says so, and names
+    the built-in drafters it may have meant."""
+    target, _ = tiny
+    with pytest.raises(ModelNotFoundError, match="neither a preset nor an existing path.*"
+                                                 "built-in drafter: ngram, suffix, medusa, eagle"):
+        load_draft_model(target, "sufix")
 
 
 def test_a_draft_with_a_shorter_context_is_refused_before_it_loads(tiny, tmp_path, never_loads):
