@@ -173,9 +173,10 @@ def bench_prompts(limit: int | None = None, categories: str | None = None) -> li
     return select_prompts(load_prompts(), chosen, limit)
 
 
-def chat_ids(model, text: str) -> list[int]:
-    """``text`` as one user turn of a chat, through the model's template."""
-    return model.encode_prompt(messages=[{"role": "user", "content": text}])
+def chat_ids(model, text: str, history: Sequence[Mapping[str, str]] = ()) -> list[int]:
+    """``text`` as a user turn of a chat (after the ``history`` of earlier
+    messages), through the model's template."""
+    return model.encode_prompt(messages=[*history, {"role": "user", "content": text}])
 
 
 def forerun_greedy(model, ids: Sequence[int], n: int, **options: Any

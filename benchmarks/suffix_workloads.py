@@ -28,7 +28,15 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from harness import bench_prompts, load_model, machine_line, model_options, parser, write_result
+from harness import (
+    bench_prompts,
+    chat_ids,
+    load_model,
+    machine_line,
+    model_options,
+    parser,
+    write_result,
+)
 
 METHODS = {"plain": None, "ngram": "ngram", "suffix": "suffix"}
 
@@ -110,10 +118,6 @@ def each_method(model, record: list, workload: str, label: str, ids: list[int], 
     return runs["plain"]
 
 
-def chat(model, text: str, history: list | None = None) -> list[int]:
-    return model.encode_prompt(messages=(history or []) + [{"role": "user", "content": text}])
-
-
 def code_of(answer: str, previous: str) -> str:
     """The code block of an answer (to its end if the fence was cut off)."""
     found = re.search(r"```(?:python)?\n(.*?)(?:```|$)", answer, re.S)
@@ -136,18 +140,18 @@ def main() -> None:
     chosen = args.workloads.split(",")
     # a warm-up, untimed: each method's set-up (and cost measurement) first
     for m in METHODS:
-        ask(model, m, chat(model, "Say hello."), 8)
+        ask(model, m, chat_ids(model, "Say hello."), 8)
     if "repeat" in chosen:
         store.clear()
         for i, text in enumerate(REPEATED):
             for time_ in ("first", "again"):
-                each_method(model, record, "repeat", f"{i}-{time_}", chat(model, text),
+                each_method(model, record, "repeat", f"{i}-{time_}", chat_ids(model, text),
                             args.tokens)
     if "regenerate" in chosen:
         store.clear()
         for i, text in enumerate(REGENERATED):
             for seed, time_ in ((1, "first"), (2, "again")):
-                each_method(model, record, "regenerate", f"{i}-{time_}", chat(model, text),
+                each_method(model, record, "regenerate", f"{i}-{time_}", chat_ids(model, text),
                             args.tokens, temperature=0.7, seed=seed)
     if "edit" in chosen:
         store.clear()
@@ -155,7 +159,7 @@ def main() -> None:
         for i, edit in enumerate(EDITS):
             text = (f"Here is my code:\n```python\n{code}```\n{edit} Reply with the complete "
                     f"updated code in one python block.")
-            plain = each_method(model, record, "edit", f"round-{i + 1}", chat(model, text),
+            plain = each_method(model, record, "edit", f"round-{i + 1}", chat_ids(model, text),
                                 args.edit_tokens)
             code = code_of(plain["text"], code)
     if "bench" in chosen:
@@ -165,7 +169,7 @@ def main() -> None:
             for t, turn in enumerate(prompt.turns):
                 plain = each_method(model, record, "bench",
                                     f"{prompt.category}-{prompt.question_id}-{t + 1}",
-                                    chat(model, turn, history), args.tokens)
+                                    chat_ids(model, turn, history), args.tokens)
                 history += [{"role": "user", "content": turn},
                             {"role": "assistant", "content": plain["text"]}]
     summary = summarize(record)

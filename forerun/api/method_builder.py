@@ -59,12 +59,11 @@ def _suffix(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMe
     """Suffix drafting from this generation and the model's earlier
     requests (:meth:`Model.suffix_store`), ``config.length`` long or as
     long as its match pays."""
-    from forerun.decoding.speculative import SpeculativeDecoding
-    from forerun.drafters.suffix import SuffixDrafter, SuffixPlanner
+    from forerun.drafters.suffix import suffix_decoding
 
     model.verification_grouping()
-    planner = SuffixPlanner(SuffixDrafter(model.suffix_store()), k=config.length)
-    return SpeculativeDecoding(model.decoder, planner=planner, cost_store=cost_store(model))
+    return suffix_decoding(model.decoder, model.suffix_store(), k=config.length,
+                           cost_store=cost_store(model))
 
 
 def _medusa(model: Model, config: SpeculativeConfig, drafts: list) -> DecodingMethod:

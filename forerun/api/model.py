@@ -299,8 +299,8 @@ class Model:
                         ) -> GenerationStream:
         """:meth:`stream` on ``decoder``, a member of a batch of this
         model's sequences (:class:`~forerun.generation.batch.BatchedDecoder`,
-        its forwards shared), with plain decoding or prompt lookup (the
-        methods a batch runs: :data:`BATCHED_METHODS`).  It holds no lock
+        its forwards shared), with plain decoding, prompt lookup or suffix
+        drafting (the methods a batch runs: :data:`BATCHED_METHODS`).  It holds no lock
         of the model: the batch owns the forwards.  For prompt lookup and
         suffix drafting,
         :meth:`batch_costs` of the request's config must have been read on
@@ -334,13 +334,12 @@ class Model:
 
     def _lookup(self, decoder, config: SpeculativeConfig, cost_store=None):
         """A batch member's method: prompt lookup or suffix drafting."""
-        from forerun.decoding.speculative import SpeculativeDecoding
-
         if config.method == "suffix":
-            from forerun.drafters.suffix import SuffixDrafter, SuffixPlanner
+            from forerun.drafters.suffix import suffix_decoding
 
-            return SpeculativeDecoding(decoder, planner=SuffixPlanner(
-                SuffixDrafter(self.suffix_store()), k=config.length), cost_store=cost_store)
+            return suffix_decoding(decoder, self.suffix_store(), k=config.length,
+                                   cost_store=cost_store)
+        from forerun.decoding.speculative import SpeculativeDecoding
         from forerun.drafters.ngram import NgramDrafter
 
         return SpeculativeDecoding(decoder, NgramDrafter(), k=config.length,
@@ -349,8 +348,8 @@ class Model:
     def batch_costs(self, config: SpeculativeConfig) -> list[float | None]:
         """The verification costs prompt lookup or suffix drafting
         (``config``) chooses from in a batch: those of this model alone
-        (stored per machine, or measured
-        now on a fork of its decoder, alone, and stored), read once.  Call it
+        (stored per machine, or measured now on a fork of its decoder,
+        alone, and stored), read once.  Call it
         on the engine thread before a batch that uses ``config`` starts: its
         members only read them (:meth:`stream_in_batch`)."""
         key = ("batch-costs", config.key)

@@ -22,6 +22,7 @@ from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.drafter import ReadsContext, ReadsTargetStates
 from forerun.decoding.sampling import TokenSampler
 from forerun.protocol.decoder import Decoder
+from forerun.protocol.token_sequences import common_prefix
 
 MAX_DRAFT_LENGTH = 16
 
@@ -124,6 +125,16 @@ class AcceptanceEstimate:
         fraction of a hit and the rest of a miss)."""
         self.successes = self.successes * self.decay + agreement
         self.failures = self.failures * self.decay + (1.0 - agreement)
+
+    def update_undrafted(self, proposal: Sequence[int], committed: Sequence[int]) -> None:
+        """A ``proposal`` that was not drafted, checked for free against the
+        tokens the round ``committed`` after it: counted as the draft it
+        would have been, up to the first difference (a committed token is
+        the target's choice, or a draw from its distribution, so it equals
+        the proposal's token as often as the target would accept it)."""
+        same = common_prefix(proposal, committed)
+        wrong = same < min(len(proposal), len(committed))
+        self.update(same + wrong, same)
 
     @property
     def rate(self) -> float:

@@ -60,7 +60,6 @@ from forerun.decoding.drafter import ReadsContext, ReadsTargetStates
 from forerun.decoding.sampling import TokenSampler
 from forerun.drafters.ngram import NgramDrafter
 from forerun.protocol.decoder import Decoder
-from forerun.protocol.token_sequences import common_prefix
 
 #: the lookup's acceptance before it has been measured: about what prompt
 #: lookup reached over the bench's prompts (47%)
@@ -178,10 +177,8 @@ class LookupOrDraftPlanner:
             self.policy.learn(tree.num_nodes, accepted, confidence)
         if self.source == "model" and self._found:
             # What the lookup's proposal would have kept of this round.
-            committed = sequence[self._drafted_at:]
-            same = common_prefix(self._found, committed)
-            wrong = same < min(len(self._found), len(committed))
-            self.lookup_acceptance.update(same + wrong, same)
+            self.lookup_acceptance.update_undrafted(self._found,
+                                                    sequence[self._drafted_at:])
 
     def settle(self, length: int) -> None:
         self.model.settle(length)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,9 +50,12 @@ from forerun.decoding.draft_length import (
 from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.drafter import Draft
 from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.drafters.suffix_store import SuffixStore
 from forerun.protocol.decoder import Decoder
-from forerun.protocol.token_sequences import common_prefix
+
+if TYPE_CHECKING:
+    from forerun.machine.calibration import CalibrationStore
 
 #: prompt tokens recorded before a generation's output: the context that
 #: tells where a later request's answer starts like this one
@@ -74,7 +78,7 @@ class SuffixDrafter:
 
     def __init__(self, store: SuffixStore | None = None) -> None:
         self.store = store if store is not None else SuffixStore()
-        self.own = SuffixStore(1 << 12, grow=True)
+        self.own: SuffixStore | None = None      # this generation's (begin)
         self.match_length = 0
         self.source: str | None = None
         self._prompt = 0
@@ -83,29 +87,39 @@ class SuffixDrafter:
         self._lookup_seconds = 0.0
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
-        self.own = SuffixStore(1 << max(12, (2 * len(prompt_ids)).bit_length()), grow=True)
-        self.own.open()
-        self.own.extend(prompt_ids)
+        self._start(prompt_ids)
+
+    def _start(self, prompt_ids: Sequence[int]) -> SuffixStore:
+        own = SuffixStore(1 << max(12, (2 * len(prompt_ids)).bit_length()), grow=True)
+        own.open()
+        own.extend(prompt_ids)
+        self.own = own
         self._prompt = len(prompt_ids)
         self._sequence = list(prompt_ids)
         self._recorded = False
+        return own
 
-    def _sync(self, sequence: Sequence[int]) -> None:
-        held = self.own.open_length
-        last = self.own.last(8)
-        if held > len(sequence) or list(sequence[held - len(last):held]) != last:
-            self.begin(sequence)       # not a continuation of this generation
-        else:
-            self.own.extend(sequence[held:])
+    def _sync(self, sequence: Sequence[int]) -> SuffixStore:
+        """This generation's own store, holding ``sequence``."""
+        own = self.own
+        if own is not None:
+            held, last = own.open_length, own.last(8)
+            if held <= len(sequence) and list(sequence[held - len(last):held]) == last:
+                own.extend(sequence[held:])
+            else:
+                own = None
+        if own is None:
+            own = self._start(sequence)    # not a continuation of this generation
         self._sequence = sequence
+        return own
 
     def propose(self, sequence: Sequence[int], k: int, sampler: TokenSampler) -> Draft:
         start = time.perf_counter()
-        self._sync(sequence)
+        store = self._sync(sequence)
         self.match_length, self.source = 0, None
         tokens: list[int] = []
         if k > 0:
-            own = self.own.find(sequence, k)
+            own = store.find(sequence, k)
             shared = self.store.find(sequence, k)
             length, tokens = max(own, shared, key=lambda m: m[0])   # own among equals
             if tokens:
@@ -196,11 +210,18 @@ class SuffixPlanner:
         estimate = self.acceptance[self._band]
         if self._drafted:
             estimate.update(self._drafted, accepted)
-        else:
-            # what the proposal would have kept of this plain step: free to know
-            committed = sequence[self._at:]
-            same = common_prefix(self._found, committed)
-            estimate.update(same + (same < min(len(self._found), len(committed))), same)
+        else:           # what the proposal would have kept of this plain step
+            estimate.update_undrafted(self._found, sequence[self._at:])
 
     def settle(self, length: int) -> None:
         self.drafter.settle(length)
+
+
+def suffix_decoding(target: Decoder, store: SuffixStore, *, k: int | None = None,
+                    cost_store: CalibrationStore | None = None) -> SpeculativeDecoding:
+    """Speculative decoding of ``target`` with suffix drafting from
+    ``store`` (a model's, shared by its requests), chains ``k`` long or as
+    long as they pay (``cost_store``: where the verification costs are
+    kept)."""
+    return SpeculativeDecoding(target, planner=SuffixPlanner(SuffixDrafter(store), k=k),
+                               cost_store=cost_store)
