@@ -1,5 +1,5 @@
-"""Tiny random Qwen2 and Llama models built with transformers: the numerical
-reference for forerun's engine."""
+"""Tiny random Qwen2, Llama, Qwen3 and Gemma 3 models built with
+transformers: the numerical reference for forerun's engine."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from forerun.architectures import ARCHITECTURES
 from forerun.engines.torch_engine import TorchDecoder
 from forerun.engines.transformer import Transformer
 from forerun.protocol.model_config import ModelConfig
@@ -29,6 +30,27 @@ def hf_config(arch: str, **overrides):
     if arch == "llama":
         common.setdefault("rope_theta", 500000.0)
         return transformers.LlamaConfig(**common)
+    if arch == "qwen3":
+        # a head wider than hidden / heads, as Qwen3's are
+        common.setdefault("head_dim", 32)
+        common.setdefault("rope_theta", 1000000.0)
+        common.setdefault("tie_word_embeddings", True)
+        return transformers.Qwen3Config(**common)
+    if arch == "gemma3":
+        # Two local layers with a window short enough for the tests' prompts
+        # to pass it, a global one; a query scale other than head_dim's.
+        common.setdefault("head_dim", 32)
+        common.setdefault("sliding_window", 8)
+        common.setdefault("layer_types", ["sliding_attention", "full_attention",
+                                          "sliding_attention"][:common["num_hidden_layers"]])
+        common.setdefault("query_pre_attn_scalar", 24)
+        common.setdefault("rope_theta", 1000000.0)
+        common.setdefault("rope_local_base_freq", 10000.0)
+        common.setdefault("final_logit_softcapping", None)
+        common.setdefault("attn_logit_softcapping", None)
+        common.setdefault("hidden_activation", "gelu_pytorch_tanh")
+        common.setdefault("tie_word_embeddings", True)
+        return transformers.Gemma3TextConfig(**common)
     raise ValueError(arch)
 
 
@@ -37,7 +59,9 @@ def hf_model(arch: str, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     config = hf_config(arch, **overrides)
-    cls = {"qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM}[arch]
+    cls = {"qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM,
+           "qwen3": transformers.Qwen3ForCausalLM,
+           "gemma3": transformers.Gemma3ForCausalLM}[arch]
     model = cls(config).eval().float()
     # Random init leaves biases at zero; make them matter.
     with torch.no_grad():
@@ -49,7 +73,8 @@ def hf_model(arch: str, seed: int = 0, **overrides):
 
 def forerun_decoder(model, context_length: int = 256) -> TorchDecoder:
     config = ModelConfig.from_hf(model.config.to_dict())
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    hf_weight = ARCHITECTURES[config.architecture].hf_weight   # (as a folder loads)
+    state = {k: hf_weight(k, v.detach().clone()) for k, v in model.state_dict().items()}
     network = Transformer(config, state)
     return TorchDecoder(network, context_length, config.eos_token_ids)
 

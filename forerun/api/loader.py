@@ -15,15 +15,16 @@ from forerun.api.load_arguments import (
     resolve_device,
 )
 from forerun.api.model import Model, check_reuse_prompts
-from forerun.errors import ConfigError
+from forerun.errors import ConfigError, ModelFormatError
+from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES
 
 DEFAULT_CONTEXT_LENGTH = 4096
-ENGINES = ("torch", "llama.cpp")
+ENGINES = ("auto", "torch", "llama.cpp")
 # Other spellings of the llama.cpp engine that load() accepts.
 _ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "llama-cpp": "llama.cpp"}
 
 
-def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
+def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
          context_length: int | None = None, device: str | torch.device | None = None,
          dtype: torch.dtype = torch.float32, progress: bool = True,
          engine_options: dict[str, Any] | None = None, weights: str = "auto",
@@ -35,6 +36,9 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
     CPU.  The first load of a GGUF model converts it into forerun's cache
     (``$FORERUN_CACHE``, default ``~/.cache/forerun``).
 
+    ``engine="auto"`` (the default) runs the model on forerun's torch
+    engine where it implements the architecture (Qwen2, Llama), otherwise
+    a GGUF file on the llama.cpp engine (:func:`choose_engine`).
     ``engine="llama.cpp"`` runs a GGUF file (a preset or a path) with
     llama.cpp instead, on the CPU and with its quantized weights (nothing is
     converted; ``dtype`` does not apply).  It needs llama-cpp-python
@@ -67,6 +71,8 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
     engine = _ENGINE_ALIASES.get(engine, engine) if isinstance(engine, str) else engine
     if not isinstance(engine, str) or engine not in ENGINES:
         raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if engine == "auto":
+        engine = choose_engine(model, weights=weights, device=device, progress=progress)
     if engine == "llama.cpp":
         from forerun.engines.llama_cpp_engine import import_llama_cpp
         from forerun.loading.load import load_gguf_files
@@ -102,8 +108,14 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
             raise ConfigError(f"unknown llama.cpp engine option(s) {', '.join(unknown)}; "
                               f"the options are {', '.join(ENGINE_OPTIONS)}")
         assert files.gguf_path is not None   # load_gguf_files sets it
-        llama = LlamaCppDecoder(files.gguf_path, context_length=context_length,
-                                eos_token_ids=config.eos_token_ids, **options)
+        try:
+            llama = LlamaCppDecoder(files.gguf_path, context_length=context_length,
+                                    eos_token_ids=config.eos_token_ids, **options)
+        except ModelFormatError as exc:
+            raise ModelFormatError(
+                f"{exc} (architecture {config.architecture!r}): this llama.cpp build does "
+                f"not run that architecture, or the file is damaged; forerun's torch engine "
+                f"implements {', '.join(SUPPORTED_ARCHITECTURES)}") from exc
         return Model(files.name, llama, files.tokenizer, config, source=_source(files, model),
                      reuse_prompts=reuse_prompts)
     from forerun.engines.torch_engine import TorchDecoder
@@ -138,6 +150,40 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "torch",
                           f"context_length (--context-length)") from exc
     return Model(files.name, decoder, files.tokenizer, config, source=_source(files, model),
                  reuse_prompts=reuse_prompts)
+
+
+def choose_engine(model: str | Path, *, weights: str = "auto",
+                  device: str | torch.device | None = None, progress: bool = True) -> str:
+    """The engine ``engine="auto"`` runs ``model`` on: the torch engine for
+    a Hugging Face folder and for a GGUF of an architecture it implements;
+    the llama.cpp engine for a GGUF of any other architecture, when
+    llama-cpp-python is installed; otherwise an
+    :class:`~forerun.errors.UnsupportedArchitectureError` that names the
+    architecture, the torch engine's and how to install the llama.cpp
+    engine.  Reads the GGUF's header only (kept in the cache)."""
+    from forerun.engines.llama_cpp_engine import INSTALL_HINT, import_llama_cpp
+    from forerun.errors import EngineUnavailableError, UnsupportedArchitectureError
+    from forerun.loading.load import load_gguf_files, resolve_spec
+    from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES, torch_unsupported
+
+    path = resolve_spec(model, progress=progress)
+    if path.is_dir() or path.suffix.lower() != ".gguf":
+        return "torch"   # (which names what is wrong with anything but a model folder)
+    arch = load_gguf_files(model, progress=progress).config.architecture
+    if arch in SUPPORTED_ARCHITECTURES:
+        return "torch"
+    try:
+        import_llama_cpp()
+    except EngineUnavailableError:
+        raise UnsupportedArchitectureError(
+            f"{path}: architecture {arch!r} is not supported by forerun's torch engine, "
+            f"which implements {', '.join(SUPPORTED_ARCHITECTURES)}; the llama.cpp engine "
+            f"runs it, and needs llama-cpp-python: {INSTALL_HINT}") from None
+    if weights != "auto" or (device is not None and parse_device(device).type != "cpu"):
+        what = f"weights={weights!r}" if weights != "auto" else f"device {str(device)!r}"
+        raise ConfigError(f"{torch_unsupported(arch, str(path))}; {what} applies to the "
+                          f"torch engine only, so drop it to run {path.name} on llama.cpp")
+    return "llama.cpp"
 
 
 def _torch_model_files(model, weights: str, dtype: torch.dtype, device: torch.device,

@@ -13,6 +13,7 @@ the previous turn left, so every method reuses the same prefix.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import platform
@@ -41,7 +42,7 @@ class BenchSettings:
     the methods that need one fail with a message)."""
 
     model: str = "qwen2.5-coder-1.5b"
-    engine: str = "torch"               # the engine of the model and the draft
+    engine: str = "auto"                # the engine of the model and the draft
     weights: str = "auto"               # the torch engine's weight format
     draft: str | None = None
     prompts: str | None = None          # a Spec-Bench file; None: forerun-bench.jsonl
@@ -213,13 +214,15 @@ def run_bench(settings: BenchSettings, *, model=None, draft=None,
     prompts = list(prompts)
     if not prompts:
         raise BenchError("no prompts to run")
-    methods: list[BenchMethod] = [make_method(n) for n in settings.method_names()]
     if model is None:
         from forerun.api import load
 
         model = load(settings.model, engine=settings.engine, weights=settings.weights,
                      context_length=settings.context_length, device=settings.device,
                      progress=settings.progress)
+    # (engine "auto" becomes the one the model runs on, which picks the peers)
+    settings = dataclasses.replace(settings, engine=model.decoder.engine)
+    methods: list[BenchMethod] = [make_method(n) for n in settings.method_names()]
     if model.tokenizer.chat_template is None:
         raise BenchError(f"model {model.name} has no chat template; the benchmark's prompts "
                          f"are chat turns")

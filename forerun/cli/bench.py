@@ -27,8 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="preset name, .gguf file or Hugging Face folder "
                         "(default: qwen2.5-coder-1.5b)")
-    p.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
-                   help="the engine of forerun's rows, model and draft: torch (default) or "
+    p.add_argument("--engine", choices=("auto", "torch", "llama.cpp"), default="auto",
+                   help="the engine of forerun's rows, model and draft: auto (default: torch "
+                        "where it implements the architecture, else llama.cpp), torch, or "
                         "llama.cpp (GGUF models, quantized weights; needs forerun[llama])")
     p.add_argument("--weights", default="auto",
                    choices=WEIGHT_CHOICES,

@@ -154,7 +154,8 @@ def _generate(args: argparse.Namespace, prompt: str, speculative: SpeculativeCon
     result = stream.result
     assert result is not None   # set once the stream is exhausted
     if args.json:
-        print(json.dumps(result.to_dict(), ensure_ascii=False))
+        print(json.dumps({**result.to_dict(), "model": model.name,
+                          "engine": model.decoder.engine}, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
     if args.stats:

@@ -24,9 +24,11 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, default=None,
                    help="KV cache size in positions (default: the model's, at most 4096)")
     p.add_argument("--device", default=None, help="torch device (default: cuda, mps or cpu)")
-    p.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
-                   help="torch: forerun's PyTorch engine (default); llama.cpp: run the GGUF "
-                        "with llama.cpp (needs: pip install 'forerun[llama]'); a draft "
+    p.add_argument("--engine", choices=("auto", "torch", "llama.cpp"), default="auto",
+                   help="auto (default): forerun's PyTorch engine where it implements the "
+                        "architecture (Qwen2, Llama), else llama.cpp; torch: forerun's "
+                        "PyTorch engine; llama.cpp: run the GGUF with llama.cpp, any "
+                        "architecture it runs (needs: pip install 'forerun[llama]'); a draft "
                         "model given by name runs on the same engine")
     p.add_argument("--weights", default="auto",
                    choices=WEIGHT_CHOICES,

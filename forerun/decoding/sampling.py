@@ -174,25 +174,46 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 
 class TokenSampler:
     """Chooses tokens from logits under fixed :class:`SamplingParams`, with
-    its own seeded random generator (so runs with a seed repeat exactly)."""
+    its own seeded random generator (so runs with a seed repeat exactly).
+
+    ``text_tokens``: where the model's vocabulary has more rows than its
+    tokenizer has tokens (a Hugging Face folder's padded embedding), the
+    ids from ``text_tokens`` on are never chosen: they are no text.  Every
+    decoding method chooses through its sampler, so all see the same
+    distribution."""
 
     def __init__(self, params: SamplingParams, seed: int | None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", *, text_tokens: int | None = None
+                 ) -> None:
         params.validate()
         self.params = params
         self.generator = make_generator(seed, device)
+        self.text_tokens = text_tokens
 
     @property
     def greedy(self) -> bool:
         return self.params.greedy
 
+    def _text_only(self, logits: torch.Tensor) -> torch.Tensor:
+        n = self.text_tokens
+        if n is None or logits.shape[-1] <= n:
+            return logits
+        logits = logits.clone()
+        logits[..., n:] = float("-inf")
+        return logits
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The processed distribution(s) of ``logits`` (``[..., V]``)."""
-        return probabilities(logits, self.params)
+        return probabilities(self._text_only(logits), self.params)
+
+    def greedy_choices(self, logits: torch.Tensor) -> list[int]:
+        """The argmax of every row of ``[R, V]`` logits (the lowest id on ties)."""
+        return self._text_only(logits).argmax(dim=-1).tolist()
 
     def pick(self, logits: torch.Tensor) -> int:
         """One token from a ``[V]`` logits row: the argmax when greedy, else a
         draw from the processed distribution."""
+        logits = self._text_only(logits)
         if self.params.greedy:
             return greedy_token(logits)
         return sample_token(probabilities(logits, self.params), self.generator)

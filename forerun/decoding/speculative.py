@@ -285,7 +285,7 @@ class SpeculativeDecoding(DraftAndVerify):
     def _accept(self, tree: DraftTree, row: dict[int, int], logits: torch.Tensor,
                 sampler: TokenSampler) -> tuple[list[int], int]:
         if sampler.greedy:
-            choice = logits.argmax(dim=-1).tolist()
+            choice = sampler.greedy_choices(logits)
             return accept_tree_greedy(tree, lambda i: choice[row[i]])
 
         # The processed distribution of a node's row, on demand: the walk

@@ -11,12 +11,15 @@ import torch
 from forerun.protocol.model_config import ModelConfig, rope_scaling_type
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """Per-pair rotation frequencies, float32 ``[head_dim // 2]``."""
+def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> torch.Tensor:
+    """Per-pair rotation frequencies, float32 ``[head_dim // 2]``: of the
+    global layers, or with ``local`` of the local layers (their own base
+    ``rope_local_theta``, never scaled: Gemma 3's)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (
+    theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
+    inv_freq = 1.0 / (theta ** (
         torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling or {}
+    scaling = {} if local else config.rope_scaling or {}
     kind = rope_scaling_type(scaling)
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
@@ -43,8 +46,9 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding:
     """Computes cos/sin for arbitrary position ids and applies the rotation."""
 
-    def __init__(self, config: ModelConfig, device: torch.device) -> None:
-        self.inv_freq = inverse_frequencies(config).to(device)
+    def __init__(self, config: ModelConfig, device: torch.device, *, local: bool = False
+                 ) -> None:
+        self.inv_freq = inverse_frequencies(config, local=local).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from forerun.architectures import ARCHITECTURES
 from forerun.engines.linear import (
     QUANTIZED_FORMATS,
     WEIGHT_FORMATS,
@@ -30,10 +32,10 @@ from forerun.engines.linear import (
     restore_linear,
 )
 from forerun.engines.rope import RotaryEmbedding, apply_rotary
-from forerun.errors import ConfigError, ModelFormatError
+from forerun.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
 from forerun.kernels import native
 from forerun.protocol.kv_cache import KVCache
-from forerun.protocol.model_config import ModelConfig
+from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 #: Off the CPU, every forward of up to this many positions runs its row-wise
 #: operations (the matrix products, norms, gating and the LM head) at
@@ -59,6 +61,17 @@ class LayerWeights:
     mlp_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+    # What some architectures add (forerun.architectures): per-head query
+    # and key norms, and norms of the attention's and the feed-forward
+    # block's outputs.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+
+
+#: The norms of LayerWeights an architecture may add, as they are stored.
+EXTRA_NORMS = ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -169,8 +182,18 @@ class Transformer:
         self.norm = vector("model.norm.weight", (h,))
 
         self.layers: list[LayerWeights] = []
+        arch = self.architecture
         for n in range(c.num_layers):
             p = f"model.layers.{n}."
+            extra: dict[str, torch.Tensor] = {}
+            if arch.qk_norm:
+                extra["q_norm"] = vector(p + "self_attn.q_norm.weight", (c.head_dim,))
+                extra["k_norm"] = vector(p + "self_attn.k_norm.weight", (c.head_dim,))
+            mlp_norm = p + "post_attention_layernorm.weight"
+            if arch.sandwich_norms:
+                mlp_norm = p + "pre_feedforward_layernorm.weight"
+                extra["post_attn_norm"] = vector(p + "post_attention_layernorm.weight", (h,))
+                extra["post_mlp_norm"] = vector(p + "post_feedforward_layernorm.weight", (h,))
             bias = None
             if c.attention_bias:
                 bias = torch.cat([vector(p + "self_attn.q_proj.bias", (self.q_size,)),
@@ -182,16 +205,22 @@ class Transformer:
                             (p + "self_attn.k_proj.weight", (self.kv_size, h)),
                             (p + "self_attn.v_proj.weight", (self.kv_size, h))], bias),
                 o=linear([(p + "self_attn.o_proj.weight", (h, self.q_size))]),
-                mlp_norm=vector(p + "post_attention_layernorm.weight", (h,)),
+                mlp_norm=vector(mlp_norm, (h,)),
                 gate_up=linear([(p + "mlp.gate_proj.weight", (i, h)),
                                 (p + "mlp.up_proj.weight", (i, h))]),
                 down=linear([(p + "mlp.down_proj.weight", (h, i))]),
+                **extra,
             ))
-        self.rope = RotaryEmbedding(c, self.device)
+        self._rotary()
 
     def _setup(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                weights_format: str | None) -> None:
+        if config.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"architecture {config.architecture!r} is not supported by forerun's torch "
+                f"engine, which implements {', '.join(SUPPORTED_ARCHITECTURES)}")
         self.config = config
+        self.architecture = ARCHITECTURES[config.architecture]
         self.device = torch.device(device)
         if weights_format is None:
             weights_format = "bfloat16" if dtype == torch.bfloat16 else "float32"
@@ -211,6 +240,17 @@ class Transformer:
         self.padded_rows = None if self.device.type == "cpu" else PADDED_ROWS
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        # The attention kernels scale queries by head_dim ** -0.5; another
+        # scale multiplies the queries first.
+        scale = config.attention_scale
+        self.query_factor = 1.0 if scale is None else scale * config.head_dim ** 0.5
+        self.local_layers = frozenset(config.local_layers)
+
+    def _rotary(self) -> None:
+        """The RoPE tables: of the global layers, and of the local ones."""
+        self.rope = RotaryEmbedding(self.config, self.device)
+        self.rope_local = (RotaryEmbedding(self.config, self.device, local=True)
+                           if self.local_layers else None)
 
     def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """Everything this network holds, as built: a JSON-able description
@@ -236,6 +276,10 @@ class Transformer:
         for n, layer in enumerate(self.layers):
             p = f"layers.{n}"
             tensors[p + ".attn_norm"], tensors[p + ".mlp_norm"] = layer.attn_norm, layer.mlp_norm
+            for name in EXTRA_NORMS:
+                norm = getattr(layer, name)
+                if norm is not None:
+                    tensors[f"{p}.{name}"] = norm
             layers.append({name: add(f"{p}.{name}", getattr(layer, name))
                            for name in ("qkv", "o", "gate_up", "down")})
         meta: dict[str, object] = {"weights_format": self.weights_format,
@@ -288,15 +332,22 @@ class Transformer:
             self.layers = []
             for n, metas in enumerate(meta["layers"]):
                 p = f"layers.{n}"
-                self.layers.append(LayerWeights(
-                    attn_norm=tensors[p + ".attn_norm"].to(dev),
-                    mlp_norm=tensors[p + ".mlp_norm"].to(dev),
-                    **{name: restore_linear(metas[name], group(f"{p}.{name}"), dev)
-                       for name in ("qkv", "o", "gate_up", "down")}))
+                parts: dict[str, Any] = {
+                    name: restore_linear(metas[name], group(f"{p}.{name}"), dev)
+                    for name in ("qkv", "o", "gate_up", "down")}
+                parts.update({name: tensors[f"{p}.{name}"].to(dev)
+                              for name in ("attn_norm", "mlp_norm", *self._extra_norms())})
+                self.layers.append(LayerWeights(**parts))
         except (KeyError, TypeError, ConfigError) as exc:
             raise ModelFormatError(f"the stored network is incomplete: {exc}") from exc
-        self.rope = RotaryEmbedding(config, self.device)
+        self._rotary()
         return self
+
+    def _extra_norms(self) -> tuple[str, ...]:
+        """The norms of :data:`EXTRA_NORMS` this architecture's layers hold."""
+        arch = self.architecture
+        return (("q_norm", "k_norm") if arch.qk_norm else ()) + (
+            ("post_attn_norm", "post_mlp_norm") if arch.sandwich_norms else ())
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     seen: torch.Tensor | int) -> torch.Tensor:
@@ -458,32 +509,51 @@ class Transformer:
         for span in spans:
             span.cache.check_room(span.end - span.begin)
             span.start = span.cache.length
-        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        angles = {False: self.rope.cos_sin(positions, self.dtype)}
+        if self.rope_local is not None:
+            angles[True] = self.rope_local.cos_sin(positions, self.dtype)
         x = self.embed(tokens).to(self.dtype)
+        if self.architecture.scale_embedding:
+            x = x * torch.tensor(c.hidden_size ** 0.5, dtype=x.dtype)
         ops = self.layer_ops
         native_ops = ops is not None and (t == 1 or rowwise)
         padded = not native_ops and self.padded_rows is not None and t <= self.padded_rows
         if native_ops and ops is not None:
             # Every position on its own, as a one-position forward computes it.
-            masks = [None if s.mask is None else s.mask.to(torch.uint8).contiguous()
-                     for s in spans]
-            cos, sin = cos.contiguous(), sin.contiguous()
+            masks = {False: [None if s.mask is None else s.mask.to(torch.uint8).contiguous()
+                             for s in spans]}
+            if self.local_layers:
+                masks[True] = [window_mask(s, positions, c.sliding_window, self.device)
+                               .to(torch.uint8).contiguous() for s in spans]
+            angles = {k: (cos.contiguous(), sin.contiguous()) for k, (cos, sin) in angles.items()}
+            eps = c.rms_norm_eps
             for n, layer in enumerate(self.layers):
                 if capture and n in want:
                     taken[n] = x
-                qkv = layer.qkv(ops.rms_norm(x, layer.attn_norm, c.rms_norm_eps))
+                qkv = self._queries_and_keys(layer.qkv(ops.rms_norm(x, layer.attn_norm, eps)),
+                                             layer)
+                local = n in self.local_layers
+                cos, sin = angles[local]
                 parts = [ops.attention(qkv[s.begin:s.end], cos[s.begin:s.end],
                                        sin[s.begin:s.end], s.cache.keys[n], s.cache.values[n],
                                        s.start, rows, c.num_heads)
-                         for s, rows in zip(spans, masks)]
+                         for s, rows in zip(spans, masks[local])]
                 attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-                x = x + layer.o(attn)
-                h = ops.rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-                x = x + layer.down(ops.silu_mul(layer.gate_up(h)))
+                out = layer.o(attn)
+                if layer.post_attn_norm is not None:
+                    out = ops.rms_norm(out, layer.post_attn_norm, eps)
+                x = x + out
+                h = ops.rms_norm(x, layer.mlp_norm, eps)
+                gate_up = layer.gate_up(h)
+                out = layer.down(ops.silu_mul(gate_up) if self.architecture.activation == "silu"
+                                 else gelu_tanh_mul(gate_up))
+                if layer.post_mlp_norm is not None:
+                    out = ops.rms_norm(out, layer.post_mlp_norm, eps)
+                x = x + out
         else:
             if padded and self.padded_rows is not None:
                 x = F.pad(x, (0, 0, 0, self.padded_rows - t))
-            x = self._layers_in_torch(x, t, cos, sin, spans, rowwise,
+            x = self._layers_in_torch(x, t, angles, positions, spans, rowwise,
                                       taken if capture else None)
         for span in spans:
             span.cache.advance(span.end - span.begin)
@@ -509,8 +579,26 @@ class Transformer:
                 logits, hidden = logits[logits_rows], hidden[logits_rows]
         return logits, hidden
 
-    def _layers_in_torch(self, x: torch.Tensor, t: int, cos: torch.Tensor, sin: torch.Tensor,
-                         spans: list[Span], rowwise: bool,
+    def _queries_and_keys(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """``qkv`` (``[T, (H + 2 KV) D]``, a fresh product) with the query and
+        key norms applied to each head and the queries scaled by
+        :attr:`query_factor`, in place, before RoPE; as it is where the
+        architecture has neither."""
+        c = self.config
+        if layer.q_norm is not None and layer.k_norm is not None:
+            t = qkv.shape[0]
+            q = qkv[:, :self.q_size].view(t, c.num_heads, c.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, c.num_kv_heads,
+                                                                     c.head_dim)
+            q.copy_(rms_norm(q, layer.q_norm, c.rms_norm_eps))
+            k.copy_(rms_norm(k, layer.k_norm, c.rms_norm_eps))
+        if self.query_factor != 1.0:
+            qkv[:, :self.q_size] *= self.query_factor
+        return qkv
+
+    def _layers_in_torch(self, x: torch.Tensor, t: int,
+                         angles: dict[bool, tuple[torch.Tensor, torch.Tensor]],
+                         positions: torch.Tensor, spans: list[Span], rowwise: bool,
                          taken: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """The decoder blocks in torch's operators (any device and dtype).
         ``x``: the ``t`` fed positions' rows, then any zero rows they are
@@ -519,29 +607,22 @@ class Transformer:
         row's keys and values go to.  ``taken``: where to put each layer's
         input, by layer index."""
         c, rows = self.config, x.shape[0]
-        # Per span: None (one attention call over its rows, causal or by its
-        # mask), or per row the end of a causal prefix or the slots a mask
-        # allows (gathered even for one row: attention over a span with
-        # masked holes sums in another order than over the same slots side
-        # by side, which is how plain decoding of the branch saw them).
-        visible: list[list[torch.Tensor | int] | None] = []
-        attn_masks: list[torch.Tensor | None] = []
-        for s in spans:
-            n_rows, mask = s.end - s.begin, s.mask
-            if rowwise and (n_rows > 1 or mask is not None):
-                visible.append([s.start + i + 1 for i in range(n_rows)] if mask is None else
-                               [torch.nonzero(mask[i]).reshape(-1) for i in range(n_rows)])
-                attn_masks.append(None)
-                continue
-            if mask is None and n_rows > 1:
-                mask = causal_mask(s.start, n_rows, self.device)
-            visible.append(None)
-            attn_masks.append(None if mask is None else mask[None, None])
+        # How each span sees the cache (_visible).  Local layers
+        # (sliding_window) see through a window mask, gathered for one row
+        # as for several (so one-position forwards and rowwise ones compute
+        # alike).
+        views = {False: self._visible(spans, rowwise, None)}
+        if self.local_layers:
+            windows = [window_mask(s, positions, c.sliding_window, self.device) for s in spans]
+            views[True] = self._visible(spans, rowwise or t == 1, windows)
         for n, layer in enumerate(self.layers):
             if taken is not None:
                 taken[n] = x
+            local = n in self.local_layers
+            cos, sin = angles[local]
+            visible, attn_masks = views[local]
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            qkv = layer.qkv(h).to(self.dtype)[:t]
+            qkv = self._queries_and_keys(layer.qkv(h).to(self.dtype)[:t].contiguous(), layer)
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q = q.view(t, c.num_heads, c.head_dim).transpose(0, 1)
             k = k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
@@ -564,11 +645,45 @@ class Transformer:
             attn = attn[0].transpose(0, 1).reshape(t, self.q_size)
             if rows > t:
                 attn = F.pad(attn, (0, 0, 0, rows - t))
-            x = x + layer.o(attn).to(self.dtype)
+            out = layer.o(attn).to(self.dtype)
+            if layer.post_attn_norm is not None:
+                out = rms_norm(out, layer.post_attn_norm, c.rms_norm_eps)
+            x = x + out
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(h).to(self.dtype).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up).to(self.dtype)
+            act = (F.silu(gate) if self.architecture.activation == "silu"
+                   else F.gelu(gate, approximate="tanh"))
+            out = layer.down(act * up).to(self.dtype)
+            if layer.post_mlp_norm is not None:
+                out = rms_norm(out, layer.post_mlp_norm, c.rms_norm_eps)
+            x = x + out
         return x
+
+    def _visible(self, spans: list[Span], rowwise: bool,
+                 masks: list[torch.Tensor] | None
+                 ) -> tuple[list[list[torch.Tensor | int] | None], list[torch.Tensor | None]]:
+        """Per span, how attention sees the cache: None (one attention call
+        over its rows, causal or by its mask, the second list), or per row
+        the end of a causal prefix or the slots a mask allows (gathered even
+        for one row: attention over a span with masked holes sums in
+        another order than over the same slots side by side, which is how
+        plain decoding of the branch saw them).  ``masks``: each span's
+        mask in place of its own."""
+        visible: list[list[torch.Tensor | int] | None] = []
+        attn_masks: list[torch.Tensor | None] = []
+        for j, s in enumerate(spans):
+            n_rows = s.end - s.begin
+            mask = s.mask if masks is None else masks[j]
+            if rowwise and (n_rows > 1 or mask is not None):
+                visible.append([s.start + i + 1 for i in range(n_rows)] if mask is None else
+                               [torch.nonzero(mask[i]).reshape(-1) for i in range(n_rows)])
+                attn_masks.append(None)
+                continue
+            if mask is None and n_rows > 1:
+                mask = causal_mask(s.start, n_rows, self.device)
+            visible.append(None)
+            attn_masks.append(None if mask is None else mask[None, None])
+        return visible, attn_masks
 
 
 @dataclass
@@ -596,3 +711,26 @@ def causal_mask(start: int, t: int, device: torch.device) -> torch.Tensor:
     rows = torch.arange(start, start + t, device=device)[:, None]
     cols = torch.arange(start + t, device=device)[None, :]
     return cols <= rows
+
+
+def window_mask(span: Span, positions: torch.Tensor, window: int | None,
+                device: torch.device) -> torch.Tensor:
+    """Bool ``[rows, start + rows]``: the slots a span's rows see in a local
+    layer, the last ``window`` positions of what they see in a global one.
+    A committed slot holds the position of its index; a slot of the span
+    itself is seen as its mask says (a draft tree's nodes lie within the
+    window of each other)."""
+    assert window is not None   # (a model with local layers has a window)
+    rows, end = span.end - span.begin, span.start + span.end - span.begin
+    base = causal_mask(span.start, rows, device) if span.mask is None else span.mask
+    slots = torch.arange(end, device=device)
+    near = slots[None, :] > positions[span.begin:span.end, None].to(device) - window
+    if span.mask is not None:
+        near = near | (slots[None, :] >= span.start)
+    return base & near
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh GELU on ``[T, 2 I]`` (gate, then up)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -90,7 +90,8 @@ def run_generation(method: DecodingMethod, tokenizer, prompt_ids: Sequence[int],
     output = Output(tokenizer, max_new_tokens=params.max_new_tokens,
                     stop_token_ids=stop_ids, stop=params.stop)
     stats = GenerationStats(prompt_tokens=len(prompt), method=method.name)
-    sampler = TokenSampler(params.sampling, params.seed, target.device)
+    sampler = TokenSampler(params.sampling, params.seed, target.device,
+                           text_tokens=min(tokenizer.vocab_size, target.vocab_size))
 
     start = time.perf_counter()
     rounds = method.run(prompt, sampler, stats, params.max_new_tokens)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from forerun.architectures import ARCHITECTURES
 from forerun.errors import (
     ConfigError,
     ModelFormatError,
@@ -28,6 +29,7 @@ from forerun.protocol.model_config import (
     naming,
     positive_int,
     real,
+    torch_unsupported,
 )
 
 _GLOBAL_NAMES = {
@@ -35,31 +37,41 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face name of a GGUF tensor, or ModelFormatError."""
+# Tokens that end a turn, by their text (llama.cpp's list, llama-vocab.cpp).
+END_OF_TURN_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "<|end_of_text|>", "<end_of_utterance>"))
+_CONTROL = 3   # llama.cpp's token type of control tokens
+
+
+def end_of_generation_ids(meta: dict[str, Any]) -> tuple[int, ...]:
+    """The tokens that end a generation, as llama.cpp finds them: the EOS,
+    end-of-turn and end-of-message ids the header names, and the control
+    tokens written as one of :data:`END_OF_TURN_TEXTS` (Gemma's
+    ``<end_of_turn>``, ChatML's ``<|im_end|>``), which end a chat's answer
+    where the header names only the end of a document."""
+    ids = [meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    tokens = meta.get("tokenizer.ggml.tokens") or ()
+    types = meta.get("tokenizer.ggml.token_type") or ()
+    ids += [i for i, (text, kind) in enumerate(zip(tokens, types))
+            if kind == _CONTROL and text in END_OF_TURN_TEXTS]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def hf_tensor_name(gguf_name: str, architecture: str) -> str:
+    """The Hugging Face name of a GGUF tensor of ``architecture`` (one the
+    torch engine implements), or ModelFormatError."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = ARCHITECTURES[architecture].gguf_layer_names
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    raise ModelFormatError(f"GGUF tensor {gguf_name!r} is not part of a Qwen2/Llama model "
-                           f"that forerun understands")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
+    raise ModelFormatError(f"GGUF tensor {gguf_name!r} is not part of a "
+                           f"{ARCHITECTURES[architecture].families} model that forerun "
+                           f"understands")
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -87,16 +99,20 @@ class GGUFFile:
         arrays as lists)."""
         return self.header.fields
 
-    def config(self) -> ModelConfig:
-        """The model configuration from the header."""
+    def config(self, *, any_architecture: bool = False) -> ModelConfig:
+        """The model configuration from the header.  An architecture the
+        torch engine does not implement is an
+        :class:`~forerun.errors.UnsupportedArchitectureError`, unless
+        ``any_architecture``: then the configuration the llama.cpp engine
+        needs (:meth:`llama_cpp_config`)."""
         meta = self.metadata
         arch = meta.get("general.architecture")
         if arch is None:
             raise ConfigError(f"{self.path} has no 'general.architecture' key")
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedArchitectureError(
-                f"{self.path}: architecture {arch!r} is not supported; forerun implements "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+            if any_architecture:
+                return self.llama_cpp_config(arch)
+            raise UnsupportedArchitectureError(torch_unsupported(arch, str(self.path)))
 
         def need(key: str) -> Any:
             full = f"{arch}.{key}"
@@ -116,8 +132,9 @@ class GGUFFile:
         vocab = int(tensors["token_embd.weight"].shape[0])
         if "rope_freqs.weight" in tensors:
             raise UnsupportedArchitectureError(
-                f"{self.path} stores RoPE frequency factors (rope_freqs), which forerun "
-                f"does not support yet")
+                f"{self.path} stores RoPE frequency factors (rope_freqs), which forerun's "
+                f"torch engine does not support yet; the llama.cpp engine runs it "
+                f"(--engine llama.cpp)")
         rope_scaling = None
         kind = meta.get(f"{arch}.rope.scaling.type")
         if kind not in (None, "none"):
@@ -126,7 +143,6 @@ class GGUFFile:
             rope_scaling = {"rope_type": "linear",
                             "factor": real(need("rope.scaling.factor"),
                                            f"{arch}.rope.scaling.factor", str(self.path))}
-        eos = meta.get("tokenizer.ggml.eos_token_id")
         return naming(str(self.path), lambda: ModelConfig(
             architecture=arch,
             vocab_size=vocab,
@@ -147,7 +163,56 @@ class GGUFFile:
             attention_bias="blk.0.attn_q.bias" in tensors,
             rope_scaling=rope_scaling,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=(eos,) if eos is not None else (),   # checked by ModelConfig
+            eos_token_ids=end_of_generation_ids(meta),   # checked by ModelConfig
+            **ARCHITECTURES[arch].gguf_extras(meta, f"{arch}."),
+        ))
+
+    def llama_cpp_config(self, arch: str) -> ModelConfig:
+        """The configuration of a model of any architecture, for the
+        llama.cpp engine, which runs the file itself and reads none of the
+        shape: the header's block count, context length, width and token
+        ids, and its head and feed-forward sizes where the architecture has
+        them (the largest where they vary by layer; 1 where it has none,
+        as a state-space model has no heads)."""
+        meta = self.metadata
+        source = str(self.path)
+
+        def count(key: str, default: int | None = None) -> int:
+            value = meta.get(f"{arch}.{key}", default)
+            if isinstance(value, list):   # per layer
+                value = max((v for v in value if isinstance(v, (int, float))), default=None)
+            if value is None:
+                raise ConfigError(f"{self.path} is missing the metadata key {arch}.{key!r}")
+            return positive_int(value, f"{arch}.{key}", source)
+
+        tokens = meta.get("tokenizer.ggml.tokens") or ()
+        tensors = {t.name: t for t in self.tensors}
+        embedding = tensors.get("token_embd.weight")
+        vocab = int(embedding.shape[0]) if embedding is not None else len(tokens)
+        if vocab <= 0:
+            raise ModelFormatError(f"{self.path} has neither a token_embd.weight tensor nor "
+                                   f"a tokenizer.ggml.tokens list: its vocabulary is unknown")
+        hidden = count("embedding_length")
+        heads = count("attention.head_count", 1)
+        kv_heads = count("attention.head_count_kv", heads)
+        return naming(source, lambda: ModelConfig(
+            architecture=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=count("feed_forward_length",
+                                    meta.get(f"{arch}.expert_feed_forward_length", 1)),
+            num_layers=count("block_count"),
+            num_heads=heads,
+            num_kv_heads=kv_heads if heads % kv_heads == 0 else heads,
+            head_dim=count("attention.key_length", max(hidden // heads, 1)),
+            rms_norm_eps=1e-6,
+            rope_theta=real(meta.get(f"{arch}.rope.freq_base", 10000.0),
+                            f"{arch}.rope.freq_base", source),
+            max_position_embeddings=count("context_length"),
+            tie_word_embeddings="output.weight" not in tensors,
+            attention_bias=False,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=end_of_generation_ids(meta),
         ))
 
     def tensor_count(self) -> int:
@@ -156,13 +221,14 @@ class GGUFFile:
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
         """Yield ``(hf_name, float32 array)`` for every tensor, dequantized and
         in the Hugging Face layout."""
+        permute = ARCHITECTURES[config.architecture].permute_qk
         for t in self.tensors:
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, config.architecture)
             try:
                 w = dequantize(t.data, t.tensor_type, t.shape)
             except ModelFormatError as exc:
                 raise ModelFormatError(f"{self.path}: tensor {t.name!r}: {exc}") from exc
-            if config.architecture == "llama":
+            if permute:
                 if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
                     w = unpermute_rows(w, config.num_heads)
                 elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as GGMLType
 
+from forerun.architectures import ARCHITECTURES
 from forerun.engines.linear import Int4Groups, Int6Blocks, Int8Rows, Quantized, quantize_int8
 from forerun.errors import ModelFormatError
 from forerun.loading.dequantize import (
@@ -103,7 +104,9 @@ class GGUFQuantizedWeights(Mapping):
     def __init__(self, path: str | Path, config: ModelConfig) -> None:
         self._file = GGUFFile(path)
         self._config = config
-        self._tensors = {hf_tensor_name(t.name): t for t in self._file.tensors}
+        self._tensors = {hf_tensor_name(t.name, config.architecture): t
+                         for t in self._file.tensors}
+        self._permute = ARCHITECTURES[config.architecture].permute_qk
 
     def __getitem__(self, name: str):
         t = self._tensors[name]
@@ -121,7 +124,7 @@ class GGUFQuantizedWeights(Mapping):
         except ModelFormatError as exc:
             raise ModelFormatError(f"{self._file.path}: tensor {t.name!r}: {exc}") from exc
         c = self._config
-        if c.architecture == "llama":
+        if self._permute:
             if ".q_proj." in name:
                 values = _permute(values, c.num_heads)
             elif ".k_proj." in name:

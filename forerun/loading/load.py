@@ -15,11 +15,17 @@ from typing import Any
 
 import torch
 
-from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
+from forerun.architectures import ARCHITECTURES
+from forerun.errors import (
+    ConfigError,
+    ModelFormatError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+)
 from forerun.loading.presets import PRESETS, resolve_preset
 from forerun.loading.weights import SafetensorsWeights, safetensors_files
 from forerun.machine.json_files import read_json_object
-from forerun.protocol.model_config import ModelConfig
+from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, torch_unsupported
 
 
 @dataclass
@@ -73,7 +79,8 @@ def load_hf_folder(folder: Path) -> ModelFiles:
         if eos is not None:
             hf = {**hf, "eos_token_id": eos}
     config = ModelConfig.from_hf(hf, source=str(config_path))
-    weights = SafetensorsWeights(safetensors_files(folder))
+    weights = SafetensorsWeights(safetensors_files(folder),
+                                 transform=ARCHITECTURES[config.architecture].hf_weight)
     tokenizer = tokenizer_from_hf_folder(folder)
     return ModelFiles(folder.name, config, weights, tokenizer)
 
@@ -107,8 +114,13 @@ def load_model_files(spec: str | Path, *, progress: bool = True) -> ModelFiles:
     name = str(spec) if str(spec) in PRESETS else path.name
     if path.is_dir():
         return load_hf_folder(path)
+    header = load_gguf_files(path, engine="torch", progress=progress)
     converted = convert_gguf(path, progress=progress, digest=known_digest(spec))
-    return load_converted(converted, name, path)
+    files = load_converted(converted, name, path)
+    # (the header's config and tokenizer: the conversion cache keeps those
+    # of the forerun version that converted it)
+    files.config, files.tokenizer = header.config, header.tokenizer
+    return files
 
 
 def model_header(spec: str | Path, *, progress: bool = True) -> ModelFiles:
@@ -146,14 +158,18 @@ def load_gguf_files(spec: str | Path, *, engine: str = "llama.cpp",
         raise ModelFormatError(
             f"the {engine} engine runs GGUF files, and {path} is not a .gguf file")
     config, tokenizer = _gguf_header(path, known_digest(spec))
+    if engine == "torch" and config.architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(torch_unsupported(config.architecture, str(path)))
     return ModelFiles(name, config, {}, tokenizer, gguf_path=path)
 
 
 # 3: the tokenizer saved in the form it loads fastest from (Tokenizer.save).
+# 5: any architecture (the llama.cpp engine's), SentencePiece tokenizers,
+# every end-of-turn token among the EOS ids.
 # The version is part of an entry's name, so that forerun versions sharing a
 # cache each keep their own entry instead of rebuilding each other's; the
 # other's is listed as written by another version, which a prune deletes.
-GGUF_HEADER_VERSION = "3"
+GGUF_HEADER_VERSION = "5"
 
 
 def _gguf_header(path: Path, digest: str | None = None) -> tuple[ModelConfig, Any]:
@@ -176,7 +192,7 @@ def _gguf_header(path: Path, digest: str | None = None) -> tuple[ModelConfig, An
         from forerun.tokenizer import tokenizer_from_gguf_metadata
 
         gguf = GGUFFile(path)
-        return [gguf.config(), tokenizer_from_gguf_metadata(gguf.metadata)]
+        return [gguf.config(any_architecture=True), tokenizer_from_gguf_metadata(gguf.metadata)]
 
     def parse(out: Path) -> dict:
         parsed[:] = read_header()

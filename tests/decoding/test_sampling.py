@@ -12,6 +12,7 @@ import transformers.generation.logits_process as logits_process  # noqa: E402
 
 from forerun.decoding.sampling import (
     SamplingParams,
+    TokenSampler,
     greedy_token,
     make_generator,
     probabilities,
@@ -237,3 +238,15 @@ def test_cuda_parity_and_sampling():
     tok = sample_token(on_gpu[0], cuda_gen)
     assert on_gpu[0, tok] > 0
     assert greedy_token(logits[0].cuda()) == greedy_token(logits[0])
+
+
+def test_ids_past_the_text_tokens_are_never_chosen():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0], [3.0, 1.0, 0.0, 9.0]])
+    sampler = TokenSampler(SamplingParams(), seed=0, text_tokens=3)
+    assert sampler.greedy_choices(logits) == [2, 0]
+    assert sampler.pick(logits[0]) == 2
+    hot = TokenSampler(SamplingParams(temperature=1.0), seed=0, text_tokens=3)
+    assert hot.probs(logits)[:, 3].eq(0).all()
+    assert all(hot.pick(logits[0]) < 3 for _ in range(200))
+    # without a limit the same logits choose id 3
+    assert TokenSampler(SamplingParams(), seed=0).greedy_choices(logits) == [3, 3]

@@ -22,6 +22,7 @@ from forerun.errors import (
     EngineUnavailableError,
     InvalidTokenError,
     ModelFormatError,
+    UnsupportedArchitectureError,
     UnsupportedOperationError,
 )
 
@@ -139,6 +140,50 @@ def test_llama_cpp_needs_a_gguf_and_the_cpu(tmp_path):
         forerun.load("smollm2-135m", engine_options={"n_threads": 1})
 
 
+@needs_llama_cpp
+def test_auto_runs_an_architecture_the_torch_engine_lacks_on_llama_cpp(tmp_path):
+    from forerun.api.loader import choose_engine
+    from tiny_gguf import write_tiny_gguf
+
+    qwen = write_tiny_gguf(tmp_path / "qwen.gguf")
+    other = write_tiny_gguf(tmp_path / "other.gguf", arch="frobnicator", pad_vocab=True)
+    assert choose_engine(qwen) == "torch"
+    assert choose_engine(write_tiny_gguf(tmp_path / "gemma.gguf", arch="gemma3")) == "torch"
+    assert choose_engine(other) == "llama.cpp"
+    assert choose_engine(tmp_path) == "torch"   # a folder: the torch engine says what's wrong
+    # llama.cpp itself does not know it: the error names the architecture
+    with pytest.raises(ModelFormatError, match="architecture 'frobnicator'.*qwen2, llama"):
+        forerun.load(other, progress=False)
+    with pytest.raises(UnsupportedArchitectureError,
+                       match="'frobnicator' is not supported by forerun's torch engine"):
+        forerun.load(other, engine="torch", progress=False)
+    with pytest.raises(ConfigError, match="weights='q8' applies to the torch engine only"):
+        forerun.load(other, weights="q8", progress=False)
+
+
+def test_auto_without_llama_cpp_names_the_architecture_and_the_install(tmp_path,
+                                                                       monkeypatch):
+    from tiny_gguf import write_tiny_gguf
+
+    other = write_tiny_gguf(tmp_path / "other.gguf", arch="frobnicator", pad_vocab=True)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)   # import llama_cpp -> ImportError
+    with pytest.raises(UnsupportedArchitectureError,
+                       match=r"'frobnicator'.*qwen2, llama.*pip install 'forerun\[llama\]'"):
+        forerun.load(other, progress=False)
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_gemma3_ends_a_turn_at_end_of_turn_on_llama_cpp(llama_model):
+    model = llama_model("gemma3-270m")
+    end_of_turn = model.tokenizer.token_to_id("<end_of_turn>")
+    assert set(model.config.eos_token_ids) == {model.tokenizer.eos_token_id, end_of_turn}
+    # (the preset is the pretrained model, which rarely ends a turn:
+    # stopping at any EOS id is tested on every engine elsewhere)
+    out = model.generate(prompt="def reverse(s):", max_new_tokens=16)
+    assert len(out.tokens) == 16 and out.text.strip()
+
+
 @pytest.mark.real_model
 @needs_llama_cpp
 def test_engine_options(preset_gguf):
@@ -226,7 +271,7 @@ def test_rollback_restores_logits(decoder):
 
 @pytest.mark.real_model
 @needs_llama_cpp
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
 def test_logits_do_not_depend_on_how_positions_are_grouped(llama_model, name):
     """What makes speculative decoding lossless on this engine: after the
     same prefill, verifying k+1 positions in one feed gives the logits of
@@ -500,7 +545,7 @@ GREEDY_PROMPTS = [
 
 @pytest.mark.real_model
 @needs_llama_cpp
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b",
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m",
                                   pytest.param("qwen2.5-coder-1.5b", marks=pytest.mark.slow)])
 def test_greedy_matches_llama_cpp_python(llama_model, reference, name):
     model = llama_model(name)
@@ -539,6 +584,14 @@ def check_speculative(model, draft, label):
 @needs_llama_cpp
 def test_ngram_is_lossless(smollm):
     check_speculative(smollm, "ngram", "smollm2 ngram")
+
+
+@pytest.mark.real_model
+@needs_llama_cpp
+def test_ngram_is_lossless_on_gemma3(llama_model):
+    gemma = llama_model("gemma3-270m")
+    assert gemma.config.architecture == "gemma3"
+    check_speculative(gemma, "ngram", "gemma3 ngram")
 
 
 @pytest.mark.real_model

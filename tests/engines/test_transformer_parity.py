@@ -18,8 +18,11 @@ CASES = [
                                 "original_max_position_embeddings": 32}}),
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     ("llama", {"num_key_value_heads": 4}),
+    ("qwen3", {}),
+    ("gemma3", {}),
 ]
-IDS = ["qwen2", "qwen2-tied", "llama", "llama3-rope", "linear-rope", "llama-mha"]
+IDS = ["qwen2", "qwen2-tied", "llama", "llama3-rope", "linear-rope", "llama-mha", "qwen3",
+       "gemma3"]
 
 
 @pytest.fixture(params=["native", "torch"])

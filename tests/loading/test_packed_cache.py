@@ -54,6 +54,19 @@ def test_a_second_load_reads_the_packed_network(gguf_path, cache, forbid_gguf_re
         logits(gguf_path, "q8" if fmt == "q4" else "q4")
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_an_architectures_own_norms_are_packed_too(arch, cache, tmp_path, forbid_gguf_reads):
+    """Qwen3's q/k norms and Gemma 3's four norms a layer come back from
+    the packed network bit for bit."""
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch, hidden_size=128,
+                           intermediate_size=256)
+    first = logits(path, "q8")
+    forbid_gguf_reads()
+    assert torch.equal(logits(path, "q8"), first)
+
+
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "deleted", "manifest"])
 def test_a_damaged_entry_is_rebuilt(gguf_path, cache, damage):
     first = logits(gguf_path, "q4")

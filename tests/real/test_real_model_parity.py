@@ -11,7 +11,7 @@ from real.transformers_reference import PROMPTS, load_reference, reference_greed
 pytestmark = pytest.mark.real_model
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
 def test_logits_and_greedy_continuations_match(name, preset_gguf, preset_model):
     """Next-token logits within 1e-3, and 32 greedy tokens identical, on
     every prompt.  One test per model, so that transformers' copy (20 to 70

@@ -110,7 +110,7 @@ def test_draft_model_agrees_often_on_code(pair):
     assert out.stats.acceptance_rate > 0.5
 
 
-@pytest.mark.parametrize("preset", ["smollm2-135m",
+@pytest.mark.parametrize("preset", ["smollm2-135m", "gemma3-270m",
                                     pytest.param("qwen2.5-coder-1.5b", marks=pytest.mark.slow)])
 def test_ngram_greedy_is_lossless(preset_model, preset):
     model = preset_model(preset, weights="q4")

@@ -18,6 +18,7 @@ from real_presets import MODELS_DIR
 QWEN_05B = "qwen2.5-coder-0.5b.gguf"
 QWEN_15B = "qwen2.5-coder-1.5b.gguf"
 SMOLLM = "smollm2-135m.gguf"
+GEMMA3 = "gemma3-270m.gguf"
 GGUF_NAMES = (QWEN_05B, QWEN_15B, SMOLLM)
 
 
