@@ -1,5 +1,7 @@
 """Loading a model: :func:`load` turns a preset name, a ``.gguf`` path or a
-Hugging Face folder into a :class:`~forerun.api.model.Model` on an engine."""
+Hugging Face folder into a :class:`~forerun.api.model.Model` on an engine,
+and :func:`load_draft_model` loads a draft model beside a target (the
+Models :func:`load` makes hold it, for their draft models)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from forerun.api.load_arguments import (
     resolve_device,
 )
 from forerun.api.model import Model, check_reuse_prompts
-from forerun.errors import ConfigError, ModelFormatError
+from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError, TokenizerError
 from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES
+from forerun.speculation.config import BUILTIN_DRAFTS
 
 DEFAULT_CONTEXT_LENGTH = 4096
 ENGINES = ("auto", "torch", "llama.cpp")
@@ -117,7 +120,7 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
                 f"not run that architecture, or the file is damaged; forerun's torch engine "
                 f"implements {', '.join(SUPPORTED_ARCHITECTURES)}") from exc
         return Model(files.name, llama, files.tokenizer, config, source=_source(files, model),
-                     reuse_prompts=reuse_prompts)
+                     reuse_prompts=reuse_prompts, load_draft=load_draft_model)
     from forerun.engines.torch_engine import TorchDecoder
     from forerun.engines.transformer import Transformer
 
@@ -149,7 +152,7 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
                           f"{context_length} positions: load it with a smaller "
                           f"context_length (--context-length)") from exc
     return Model(files.name, decoder, files.tokenizer, config, source=_source(files, model),
-                 reuse_prompts=reuse_prompts)
+                 reuse_prompts=reuse_prompts, load_draft=load_draft_model)
 
 
 def choose_engine(model: str | Path, *, weights: str = "auto",
@@ -244,3 +247,62 @@ def choose_weights(name: str, config, device: torch.device):
 def _source(files, spec) -> str:
     """The file or folder a model was read from, for error messages."""
     return str(files.gguf_path) if files.gguf_path is not None else str(spec)
+
+
+def draft_weights(target_weights: str | None) -> str | None:
+    """The weight format a draft model loads in beside a target in
+    ``target_weights`` (the torch engine's formats; ``None`` for an engine
+    that runs its file's own quantization): ``q4-all`` beside a quantized
+    target, so every draft matrix is 4-bit, else the target's own.  A
+    draft's precision changes how often its proposals are accepted, never
+    the output, and fewer bytes make each draft step cheaper."""
+    from forerun.engines.linear import QUANTIZED_FORMATS
+
+    if target_weights is None:
+        return None
+    return "q4-all" if target_weights in QUANTIZED_FORMATS else target_weights
+
+
+def load_draft_model(target: Model, spec: Any, *, progress: bool = False) -> Model:
+    """The draft model ``spec`` names (a preset, path, or a loaded
+    :class:`~forerun.api.model.Model`, returned as it is), loaded on
+    ``target``'s engine, in the weight format :func:`draft_weights` gives
+    for the target's, on its device and with its context length, and
+    checked against it (:func:`check_draft_model`)."""
+    from forerun.loading.load import model_header
+
+    draft = spec
+    if not isinstance(spec, Model):
+        decoder = target.decoder
+        # The header first: another tokenizer or too short a context is
+        # refused in a second, not after minutes of packing and measuring.
+        try:
+            header = model_header(spec, progress=progress)
+        except ModelNotFoundError as exc:
+            # a mistyped drafter ('sufix') reads as a model path: say both
+            raise ModelNotFoundError(f"draft {exc}; a draft may also be a built-in "
+                                     f"drafter: {', '.join(BUILTIN_DRAFTS)}") from None
+        check_draft_model(target, str(spec), header.tokenizer,
+                          header.config.max_position_embeddings)
+        settings = decoder.settings
+        weights = draft_weights(settings.weights)
+        draft = load(spec, engine=settings.engine, context_length=decoder.context_length,
+                     device=decoder.device, progress=progress,
+                     weights="auto" if weights is None else weights)   # (load's default)
+    check_draft_model(target, draft.name, draft.tokenizer, draft.decoder.context_length)
+    return draft
+
+
+def check_draft_model(target: Model, name: str, tokenizer, context_length: int) -> None:
+    """Refuse a draft model ``name`` that can't draft for ``target``:
+    another ``tokenizer`` (:class:`TokenizerError`), or a ``context_length``
+    shorter than the target's (:class:`ConfigError`)."""
+    if tokenizer.fingerprint() != target.tokenizer.fingerprint():
+        raise TokenizerError(
+            f"draft model {name} uses a different tokenizer from {target.name}; "
+            f"speculative decoding needs a draft with the same vocabulary")
+    if context_length < target.decoder.context_length:
+        raise ConfigError(
+            f"the draft's context ({context_length}) is shorter than the "
+            f"target's ({target.decoder.context_length}); load it with the same "
+            f"context_length, or a target context of at most {context_length}")

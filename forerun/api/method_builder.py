@@ -5,16 +5,17 @@ Every method is built with what it needs passed in: its drafter or planner,
 its cost stores (:func:`~forerun.api.engine_policy.cost_store`), and the
 target's exact verification group, measured once per machine
 (:meth:`Model.verification_grouping`) before any speculative method runs.
-Draft models load here, on the target's engine, device and context length
-(:func:`load_draft_model`)."""
+Draft models load through the target (:meth:`Model.draft_model`), on its
+engine, device and context length
+(:func:`~forerun.api.loader.load_draft_model`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from forerun.api.engine_policy import cost_store, probe_tokens
-from forerun.errors import ConfigError, ModelNotFoundError, TokenizerError
-from forerun.speculation.config import BUILTIN_DRAFTS, SpeculativeConfig
+from forerun.errors import ConfigError, ModelNotFoundError
+from forerun.speculation.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from forerun.api.model import Model
@@ -232,62 +233,3 @@ def _draft_decoder(model: Model, draft: Any, drafts: list):
     return decoder.fork() if loaded.decoder is decoder else loaded.decoder
 
 
-def draft_weights(target_weights: str | None) -> str | None:
-    """The weight format a draft model loads in beside a target in
-    ``target_weights`` (the torch engine's formats; ``None`` for an engine
-    that runs its file's own quantization): ``q4-all`` beside a quantized
-    target, so every draft matrix is 4-bit, else the target's own.  A
-    draft's precision changes how often its proposals are accepted, never
-    the output, and fewer bytes make each draft step cheaper."""
-    from forerun.engines.linear import QUANTIZED_FORMATS
-
-    if target_weights is None:
-        return None
-    return "q4-all" if target_weights in QUANTIZED_FORMATS else target_weights
-
-
-def load_draft_model(target: Model, spec: Any, *, progress: bool = False) -> Model:
-    """The draft model ``spec`` names (a preset, path, or a loaded
-    :class:`~forerun.api.model.Model`, returned as it is), loaded on
-    ``target``'s engine, in the weight format :func:`draft_weights` gives
-    for the target's, on its device and with its context length, and
-    checked against it (:func:`check_draft_model`)."""
-    from forerun.api.loader import load
-    from forerun.api.model import Model
-    from forerun.loading.load import model_header
-
-    draft = spec
-    if not isinstance(spec, Model):
-        decoder = target.decoder
-        # The header first: another tokenizer or too short a context is
-        # refused in a second, not after minutes of packing and measuring.
-        try:
-            header = model_header(spec, progress=progress)
-        except ModelNotFoundError as exc:
-            # a mistyped drafter ('sufix') reads as a model path: say both
-            raise ModelNotFoundError(f"draft {exc}; a draft may also be a built-in "
-                                     f"drafter: {', '.join(BUILTIN_DRAFTS)}") from None
-        check_draft_model(target, str(spec), header.tokenizer,
-                          header.config.max_position_embeddings)
-        settings = decoder.settings
-        weights = draft_weights(settings.weights)
-        draft = load(spec, engine=settings.engine, context_length=decoder.context_length,
-                     device=decoder.device, progress=progress,
-                     weights="auto" if weights is None else weights)   # (load's default)
-    check_draft_model(target, draft.name, draft.tokenizer, draft.decoder.context_length)
-    return draft
-
-
-def check_draft_model(target: Model, name: str, tokenizer, context_length: int) -> None:
-    """Refuse a draft model ``name`` that can't draft for ``target``:
-    another ``tokenizer`` (:class:`TokenizerError`), or a ``context_length``
-    shorter than the target's (:class:`ConfigError`)."""
-    if tokenizer.fingerprint() != target.tokenizer.fingerprint():
-        raise TokenizerError(
-            f"draft model {name} uses a different tokenizer from {target.name}; "
-            f"speculative decoding needs a draft with the same vocabulary")
-    if context_length < target.decoder.context_length:
-        raise ConfigError(
-            f"the draft's context ({context_length}) is shorter than the "
-            f"target's ({target.decoder.context_length}); load it with the same "
-            f"context_length, or a target context of at most {context_length}")

@@ -63,8 +63,12 @@ class Model:
     """
 
     def __init__(self, name: str, decoder, tokenizer, config, *,
-                 source: str | None = None, reuse_prompts: bool = True) -> None:
+                 source: str | None = None, reuse_prompts: bool = True,
+                 load_draft: Callable[[Model, Any], Model] | None = None) -> None:
         self.name = name
+        # How a draft model named by a preset or path loads beside this one
+        # (forerun.api.loader.load_draft_model, which load() gives).
+        self._load_draft = load_draft
         #: the model file or folder, named in errors about its output
         self.source = source or name
         self._lock = GenerationLock(name)
@@ -471,9 +475,11 @@ class Model:
     def draft_model(self, spec: Any) -> Model:
         """The draft model ``spec`` names (a Model, returned as it is, or a
         preset name or path), loaded on this model's engine the first time
-        and kept (:func:`~forerun.api.method_builder.load_draft_model`)."""
-        from forerun.api.method_builder import load_draft_model
-
+        and kept (:func:`~forerun.api.loader.load_draft_model`)."""
+        load_draft_model = self._load_draft
+        if load_draft_model is None:
+            raise ConfigError(f"{self.name} was not made by forerun.load, which gives a model "
+                              f"the way its draft models load; load it with forerun.load")
         if not isinstance(spec, (str, Path)):
             return load_draft_model(self, spec)
         key = str(spec)

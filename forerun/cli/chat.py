@@ -82,8 +82,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from forerun.cli.main import calibration_notices, speculative_config
-    from forerun.cli.options import check_generation_options, load_model
+    from forerun.cli.notices import calibration_notices
+    from forerun.cli.options import check_generation_options, load_model, speculative_config
 
     check_generation_options(args)
     speculative = speculative_config(args)
@@ -228,7 +228,7 @@ class Chat:
             self.say(f"[cut at {limit} tokens: --max-new-tokens]")
 
     def print_stats(self) -> None:
-        from forerun.cli.main import print_model_stats
+        from forerun.cli.stats_report import print_model_stats
 
         if self.last is None:
             self.say("[no answer yet]")

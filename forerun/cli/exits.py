@@ -19,7 +19,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from forerun.errors import ForerunError
 
@@ -171,3 +171,35 @@ def _install_signal_handlers() -> Callable[[], None]:
             signal.signal(sig, old)
 
     return restore
+
+
+@contextmanager
+def stop_on_signals(stop: threading.Event, caught: list[int]) -> Iterator[None]:
+    """While in it, Ctrl-C and SIGTERM set ``stop`` (the run ends at the next
+    record, keeping what it made) and are noted in ``caught``; a second one
+    ends the command at once, as usual (what the last checkpoint flushed is
+    kept)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: dict[int, Any] = {}
+
+    def handler(signum, frame) -> None:
+        if stop.is_set():
+            old = previous.get(signum)
+            if callable(old):
+                old(signum, frame)
+                return
+            raise KeyboardInterrupt
+        caught.append(signum)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
+            continue
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for number, old in previous.items():
+            signal.signal(number, old)

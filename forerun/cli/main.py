@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from forerun.cli.notices import calibration_notices
 from forerun.cli.options import (
     add_async_options,
     add_lookup_option,
@@ -17,11 +17,12 @@ from forerun.cli.options import (
     add_tree_options,
     check_generation_options,
     load_model,
+    speculative_config,
 )
+from forerun.cli.stats_report import print_model_stats
 from forerun.errors import ForerunError
 
 if TYPE_CHECKING:
-    from forerun.protocol.decoder import EngineSettings
     from forerun.speculation.config import SpeculativeConfig
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,23 +114,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate(args, prompt, speculative)
 
 
-def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
-    """The command line's :class:`~forerun.speculation.SpeculativeConfig`:
-    --draft and the options that shape it, or the preset's default drafter
-    (its draft model where the options need one); ``--draft none`` turns
-    speculation off.  ``forerun generate`` and ``forerun serve`` both call
-    it."""
-    from forerun.speculation.config import CLI, resolve_for_preset
-
-    return resolve_for_preset(
-        args.model, args.draft, names=CLI, draft_k=args.draft_k,
-        draft_lookup=args.draft_lookup, draft_tree=args.draft_tree,
-        tree_nodes=args.tree_nodes, draft_async=getattr(args, "draft_async", False),
-        draft_threads=getattr(args, "draft_threads", None),
-        target_threads=getattr(args, "target_threads", None),
-        draft_window=getattr(args, "draft_window", None))
-
-
 def _generate(args: argparse.Namespace, prompt: str, speculative: SpeculativeConfig) -> int:
     model = load_model(args, progress=not args.quiet)
     raw: str | None = None
@@ -163,31 +147,6 @@ def _generate(args: argparse.Namespace, prompt: str, speculative: SpeculativeCon
     return 0
 
 
-@contextlib.contextmanager
-def calibration_notices(shown: bool):
-    """While in it, print what forerun measures on a first run (the
-    ``forerun.machine.calibration`` logger's INFO records) to standard error, as
-    ``forerun: ...`` lines."""
-    import logging
-
-    class Notices(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            print(f"forerun: {record.getMessage()}", file=sys.stderr, flush=True)
-
-    if not shown:
-        yield
-        return
-    log = logging.getLogger("forerun.machine.calibration")
-    handler, level = Notices(logging.INFO), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-
-
 def read_prompt(arg: str) -> str:
     """The prompt: the argument, or standard input for '-'; either must be
     valid UTF-8 (a bad byte is an error, not a traceback or a guess)."""
@@ -205,86 +164,6 @@ def read_prompt(arg: str) -> str:
         raise ForerunError(f"the prompt is not valid UTF-8 (character {exc.start} is a byte "
                            f"that is not UTF-8); pass UTF-8 text") from None
     return arg
-
-
-def print_model_stats(model, result, out) -> None:
-    """:func:`print_stats` of a generation of ``model``, with what ran it
-    and its draft model."""
-    drafts = [d for d in model.drafts if d is not model]
-    print_stats(result, out, model.decoder.settings,
-                drafts[-1].decoder.settings if drafts else None)
-
-
-def print_stats(result, out, settings: EngineSettings | None = None,
-                draft_settings: EngineSettings | None = None) -> None:
-    s = result.stats
-    lines = [engine_line(settings)] if settings else []
-    if draft_settings:
-        lines.append(engine_line(draft_settings, "draft engine"))
-    lines += [f"method: {s.method}",
-             f"finish reason: {result.finish_reason}",
-             f"prompt tokens: {s.prompt_tokens} ({s.reused_prompt_tokens} reused from the "
-             f"cache)",
-             f"new tokens: {s.new_tokens}",
-             f"prefill: {s.prefill_seconds:.3f} s",
-             f"decode: {s.decode_seconds:.3f} s ({s.tokens_per_second:.2f} tokens/s)"]
-    if s.rounds:
-        hist = " ".join(f"{k}:{v}" for k, v in sorted(s.accepted_histogram.items()))
-        lines += [f"rounds: {s.rounds}",
-                  f"drafted: {s.drafted}, accepted: {s.accepted} "
-                  f"(acceptance rate {s.acceptance_rate:.3f})",
-                  f"mean accepted tokens per target forward: {s.mean_accepted_tokens:.2f}",
-                  f"accepted-length histogram: {hist}",
-                  f"time: drafting {s.draft_seconds:.3f} s, verifying {s.verify_seconds:.3f} s, "
-                  f"other {s.other_seconds:.3f} s"]
-        if s.asynchronous:
-            lines += _async_lines(s)
-        if s.verify_group == 1:
-            lines.append("verification: one position per forward (no grouping of positions "
-                         "is exact on this machine's kernels; speculative decoding stays "
-                         "exact but gains little)")
-        elif s.verify_group is not None:
-            lines.append(f"verification: up to {s.verify_group} positions per forward "
-                         f"(the largest exact group measured on this machine)")
-    out.write("\n".join(lines) + "\n")
-
-
-def engine_line(settings: EngineSettings, label: str = "engine") -> str:
-    """What ran the model (or, under another ``label``, its draft model):
-    engine, device, weight format and kernels, threads."""
-    from forerun.engines.linear import QUANTIZED_FORMATS
-
-    line = f"{label}: {settings.engine} on {settings.device}"
-    if settings.weights is not None:
-        line += f", weights {settings.weights}"
-        if settings.kernels == "native":
-            line += f" (forerun's native kernels, {settings.instruction or 'avx2'})"
-        elif settings.kernels is not None and settings.weights in QUANTIZED_FORMATS:
-            line += " (torch's kernels)"
-    n = settings.threads
-    return line + f", {n} thread{'' if n == 1 else 's'}"
-
-
-def _async_lines(s) -> list[str]:
-    """What --stats says about asynchronous drafting: the split, the
-    overlap, the discarded drafts, and whether it paid."""
-    hidden = s.overlap_seconds / s.drafter_seconds if s.drafter_seconds > 0 else 0.0
-    lines = [f"asynchronous drafting: draft on {s.draft_threads} thread(s), model on "
-             f"{s.target_threads}; the drafter drafted for {s.drafter_seconds:.3f} s, "
-             f"{s.overlap_seconds:.3f} s of it hidden behind verification ({hidden:.0%}); "
-             f"the model waited {s.wait_seconds:.3f} s for proposals; {s.discarded} drafted "
-             f"tokens discarded (drafted from a rejected context)"]
-    if s.async_pays is not None:
-        plan = (f"synchronous drafting with k={s.sync_draft_length}" if s.sync_draft_length
-                else "plain decoding")
-        verdict = "pays" if s.async_pays else "does not pay"
-        lines.append(f"asynchronous drafting {verdict} on this machine: "
-                     f"{s.async_tokens_per_second:.2f} tokens/s over waiting and verifying, "
-                     f"against {s.sync_tokens_per_second:.2f} estimated for {plan} from "
-                     f"this machine's measured costs")
-    elif s.drafted < 1:
-        lines.append("asynchronous drafting: no verdict: it drafted nothing")
-    return lines
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -1,4 +1,6 @@
-"""``forerun medusa``: train Medusa heads for a model (and inspect them)."""
+"""Medusa heads on the command line: ``forerun train medusa`` trains them
+(``forerun medusa train`` is the same command, kept as an alias), and
+``forerun medusa info`` describes a heads file."""
 
 from __future__ import annotations
 
@@ -8,17 +10,32 @@ import sys
 
 from forerun.errors import ForerunError
 
+TRAIN_DESCRIPTION = (
+    "Train Medusa heads: head i learns the model's own prediction of the token i+2 positions "
+    "ahead, teacher-forced over the corpus. The model's hidden states and predictions are "
+    "cached, so epochs and re-runs are cheap. Prints each head's held-out top-1/top-5 "
+    "agreement with the model.")
+
 
 def add_parser(sub) -> None:
-    medusa = sub.add_parser("medusa", help="Medusa heads: train them on a local corpus")
+    medusa = sub.add_parser("medusa", help="Medusa heads: train them (forerun train medusa), "
+                                           "describe a file")
     msub = medusa.add_subparsers(dest="medusa_command", required=True)
+    add_train_arguments(msub.add_parser(
+        "train", help="the same as forerun train medusa (kept as an alias)",
+        description=TRAIN_DESCRIPTION + " The same command as forerun train medusa."))
+    show = msub.add_parser("info", help="describe a heads file (either format)")
+    show.add_argument("path")
 
-    train = msub.add_parser(
-        "train", help="train heads on a frozen model by self-distillation, on this machine",
-        description="Train Medusa heads: head i learns the model's own prediction of the "
-                    "token i+2 positions ahead, teacher-forced over the corpus. The model's "
-                    "hidden states and predictions are cached, so epochs and re-runs are "
-                    "cheap. Prints each head's held-out top-1/top-5 agreement with the model.")
+
+def add_train_parser(tsub) -> None:
+    """``forerun train medusa``."""
+    add_train_arguments(tsub.add_parser(
+        "medusa", help="Medusa heads on a frozen model, by self-distillation",
+        description=TRAIN_DESCRIPTION))
+
+
+def add_train_arguments(train) -> None:
     train.add_argument("--model", "-m", default="qwen2.5-coder-1.5b",
                        help="preset name, .gguf file or Hugging Face folder "
                             "(default: qwen2.5-coder-1.5b)")
@@ -65,9 +82,6 @@ def add_parser(sub) -> None:
                        help="do not cache the model's hidden states between runs")
     train.add_argument("--device", default=None, help="torch device (default: cuda, mps or cpu)")
     train.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
-
-    show = msub.add_parser("info", help="describe a heads file (either format)")
-    show.add_argument("path")
 
 
 def run(args: argparse.Namespace) -> int:

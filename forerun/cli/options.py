@@ -11,6 +11,7 @@ from forerun.errors import ForerunError
 
 if TYPE_CHECKING:
     from forerun.api.model import Model
+    from forerun.speculation.config import SpeculativeConfig
 
 #: ``--weights`` values: "auto" and forerun.engines.linear.WEIGHT_FORMATS,
 #: written out so that parsing the command line does not import torch
@@ -128,3 +129,20 @@ def load_model(args: argparse.Namespace, *, progress: bool) -> Model:
 
     return load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
                 context_length=args.context_length, device=args.device, progress=progress)
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    """The command line's :class:`~forerun.speculation.SpeculativeConfig`:
+    --draft and the options that shape it, or the preset's default drafter
+    (its draft model where the options need one); ``--draft none`` turns
+    speculation off.  ``forerun generate`` and ``forerun serve`` both call
+    it."""
+    from forerun.speculation.config import CLI, resolve_for_preset
+
+    return resolve_for_preset(
+        args.model, args.draft, names=CLI, draft_k=args.draft_k,
+        draft_lookup=args.draft_lookup, draft_tree=args.draft_tree,
+        tree_nodes=args.tree_nodes, draft_async=getattr(args, "draft_async", False),
+        draft_threads=getattr(args, "draft_threads", None),
+        target_threads=getattr(args, "target_threads", None),
+        draft_window=getattr(args, "draft_window", None))

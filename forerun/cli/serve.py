@@ -112,7 +112,7 @@ def _build_service(args: argparse.Namespace):
     """Load the model (and its draft model), and assemble the server's parts."""
     import forerun
     from forerun.api.busy_threads import ThreadsForLoad
-    from forerun.cli.main import speculative_config
+    from forerun.cli.options import speculative_config
     from forerun.loading.presets import DEFAULT_MODEL
     from forerun.server.app import Service
     from forerun.server.metrics import Metrics

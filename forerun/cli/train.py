@@ -5,14 +5,13 @@ from (:mod:`forerun.training.magpie`, :mod:`forerun.training.token_manifest`).""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from forerun.cli.exits import stop_on_signals
 from forerun.cli.options import add_model_options
 from forerun.errors import ForerunError
 
@@ -28,11 +27,14 @@ DATA_OPTIONS = ("seed", "query_temperature", "query_top_p", "max_query_tokens",
 
 def add_parser(sub) -> None:
     train = sub.add_parser("train", help="train a draft head for a model on this machine: its data "
-                                          "(train data), an EAGLE-3 head (train eagle)")
+                                          "(train data), an EAGLE-3 head (train eagle), Medusa "
+                                          "heads (train medusa)")
     tsub = train.add_subparsers(dest="train_command", required=True)
     _add_data_parser(tsub)
+    from forerun.cli.medusa import add_train_parser
     from forerun.cli.train_eagle import add_eagle_parser
     add_eagle_parser(tsub)
+    add_train_parser(tsub)
 
 
 def _add_data_parser(tsub) -> None:
@@ -117,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
         import torch  # noqa: F401  (the long import; a signal in it is held)
     if args.train_command == "data":
         return cmd_data(args)
+    if args.train_command == "medusa":
+        from forerun.cli.medusa import cmd_train
+        return cmd_train(args)
     if args.train_command == "eagle":
         from forerun.cli.train_eagle import cmd_eagle
         return cmd_eagle(args)
@@ -194,7 +199,7 @@ def cmd_data(args: argparse.Namespace) -> int:
                           checkpoint_seconds=args.checkpoint_seconds, stop=stop,
                           progress=not args.quiet, parallel=args.parallel)
     try:
-        with _stop_on_signals(stop, caught):
+        with stop_on_signals(stop, caught):
             report = builder.run()
     except OSError as exc:
         if isinstance(exc, ForerunError):
@@ -289,37 +294,6 @@ def _check_resume(out: Path, stored: dict[str, Any], settings, model: str,
                            + ". Leave those options out to take the manifest's, or give a "
                              "new --out without --resume")
 
-
-@contextlib.contextmanager
-def _stop_on_signals(stop: threading.Event, caught: list[int]) -> Iterator[None]:
-    """While in it, Ctrl-C and SIGTERM set ``stop`` (the run ends at the next
-    record, keeping what it made) and are noted in ``caught``; a second one
-    ends the command at once, as usual (what the last checkpoint flushed is
-    kept)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous: dict[int, Any] = {}
-
-    def handler(signum, frame) -> None:
-        if stop.is_set():
-            old = previous.get(signum)
-            if callable(old):
-                old(signum, frame)
-                return
-            raise KeyboardInterrupt
-        caught.append(signum)
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
-            continue
-        previous[sig] = signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for number, old in previous.items():
-            signal.signal(number, old)
 
 
 def _ending(report, caught: list[int], out: Path, max_tokens: int) -> int:

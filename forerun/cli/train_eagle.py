@@ -159,9 +159,8 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def cmd_eagle(args: argparse.Namespace) -> int:
-    from forerun.cli.exits import EXIT_INTERRUPTED, EXIT_TERMINATED
+    from forerun.cli.exits import EXIT_INTERRUPTED, EXIT_TERMINATED, stop_on_signals
     from forerun.cli.options import load_model
-    from forerun.cli.train import _stop_on_signals
     from forerun.training.eagle import train_eagle
     from forerun.training.eagle_features import FeaturesStopped
     from forerun.training.token_manifest import TokenManifest
@@ -213,7 +212,7 @@ def cmd_eagle(args: argparse.Namespace) -> int:
     def status() -> int:
         return EXIT_TERMINATED if signal_name() == "SIGTERM" else EXIT_INTERRUPTED
 
-    with _stop_on_signals(stop, caught):
+    with stop_on_signals(stop, caught):
         try:
             run = train_eagle(model.decoder, records, model_name=model.name,
                               settings=settings, out=out,

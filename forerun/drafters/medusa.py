@@ -515,7 +515,7 @@ def medusa_drafter(model, draft) -> MedusaDrafter:
         if path is None:
             raise ModelNotFoundError(
                 f"forerun ships no Medusa heads for {model.name}; train some with "
-                f"'forerun medusa train --model {model.name} --corpus PATH --out FILE' and "
+                f"'forerun train medusa --model {model.name} --corpus PATH --out FILE' and "
                 f"use draft='medusa:FILE' (--draft medusa:FILE)")
         heads = MedusaHeads.load(path)
     else:

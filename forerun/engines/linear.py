@@ -20,7 +20,7 @@ business:
 * ``q4-all``: ``q4`` with every matrix in 4-bit groups, a GGUF's 5-to-8-bit
   tensors requantized too (the embedding and a tied LM head stay int8).
   The fewest bytes per step and the least faithful: what a draft model
-  runs in (:func:`forerun.api.method_builder.draft_weights`), since a
+  runs in (:func:`forerun.api.loader.draft_weights`), since a
   draft's precision changes how often its proposals are accepted, never
   the output.
 

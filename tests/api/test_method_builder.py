@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 import forerun
-from forerun.api.method_builder import check_draft_model, draft_weights, load_draft_model
+from forerun.api.loader import check_draft_model, draft_weights, load_draft_model
 from forerun.drafters.draft_window import DEFAULT_DRAFT_WINDOW
 from forerun.errors import ConfigError, GenerationConfigError, ModelNotFoundError, TokenizerError
 from forerun.speculation import resolve

@@ -37,6 +37,7 @@ def files(tmp_path_factory):
                              ("huge_ctx", "qwen2.context_length", 2**31),
                              ("eos_text", "tokenizer.ggml.eos_token_id", ("string", "x"))]:
         write_tiny_gguf(d / f"{name}.gguf", overrides={key: value})
+    write_tiny_gguf(d / "frobnicator.gguf", arch="frobnicator", pad_vocab=True)
     raw = (d / "ok.gguf").read_bytes()
     (d / "truncated.gguf").write_bytes(raw[: len(raw) // 2])
     (d / "afile").write_text("x")
@@ -54,6 +55,7 @@ def files(tmp_path_factory):
     hf_variant("hf_zero_heads", config={"num_attention_heads": 0})
     hf_variant("hf_heads_text", config={"num_attention_heads": "four"})
     hf_variant("hf_bad_index", files={"model.safetensors.index.json": "[]"})
+    hf_variant("hf_phi3", config={"model_type": "phi3"})
     return d
 
 
@@ -97,6 +99,15 @@ CASES = [
      "Download or copy the file again"),
     ("gguf-huge-context", G + ["-m", "{d}/huge_ctx.gguf", "--context-length", str(2**30),
                                "hi"], {}, None, 1, "not enough memory"),
+    # An architecture no engine runs: named, whichever engine tried (the
+    # llama.cpp engine where it is installed, else the torch engine).
+    ("gguf-unknown-architecture", G + ["-m", "{d}/frobnicator.gguf", "hi"], {}, None, 1,
+     "architecture 'frobnicator'"),
+    ("gguf-unknown-architecture-torch", G + ["-m", "{d}/frobnicator.gguf", "--engine", "torch",
+                                             "hi"], {}, None, 1,
+     "architecture 'frobnicator' is not supported by forerun's torch engine"),
+    ("hf-unknown-model-type", G + ["-m", "{d}/hf_phi3", "hi"], {}, None, 1,
+     "model_type 'phi3' is not supported"),
     ("hf-zero-heads", G + ["-m", "{d}/hf_zero_heads", "hi"], {}, None, 1,
      "num_attention_heads must be a positive integer"),
     ("hf-heads-text", G + ["-m", "{d}/hf_heads_text", "hi"], {}, None, 1,

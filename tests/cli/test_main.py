@@ -51,6 +51,7 @@ def test_generate_json(preset_gguf, capsys):
                  "What is 2+2?"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data) >= {"text", "tokens", "finish_reason", "stats"}
+    assert data["model"] == "smollm2-135m" and data["engine"] == "torch"   # (auto's choice)
     assert 1 <= len(data["tokens"]) <= 8
     assert data["finish_reason"] in ("stop", "length")
     for key in ("new_tokens", "prefill_seconds", "decode_seconds", "tokens_per_second"):
@@ -81,7 +82,7 @@ def test_generate_streams_text_and_stats(preset_gguf, capsys):
     (dict(engine="llama.cpp", threads=2), "engine: llama.cpp on cpu, 2 threads"),
 ])
 def test_stats_say_what_ran_the_model(settings, line):
-    from forerun.cli.main import engine_line
+    from forerun.cli.stats_report import engine_line
     from forerun.protocol.decoder import EngineSettings
     assert engine_line(EngineSettings(**{"engine": "torch", "device": "cpu", **settings})) \
         == line
@@ -94,7 +95,7 @@ def test_the_weights_option_offers_every_weight_format():
 
 
 def test_stats_say_what_ran_the_draft_model():
-    from forerun.cli.main import engine_line
+    from forerun.cli.stats_report import engine_line
     from forerun.protocol.decoder import EngineSettings
     settings = EngineSettings(engine="torch", device="cpu", weights="q4-all", kernels="native",
                               instruction="avx2", threads=2)

@@ -47,7 +47,7 @@ def _async_stats(*, drafted: int) -> GenerationStats:
 def test_a_drafter_that_drafted_nothing_gets_no_verdict():
     """Issue 42: ``--draft-async`` said 'asynchronous drafting pays' after
     drafting 0 tokens.  Nothing drafted, nothing measured: no verdict."""
-    from forerun.cli.main import _async_lines
+    from forerun.cli.stats_report import async_lines as _async_lines
 
     idle = _async_stats(drafted=0)
     assert idle.drafted == 0 and idle.async_pays is None

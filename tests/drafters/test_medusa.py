@@ -262,7 +262,7 @@ def test_api_draft_medusa(tmp_path, monkeypatch):
                              draft=f"medusa:{heads_file}")
     assert len(sampled.tokens) <= 12
     # No shipped heads for this model: a clear error naming the fix.
-    with pytest.raises(ModelNotFoundError, match="forerun medusa train"):
+    with pytest.raises(ModelNotFoundError, match="forerun train medusa"):
         model.generate(prompt_ids=ids, max_new_tokens=4, draft="medusa")
     with pytest.raises(ConfigError, match="hidden size"):
         MedusaHeads([[(torch.zeros(8, 8), torch.zeros(8))]], None, None, None).save(
@@ -369,7 +369,7 @@ def test_cli_train_and_info(tmp_path, monkeypatch, capsys):
     for i in range(4):
         (corpus / f"{i}.txt").write_text("the quick brown fox jumps over the lazy dog. " * 30)
     out = tmp_path / "h.safetensors"
-    code = cli_main(["medusa", "train", "--model", str(folder), "--corpus", str(corpus),
+    code = cli_main(["train", "medusa", "--model", str(folder), "--corpus", str(corpus),
                      "--heads", "2", "--out", str(out), "--epochs", "1", "--seq-len", "64",
                      "--max-tokens", "600", "--held-out-tokens", "100", "--quiet"])
     text = capsys.readouterr().out
@@ -377,6 +377,7 @@ def test_cli_train_and_info(tmp_path, monkeypatch, capsys):
     assert "head 0 (token t+2): top-1" in text and "top-5" in text and out.is_file()
     assert cli_main(["medusa", "info", str(out)]) == 0
     assert "heads: 2" in capsys.readouterr().out
+    # (the alias runs the same command)
     assert cli_main(["medusa", "train", "--model", str(folder), "--corpus",
                      str(tmp_path / "nowhere"), "--out", str(out), "--quiet"]) == 1
     assert "does not exist" in capsys.readouterr().err

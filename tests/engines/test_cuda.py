@@ -480,7 +480,7 @@ def test_greedy_speculative_equals_plain(device, load, tiny, medusa, arch, fmt, 
         assert draft_model.decoder.device.type == device
     if method == "draft-path":
         # Loaded by path beside the target: on its device, in q4-all beside
-        # a quantized target (forerun.api.method_builder.draft_weights).
+        # a quantized target (forerun.api.loader.draft_weights).
         assert target.drafts[-1].decoder.model.weights_format == "q4-all"
 
 
