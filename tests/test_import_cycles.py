@@ -1,7 +1,7 @@
 """No circle of imports between forerun's modules, counting the imports
 inside functions (a lazy import hides a circle from the layer contract, not
 from the design).  Imports under ``if TYPE_CHECKING:`` do not run and do not
-count.  The circles not broken yet are listed: the list may only shrink."""
+count."""
 
 from __future__ import annotations
 
@@ -10,13 +10,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "forerun"
 
-#: Circles still to break (issue 55): the layer factories of linear.py pick
-#: the native layers, which subclass its layers and use the kernels that
-#: kernel_choice chooses by timing layers that format_choice builds.
-KNOWN = {
-    frozenset({"forerun.engines.format_choice", "forerun.engines.kernel_choice",
-               "forerun.engines.linear", "forerun.engines.native_linear"}),
-}
+#: Circles still to break; none are left (issue 55 broke the last ones).
+KNOWN: set[frozenset[str]] = set()
 
 
 def module_names() -> dict[str, Path]:

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from forerun.engines.eagle3_weights import Eagle3Weights
-from forerun.engines.linear import WEIGHT_FORMATS, Linear, fuse_linear
+from forerun.engines.layer_factory import fuse_linear
+from forerun.engines.linear import WEIGHT_FORMATS, Linear
 from forerun.engines.rope import RotaryEmbedding, apply_rotary
 from forerun.engines.transformer import causal_mask, rms_norm
 from forerun.errors import ConfigError

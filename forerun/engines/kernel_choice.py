@@ -3,7 +3,7 @@ forerun's native ones (:mod:`forerun.kernels.native`) or torch's, and of the
 native builds the CPU's vpdpbusd one or the AVX2 one.
 
 Each choice times a q4 MLP block of :data:`TIMED_SHAPE` both ways at the
-format choice's positions (:data:`~forerun.engines.format_choice.TIMED_POSITIONS`),
+format choice's positions (:data:`~forerun.engines.timed_blocks.TIMED_POSITIONS`),
 once per machine and thread count, and keeps the times in the calibration
 store (kinds ``native-kernels`` and ``dot-products``).  The kernels layer
 asks through the :class:`~forerun.kernels.native.Timing` that
@@ -18,13 +18,14 @@ from collections.abc import Iterator
 
 import torch
 
-from forerun.engines.format_choice import (
+from forerun.engines.linear import Int4Linear
+from forerun.engines.native_linear import NativeInt4Linear
+from forerun.engines.timed_blocks import (
     TIMED_POSITIONS,
     block_copies,
     random_weights,
     time_mlp_blocks,
 )
-from forerun.engines.linear import Int4Linear
 from forerun.kernels.binding import NativeKernels
 from forerun.kernels.native import SWITCH, Timing, native_kernels
 from forerun.machine.calibration import CalibrationStore
@@ -125,10 +126,6 @@ def time_q4_mlp(candidates: dict[str, NativeKernels | None],
     candidates' runs interleaved, so that a slow spell of the machine
     touches each alike (timed one after the other, a spell during one
     candidate's turn once kept a faster build from being used)."""
-    # native_linear asks product_kernels() for its kernels: imported here,
-    # not at the top, so that the two modules don't import each other there.
-    from forerun.engines.native_linear import NativeInt4Linear
-
     h, i = TIMED_SHAPE
     gen = torch.Generator().manual_seed(0)
     cpu = torch.device("cpu")

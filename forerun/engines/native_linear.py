@@ -21,7 +21,6 @@ from typing import TypeVar
 
 import torch
 
-from forerun.engines.kernel_choice import product_kernels
 from forerun.engines.linear import Int4Groups, Int6Blocks, Int8Rows, Linear
 from forerun.errors import ConfigError
 from forerun.kernels.binding import NativeKernels
@@ -45,7 +44,7 @@ from forerun.kernels.layouts import (
     unpack_nibbles,
     value_units,
 )
-from forerun.kernels.native import unavailable_reason
+from forerun.kernels.native import native_kernels, unavailable_reason
 
 KERNEL = "native"
 
@@ -53,11 +52,11 @@ _Layer = TypeVar("_Layer", bound="_NativeLinear")
 
 
 def native_layer(values: Int4Groups | Int6Blocks | Int8Rows, bias: torch.Tensor | None,
-                 device: torch.device) -> Linear | None:
-    """The native layer for ``values`` on ``device``, or None where the
-    kernels don't run (another device, no kernels here) or the values
-    don't fit them (a scale beyond float16's range)."""
-    kernels = product_kernels() if device.type == "cpu" else None
+                 kernels: NativeKernels | None) -> Linear | None:
+    """The native layer for ``values`` on ``kernels`` (those the machine's
+    choice gave, :func:`~.kernel_choice.product_kernels`), or None where
+    there are none (another device, no kernels here) or the values don't
+    fit them (a scale beyond float16's range)."""
     if kernels is None:
         return None
     if isinstance(values, Int4Groups):
@@ -76,7 +75,9 @@ class _NativeLinear(Linear):
     rows: int
 
     def _kernels(self) -> NativeKernels:
-        kernels = product_kernels()
+        # (the choice the layer factory made before it built this layer,
+        # forerun.engines.kernel_choice.product_kernels)
+        kernels = native_kernels()
         if kernels is None:
             raise ConfigError(f"this {self.format} layer needs forerun's native kernels, "
                               f"which are not available: {unavailable_reason()}")
@@ -301,6 +302,6 @@ class NativeInt8Linear(_NativeLinear):
         return self._add_bias(y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features))
 
 
-#: the native layer of each stored kind (:func:`~.linear.restore_linear`)
+#: the native layer of each stored kind (:func:`~.layer_factory.restore_linear`)
 NATIVE_LAYERS: dict[str, type[NativeInt4Linear | NativeInt6Linear | NativeInt8Linear]] = {
     "q4": NativeInt4Linear, "q6": NativeInt6Linear, "q8": NativeInt8Linear}

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from forerun.engines.format_choice import block_copies, random_weights, time_mlp_blocks
 from forerun.engines.linear import Int8Linear
+from forerun.engines.timed_blocks import block_copies, random_weights, time_mlp_blocks
 from forerun.protocol.grouping_probe import MAX_GROUP
 from forerun.protocol.model_config import ModelConfig
 

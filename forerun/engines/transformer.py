@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from forerun.architectures import ARCHITECTURES
+from forerun.engines.layer_factory import fuse_linear, int8_layer, restore_linear
 from forerun.engines.linear import (
     QUANTIZED_FORMATS,
     WEIGHT_FORMATS,
@@ -26,10 +27,7 @@ from forerun.engines.linear import (
     Int8Rows,
     Linear,
     check_kernels,
-    fuse_linear,
-    int8_layer,
     quantize_int8,
-    restore_linear,
 )
 from forerun.engines.rope import RotaryEmbedding, apply_rotary
 from forerun.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError

@@ -9,14 +9,9 @@ import torch
 import forerun
 import forerun.engines.format_choice as format_choice
 from forerun.api.loader import choose_weights
-from forerun.engines.format_choice import (
-    TIMED_POSITIONS,
-    FormatChoice,
-    choose_format,
-    random_weights,
-    time_formats,
-)
+from forerun.engines.format_choice import FormatChoice, choose_format, time_formats
 from forerun.engines.linear import Int4Groups, Int8Rows
+from forerun.engines.timed_blocks import TIMED_POSITIONS, random_weights
 from forerun.protocol.model_config import ModelConfig
 from tiny_gguf import write_tiny_gguf
 

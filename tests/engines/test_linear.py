@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 import forerun
 from forerun.api.engine_policy import probe_tokens
+from forerun.engines.layer_factory import fuse_linear, make_linear, restore_linear
 from forerun.engines.linear import (
     QUANTIZE_ROWS,
     WEIGHT_FORMATS,
@@ -21,11 +22,8 @@ from forerun.engines.linear import (
     Int4Groups,
     check_kernels,
     concat_rows,
-    fuse_linear,
-    make_linear,
     quantize_int4,
     quantize_int8,
-    restore_linear,
 )
 from forerun.engines.torch_engine import PER_POSITION_FEED, TorchDecoder
 from forerun.engines.transformer import PADDED_ROWS, Transformer

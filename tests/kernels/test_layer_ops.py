@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from forerun.engines import kernel_choice
-from forerun.engines.linear import make_linear
+from forerun.engines.layer_factory import make_linear
 from forerun.engines.rope import apply_rotary
 from forerun.engines.transformer import rms_norm
 from forerun.kernels import native

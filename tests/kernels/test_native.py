@@ -15,7 +15,8 @@ import torch
 
 from engines.test_linear import _network
 from forerun.engines import kernel_choice
-from forerun.engines.linear import make_linear, quantize_int4, quantize_int8
+from forerun.engines.layer_factory import make_linear
+from forerun.engines.linear import quantize_int4, quantize_int8
 from forerun.engines.native_linear import NativeInt4Linear, NativeInt6Linear, NativeInt8Linear
 from forerun.engines.torch_engine import TorchDecoder
 from forerun.kernels import binding, build, layouts, native, self_check
