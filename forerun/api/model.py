@@ -28,9 +28,11 @@ from forerun.speculation.config import SpeculativeConfig, resolve
 if TYPE_CHECKING:
     from forerun.protocol.grouping_probe import GroupingResult
 
-# Chat end-of-turn tokens that end generation besides the model's EOS: the
-# chat templates of the supported families close each turn with one of them.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
+# Chat end-of-turn tokens that end generation besides the model's EOS, where
+# they are special tokens of its tokenizer: the chat templates close each turn
+# with one of them (llama.cpp's list, llama-vocab.cpp; Gemma's <end_of_turn>).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>",
+                      "<end_of_turn>", "<|end|>", "<|eom_id|>", "<EOT>", "<end_of_utterance>")
 
 
 class Model:

@@ -39,24 +39,12 @@ _GLOBAL_NAMES = {
 }
 
 
-# Tokens that end a turn, by their text (llama.cpp's list, llama-vocab.cpp).
-END_OF_TURN_TEXTS = frozenset((
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-    "<EOT>", "<|end_of_text|>", "<end_of_utterance>"))
-_CONTROL = 3   # llama.cpp's token type of control tokens
-
-
 def end_of_generation_ids(meta: dict[str, Any]) -> tuple[int, ...]:
-    """The tokens that end a generation, as llama.cpp finds them: the EOS,
-    end-of-turn and end-of-message ids the header names, and the control
-    tokens written as one of :data:`END_OF_TURN_TEXTS` (Gemma's
-    ``<end_of_turn>``, ChatML's ``<|im_end|>``), which end a chat's answer
-    where the header names only the end of a document."""
-    ids = [meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
-    tokens = meta.get("tokenizer.ggml.tokens") or ()
-    types = meta.get("tokenizer.ggml.token_type") or ()
-    ids += [i for i, (text, kind) in enumerate(zip(tokens, types))
-            if kind == _CONTROL and text in END_OF_TURN_TEXTS]
+    """The tokens the header names as the end of a generation: its EOS,
+    end-of-turn and end-of-message ids (the end-of-turn tokens it only
+    spells, such as Gemma's ``<end_of_turn>``, the Model adds by their
+    text, :data:`~forerun.api.model.END_OF_TURN_TOKENS`)."""
+    ids = (meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom"))
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 

@@ -166,10 +166,12 @@ def load_gguf_files(spec: str | Path, *, engine: str = "llama.cpp",
 # 3: the tokenizer saved in the form it loads fastest from (Tokenizer.save).
 # 5: any architecture (the llama.cpp engine's), SentencePiece tokenizers,
 # every end-of-turn token among the EOS ids.
+# 6: the EOS, EOT and EOM ids the header names (end-of-turn tokens by their
+# text: the Model's).
 # The version is part of an entry's name, so that forerun versions sharing a
 # cache each keep their own entry instead of rebuilding each other's; the
 # other's is listed as written by another version, which a prune deletes.
-GGUF_HEADER_VERSION = "5"
+GGUF_HEADER_VERSION = "6"
 
 
 def _gguf_header(path: Path, digest: str | None = None) -> tuple[ModelConfig, Any]:

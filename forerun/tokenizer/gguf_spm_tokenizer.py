@@ -22,12 +22,12 @@ from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as _Backend
 
 from forerun.errors import TokenizerError
-from forerun.tokenizer.builtin_chat_templates import gguf_chat_template
 from forerun.tokenizer.gguf_vocabulary import (
     BYTE,
     CONTROL,
     UNUSED,
     USER_DEFINED,
+    gguf_tokenizer,
     token_id,
     token_types,
 )
@@ -88,17 +88,4 @@ def spm_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     backend.decoder = decoders.Sequence(
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
          *([decoders.Strip(" ", 1, 0)] if space_prefix else [])])
-    if added:
-        backend.add_tokens(added)
-    if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise TokenizerError(
-            f"the GGUF tokenizer has {len(tokens)} tokens but rebuilding it gave "
-            f"{backend.get_vocab_size(with_added_tokens=True)}")
-    add_bos = meta.get("tokenizer.ggml.add_bos_token")
-    return Tokenizer(
-        backend,
-        bos_token_id=token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens)),
-        eos_token_id=token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens)),
-        add_bos_token=True if add_bos is None else bool(add_bos),
-        chat_template=gguf_chat_template(meta),
-    )
+    return gguf_tokenizer(backend, added, meta, len(tokens), default_add_bos=True)

@@ -18,9 +18,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _Backend
 
 from forerun.errors import TokenizerError
-from forerun.tokenizer.builtin_chat_templates import gguf_chat_template
 from forerun.tokenizer.gguf_spm_tokenizer import spm_tokenizer
-from forerun.tokenizer.gguf_vocabulary import CONTROL, USER_DEFINED, token_id, token_types
+from forerun.tokenizer.gguf_vocabulary import CONTROL, USER_DEFINED, gguf_tokenizer, token_types
 from forerun.tokenizer.tokenizer import Tokenizer
 
 # Qwen2's split regex (its tokenizer.json, and llama.cpp's "qwen2").
@@ -158,19 +157,4 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
         backend.normalizer = normalizer
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
-    if added:
-        backend.add_tokens(added)
-    if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise TokenizerError(
-            f"the GGUF tokenizer has {len(tokens)} tokens but rebuilding it gave "
-            f"{backend.get_vocab_size(with_added_tokens=True)}")
-
-    add_bos = meta.get("tokenizer.ggml.add_bos_token")
-    return Tokenizer(
-        backend,
-        bos_token_id=token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens)),
-        eos_token_id=token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens)),
-        add_bos_token=spec.default_add_bos if add_bos is None else bool(add_bos),
-        chat_template=gguf_chat_template(meta),
-    )
-
+    return gguf_tokenizer(backend, added, meta, len(tokens), spec.default_add_bos)

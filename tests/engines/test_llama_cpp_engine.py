@@ -177,7 +177,7 @@ def test_auto_without_llama_cpp_names_the_architecture_and_the_install(tmp_path,
 def test_gemma3_ends_a_turn_at_end_of_turn_on_llama_cpp(llama_model):
     model = llama_model("gemma3-270m")
     end_of_turn = model.tokenizer.token_to_id("<end_of_turn>")
-    assert set(model.config.eos_token_ids) == {model.tokenizer.eos_token_id, end_of_turn}
+    assert set(model.eos_token_ids) == {model.tokenizer.eos_token_id, end_of_turn}
     # (the preset is the pretrained model, which rarely ends a turn:
     # stopping at any EOS id is tested on every engine elsewhere)
     out = model.generate(prompt="def reverse(s):", max_new_tokens=16)
