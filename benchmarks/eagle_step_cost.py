@@ -38,8 +38,8 @@ def main() -> None:
 
     import torch
 
-    from forerun.engines.eagle3_weights import Eagle3Config, Eagle3Weights, default_aux_layers
-    from forerun.engines.eagle_head import EagleHead
+    from forerun.drafters.eagle.head import EagleHead
+    from forerun.drafters.eagle.weights import Eagle3Config, Eagle3Weights, default_aux_layers
 
     target = load_model(args)
     decoder = target.decoder

@@ -253,10 +253,10 @@ def write_result(path: str | Path, data: Mapping[str, Any], *, torch_info: bool 
 def frequency_order(tokenizer, path: str | Path) -> list[int]:
     """The token frequency order of ``tokenizer`` kept in ``path``, counted
     on this installation's Python sources and documents first if the file
-    is missing (about two minutes; forerun.training.token_frequency)."""
+    is missing (about two minutes; forerun.corpus.token_frequency)."""
+    from forerun.corpus.token_frequency import count_local_text
+    from forerun.corpus.token_frequency import frequency_order as order_of
     from forerun.drafters.draft_vocabulary import read_order, write_order
-    from forerun.training.token_frequency import count_local_text
-    from forerun.training.token_frequency import frequency_order as order_of
 
     path = Path(path)
     if not path.exists():

@@ -28,8 +28,8 @@ import time
 import torch
 
 from forerun.api import load
+from forerun.corpus.token_manifest import TokenManifest
 from forerun.training import eagle as E
-from forerun.training.token_manifest import TokenManifest
 
 DATA = "training-data/qwen2.5-coder-1.5b/"
 

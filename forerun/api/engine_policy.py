@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from forerun.machine.calibration import CalibrationStore
+from forerun.protocol import grouping_probe
+from forerun.protocol.grouping_probe import MAX_GROUP, GroupingResult
 
 if TYPE_CHECKING:
     from forerun.api.model import Model
-    from forerun.protocol.grouping_probe import GroupingResult
 
 # Real text for the grouping probe: prose and code, as prompts hold.
 PROBE_TEXT = (
@@ -56,8 +57,6 @@ def measured_grouping(model: Model, threads: int | None = None) -> GroupingResul
     """The grouping probe's result for ``model`` on this machine (kept in
     forerun's cache): for verifications on ``threads`` threads against
     plain decoding on the decoder's own count, when given."""
-    from forerun.protocol.grouping_probe import MAX_GROUP, GroupingResult, exact_group_size
-
     decoder = model.decoder
     contexts = probe_contexts(model)
     key = {"model": model_identity(model), **decoder.settings.key,
@@ -68,8 +67,9 @@ def measured_grouping(model: Model, threads: int | None = None) -> GroupingResul
     largest = decoder.group_ceiling or MAX_GROUP
     return store.load_or_measure(
         GroupingResult.from_dict,
-        lambda: exact_group_size(decoder, probe_tokens(model, max(contexts) + largest),
-                                 contexts=contexts, threads=threads, max_group=largest),
+        lambda: grouping_probe.exact_group_size(
+            decoder, probe_tokens(model, max(contexts) + largest), contexts=contexts,
+            threads=threads, max_group=largest),
         f"which verification groups {model.name} computes exactly", GroupingResult.to_dict)
 
 

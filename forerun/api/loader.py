@@ -17,9 +17,37 @@ from forerun.api.load_arguments import (
     resolve_device,
 )
 from forerun.api.model import Model, check_reuse_prompts
-from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError, TokenizerError
-from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES
-from forerun.speculation.config import BUILTIN_DRAFTS
+from forerun.engines import format_choice
+from forerun.engines.format_choice import FormatChoice, choose_format
+from forerun.engines.linear import QUANTIZED_FORMATS, check_format
+from forerun.engines.llama_cpp_engine import (
+    ENGINE_OPTIONS,
+    INSTALL_HINT,
+    LlamaCppDecoder,
+    import_llama_cpp,
+)
+from forerun.engines.prefill_kernel import choose_prefill_kernel
+from forerun.engines.torch_engine import TorchDecoder
+from forerun.engines.transformer import Transformer
+from forerun.errors import (
+    ConfigError,
+    EngineUnavailableError,
+    ModelFormatError,
+    ModelNotFoundError,
+    TokenizerError,
+    UnsupportedArchitectureError,
+)
+from forerun.loading.load import (
+    known_digest,
+    load_gguf_files,
+    load_model_files,
+    model_header,
+    resolve_spec,
+)
+from forerun.loading.packed_cache import packed_network
+from forerun.machine.calibration import CalibrationStore
+from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES, torch_unsupported
+from forerun.speculation.methods import BUILTIN_DRAFTS
 
 DEFAULT_CONTEXT_LENGTH = 4096
 ENGINES = ("auto", "torch", "llama.cpp")
@@ -65,8 +93,6 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
     the previous prompt it starts with (a chat's next turn reads only what
     is new; the output is bit for bit the same); see :class:`Model`.
     """
-    from forerun.engines.linear import check_format
-
     weights = check_format(weights)
     check_reuse_prompts(reuse_prompts)
     check_load_arguments(model, context_length=context_length, dtype=dtype,
@@ -77,9 +103,6 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
     if engine == "auto":
         engine = choose_engine(model, weights=weights, device=device, progress=progress)
     if engine == "llama.cpp":
-        from forerun.engines.llama_cpp_engine import import_llama_cpp
-        from forerun.loading.load import load_gguf_files
-
         import_llama_cpp()   # EngineUnavailableError before any file is read
         if weights != "auto":
             raise ConfigError(f"weights={weights!r} applies to the torch engine; the "
@@ -103,8 +126,6 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
             f"context_length {context_length} exceeds the model's limit of "
             f"{config.max_position_embeddings} positions")
     if engine == "llama.cpp":
-        from forerun.engines.llama_cpp_engine import ENGINE_OPTIONS, LlamaCppDecoder
-
         options = dict(engine_options or {})
         unknown = sorted(set(options) - set(ENGINE_OPTIONS))
         if unknown:
@@ -121,15 +142,11 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
                 f"implements {', '.join(SUPPORTED_ARCHITECTURES)}") from exc
         return Model(files.name, llama, files.tokenizer, config, source=_source(files, model),
                      reuse_prompts=reuse_prompts, load_draft=load_draft_model)
-    from forerun.engines.torch_engine import TorchDecoder
-    from forerun.engines.transformer import Transformer
 
     assert isinstance(device, torch.device)   # resolve_device above
     try:
         if files.weights is None:   # a GGUF in q4, q8 or q4-all: the packed network
             assert files.gguf_path is not None   # load_gguf_files sets it
-            from forerun.loading.load import known_digest
-            from forerun.loading.packed_cache import packed_network
 
             network = packed_network(files.gguf_path, config, weights, device,
                                      digest=known_digest(model), progress=progress)
@@ -141,7 +158,6 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
             # this way on the AMD EPYC, and the timing is of int8 blocks.
             # forerun's native layers need no choice: their one kernel
             # prefilled the 1.5B at 66 tok/s in q8 there, against 41-44.)
-            from forerun.engines.prefill_kernel import choose_prefill_kernel
 
             network.set_prefill_kernel(choose_prefill_kernel(files.name, config, device).kernel)
         decoder = TorchDecoder(network, context_length, config.eos_token_ids)
@@ -164,11 +180,6 @@ def choose_engine(model: str | Path, *, weights: str = "auto",
     :class:`~forerun.errors.UnsupportedArchitectureError` that names the
     architecture, the torch engine's and how to install the llama.cpp
     engine.  Reads the GGUF's header only (kept in the cache)."""
-    from forerun.engines.llama_cpp_engine import INSTALL_HINT, import_llama_cpp
-    from forerun.errors import EngineUnavailableError, UnsupportedArchitectureError
-    from forerun.loading.load import load_gguf_files, resolve_spec
-    from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES, torch_unsupported
-
     path = resolve_spec(model, progress=progress)
     if path.is_dir() or path.suffix.lower() != ".gguf":
         return "torch"   # (which names what is wrong with anything but a model folder)
@@ -197,9 +208,6 @@ def _torch_model_files(model, weights: str, dtype: torch.dtype, device: torch.de
     network is built from the GGUF itself, or read from the packed-weight
     cache (:mod:`forerun.loading.packed_cache`); other models come through
     the float32 conversion cache."""
-    from forerun.engines.linear import QUANTIZED_FORMATS
-    from forerun.loading.load import load_gguf_files, load_model_files, resolve_spec
-
     path = resolve_spec(model, progress=progress)
     is_gguf = not path.is_dir() and path.suffix.lower() == ".gguf"
     if dtype != torch.float32 and weights == "auto":   # an explicit activation dtype
@@ -223,9 +231,6 @@ def choose_weights(name: str, config, device: torch.device):
     """The weight format ``weights="auto"`` picks for a model of ``config``'s
     shape on ``device``: stored per machine, else measured
     (:mod:`forerun.engines.format_choice`)."""
-    from forerun.engines.format_choice import FormatChoice, choose_format, time_formats
-    from forerun.machine.calibration import CalibrationStore
-
     candidates: tuple[str, ...]
     if device.type == "cpu":
         candidates = ("q4", "q8", "bfloat16", "float32")
@@ -237,7 +242,7 @@ def choose_weights(name: str, config, device: torch.device):
     store = CalibrationStore("weights", key, label=f"{name}-{device.type}")
 
     def measure() -> FormatChoice:
-        ms = time_formats(config, candidates, device)
+        ms = format_choice.time_formats(config, candidates, device)
         return FormatChoice(choose_format(ms), ms)
 
     return store.load_or_measure(lambda d: FormatChoice.from_dict(d, candidates), measure,
@@ -256,8 +261,6 @@ def draft_weights(target_weights: str | None) -> str | None:
     target, so every draft matrix is 4-bit, else the target's own.  A
     draft's precision changes how often its proposals are accepted, never
     the output, and fewer bytes make each draft step cheaper."""
-    from forerun.engines.linear import QUANTIZED_FORMATS
-
     if target_weights is None:
         return None
     return "q4-all" if target_weights in QUANTIZED_FORMATS else target_weights
@@ -269,8 +272,6 @@ def load_draft_model(target: Model, spec: Any, *, progress: bool = False) -> Mod
     ``target``'s engine, in the weight format :func:`draft_weights` gives
     for the target's, on its device and with its context length, and
     checked against it (:func:`check_draft_model`)."""
-    from forerun.loading.load import model_header
-
     draft = spec
     if not isinstance(spec, Model):
         decoder = target.decoder

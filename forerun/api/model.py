@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forerun.api.engine_policy import measured_grouping, model_identity
+from forerun.api.engine_policy import cost_store, measured_grouping, model_identity, probe_tokens
+from forerun.api.method_builder import build_member_method, build_method
+from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.sampling import SamplingParams
 from forerun.drafters.suffix_store import SuffixStore
 from forerun.errors import (
@@ -18,12 +20,14 @@ from forerun.errors import (
     GenerationConfigError,
     NonFiniteLogitsError,
 )
+from forerun.generation.batch import run_batch
 from forerun.generation.exclusive import GenerationLock, Holds
 from forerun.generation.params import GenerationParams
 from forerun.generation.result import GenerationResult
 from forerun.generation.runner import check_request, run_generation, token_ids
 from forerun.protocol.prefix_reuse import PrefixReuse
 from forerun.speculation.config import SpeculativeConfig, resolve
+from forerun.speculation.options import NAMES
 
 if TYPE_CHECKING:
     from forerun.protocol.grouping_probe import GroupingResult
@@ -151,12 +155,8 @@ class Model:
                top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                stop: Sequence[str] | str = (), stop_token_ids: Sequence[int] = (),
                ignore_eos: bool = False, cancel=None,
-               speculative: SpeculativeConfig | None = None, draft=None,
-               draft_k: int | None = None, draft_async: bool = False,
-               draft_threads: int | None = None, target_threads: int | None = None,
-               draft_tree: bool = False, tree_nodes: int | None = None,
-               draft_lookup: bool | None = None, draft_window: int | str | None = None,
-               **unknown: Any) -> GenerationStream:
+               speculative: SpeculativeConfig | Mapping[str, Any] | None = None,
+               **draft_options: Any) -> GenerationStream:
         """Like :meth:`generate`, but returns an iterator of text deltas; its
         ``result`` attribute holds the :class:`GenerationResult` once the
         iteration has ended.
@@ -165,25 +165,21 @@ class Model:
         holds the model from its first ``next()`` until it ends or is
         closed (see :class:`Model`); close a stream you don't finish, or use
         it in a ``with`` block."""
-        if unknown:
-            raise _unknown_arguments(unknown)
         ids, params, speculative = self._request(
             prompt, messages=messages, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
             stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, cancel=cancel,
-            speculative=speculative, draft=draft, draft_k=draft_k, draft_async=draft_async,
-            draft_threads=draft_threads, target_threads=target_threads,
-            draft_tree=draft_tree, tree_nodes=tree_nodes, draft_lookup=draft_lookup,
-            draft_window=draft_window)
+            speculative=speculative, **draft_options)
         method, drafts = self._method(speculative)
         return GenerationStream(self._run(method, drafts, ids, params, cancel))
 
     def _request(self, prompt, *, messages, prompt_ids, max_new_tokens, temperature, top_k,
                  top_p, min_p, seed, stop, stop_token_ids, ignore_eos, cancel, speculative,
-                 draft, **options: Any
+                 **draft_options: Any
                  ) -> tuple[list[int], GenerationParams, SpeculativeConfig]:
         """One request's prompt ids, parameters and speculation, every value
         checked (:meth:`stream`'s arguments)."""
+        _refuse_unknown(draft_options)
         ids = self.encode_prompt(prompt, messages=messages, prompt_ids=prompt_ids)
         if isinstance(stop, str):
             stop = (stop,)
@@ -197,17 +193,7 @@ class Model:
                 else stop_token_ids, self.decoder.vocab_size, "stop_token_ids")),
             ignore_eos=ignore_eos)
         ids = check_request(self.decoder, ids, params, cancel)
-        # (resolve checks every value itself)
-        if speculative is None:
-            speculative = resolve(draft, **options)
-        elif not isinstance(speculative, SpeculativeConfig):
-            raise GenerationConfigError(f"speculative must be a SpeculativeConfig (from "
-                                        f"forerun.speculation.resolve), got "
-                                        f"{type(speculative).__name__}")
-        elif draft is not None or options != _NO_DRAFT_OPTIONS:
-            raise GenerationConfigError("give speculative (a resolved SpeculativeConfig) or "
-                                        "the draft options (draft, draft_k, ...), not both")
-        return ids, params, speculative
+        return ids, params, speculation(speculative, draft_options)
 
     def generate_batch(self, requests: Sequence[Any], *, parallel: int | None = None,
                        on_result: Callable[[int, GenerationResult], None] | None = None,
@@ -259,7 +245,7 @@ class Model:
             except ForerunError as exc:
                 exc.args = (f"request {n}: {exc}", *exc.args[1:])
                 raise
-            if config.method not in BATCHED_METHODS:
+            if not config.batched:
                 raise GenerationConfigError(f"request {n}: {_not_batched(config)}; use "
                                             f"generate() for it")
             prepared.append((ids, params, config, values["cancel"]))
@@ -287,8 +273,6 @@ class Model:
         drafting chooses from are read first, here).  ``on_done(index,
         result)``: called on this thread as each job ends.  The first job
         that raises has its error raised once all ended."""
-        from forerun.generation.batch import run_batch
-
         if parallel is not None and (not isinstance(parallel, int) or isinstance(parallel, bool)
                                      or parallel < 1):
             raise GenerationConfigError(f"parallel must be a positive integer, got "
@@ -306,7 +290,7 @@ class Model:
         """:meth:`stream` on ``decoder``, a member of a batch of this
         model's sequences (:class:`~forerun.generation.batch.BatchedDecoder`,
         its forwards shared), with plain decoding, prompt lookup or suffix
-        drafting (the methods a batch runs: :data:`BATCHED_METHODS`).  It holds no lock
+        drafting (the methods a batch runs: :attr:`SpeculativeConfig.batched`).  It holds no lock
         of the model: the batch owns the forwards.  For prompt lookup and
         suffix drafting,
         :meth:`batch_costs` of the request's config must have been read on
@@ -314,7 +298,7 @@ class Model:
         _refuse_unknown(kwargs)
         values = {**_STREAM_DEFAULTS, **kwargs}
         ids, params, config = self._request(prompt, **values)
-        if config.method not in BATCHED_METHODS:
+        if not config.batched:
             raise GenerationConfigError(_not_batched(config))
         return self._stream_on(decoder, ids, params, config, values["cancel"])
 
@@ -324,8 +308,6 @@ class Model:
         Prompt lookup chooses its draft lengths from the costs a sequence
         alone measured (:meth:`batch_costs`), never timing forwards inside
         the batch."""
-        from forerun.decoding.plain import PlainDecoding
-
         if config.method == "none":
             method: Any = PlainDecoding(decoder)
         else:
@@ -338,18 +320,10 @@ class Model:
             method.use_costs(costs)
         return GenerationStream(self._generation(method, ids, params, cancel))
 
-    def _lookup(self, decoder, config: SpeculativeConfig, cost_store=None):
-        """A batch member's method: prompt lookup or suffix drafting."""
-        if config.method == "suffix":
-            from forerun.drafters.suffix import suffix_decoding
-
-            return suffix_decoding(decoder, self.suffix_store(), k=config.length,
-                                   cost_store=cost_store)
-        from forerun.decoding.speculative import SpeculativeDecoding
-        from forerun.drafters.ngram import NgramDrafter
-
-        return SpeculativeDecoding(decoder, NgramDrafter(), k=config.length,
-                                   cost_store=cost_store)
+    def _lookup(self, decoder, config: SpeculativeConfig, costs=None):
+        """A batch member's method (a batched method of the registry) on
+        ``decoder``, timing into ``costs`` (``None``: it times nothing)."""
+        return build_member_method(self, decoder, config, costs)
 
     def batch_costs(self, config: SpeculativeConfig) -> list[float | None]:
         """The verification costs prompt lookup or suffix drafting
@@ -361,8 +335,6 @@ class Model:
         key = ("batch-costs", config.key)
         costs = self._methods.get(key)
         if costs is None:
-            from forerun.api.engine_policy import cost_store, probe_tokens
-
             self.verification_grouping()
             alone = self.decoder.fork()
             template = self._lookup(alone, config, cost_store(self))
@@ -441,9 +413,12 @@ class Model:
         prompt).  It changes the draft's cost and acceptance, never the
         output.
 
-        ``speculative``: a :class:`~forerun.speculation.SpeculativeConfig`
-        already resolved from these options (:func:`forerun.speculation.resolve`),
-        instead of them.
+        ``speculative``: the speculation in one argument, either a dict of
+        these options (``speculative={"draft": "ngram", "draft_k": 4}``) or
+        a :class:`~forerun.speculation.SpeculativeConfig` already resolved
+        from them (:func:`forerun.speculation.resolve`).  The keyword
+        arguments ``draft``, ``draft_k``, ... are shorthand for it, routed
+        through the same place (:func:`speculation`); give one or the other.
         """
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
@@ -505,8 +480,6 @@ class Model:
         """The decoding method for ``config``, and the draft models it uses:
         built once per config (building may load a draft model and measure
         this model), holding this model while it builds."""
-        from forerun.api.method_builder import build_method
-
         if not config.speculates:
             return build_method(self, config)
         built = self._methods.get(config.key)
@@ -560,19 +533,9 @@ class GenerationStream:
             raise
 
 
-#: The speculation methods a batch of sequences runs (Model.generate_batch,
-#: Model.stream_in_batch): plain decoding, prompt lookup and suffix drafting.
-BATCHED_METHODS = ("none", "ngram", "suffix")
-
-
 def _not_batched(config: SpeculativeConfig) -> str:
     return (f"a batch of sequences runs plain decoding, prompt lookup or suffix drafting "
             f"(draft=None, 'ngram' or 'suffix'), not {config.describe()}")
-
-
-_NO_DRAFT_OPTIONS = dict(draft_k=None, draft_async=False, draft_threads=None,
-                         target_threads=None, draft_tree=False, tree_nodes=None,
-                         draft_lookup=None, draft_window=None)
 
 
 _STREAM_DEFAULTS = {name: p.default
@@ -580,11 +543,36 @@ _STREAM_DEFAULTS = {name: p.default
                     if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
-def _refuse_unknown(arguments: dict[str, Any]) -> None:
-    """Refuse, naming them, arguments that are neither ``prompt`` nor one
-    of :meth:`Model.stream`'s keyword arguments."""
+def speculation(speculative: Any, draft_options: Mapping[str, Any]) -> SpeculativeConfig:
+    """The one place a request's speculation is decided: ``speculative`` (a
+    resolved :class:`SpeculativeConfig`, or a mapping of
+    :data:`~forerun.speculation.options.NAMES` to values, resolved here), or
+    the same options given as keyword arguments (``draft="ngram"``,
+    ``draft_k=4``: the shorthand), never both."""
+    shorthand = {k: v for k, v in draft_options.items() if v is not None and v is not False}
+    if isinstance(speculative, SpeculativeConfig) or isinstance(speculative, Mapping):
+        if shorthand:
+            raise GenerationConfigError(
+                f"give speculative or the draft options as keyword arguments "
+                f"({', '.join(shorthand)}), not both")
+        if isinstance(speculative, SpeculativeConfig):
+            return speculative
+        options = dict(speculative)
+    elif speculative is None:
+        options = dict(draft_options)
+    else:
+        raise GenerationConfigError(f"speculative must be a SpeculativeConfig (from "
+                                    f"forerun.speculation.resolve) or a dict of speculation "
+                                    f"options, got {type(speculative).__name__}")
+    # (resolve checks every value itself, and names an unknown option)
+    return resolve(options.pop("draft", None), **options)
+
+
+def _refuse_unknown(arguments: Mapping[str, Any]) -> None:
+    """Refuse, naming them, arguments that are neither ``prompt``, one of
+    :meth:`Model.stream`'s keyword arguments nor a speculation option."""
     unknown = {k: v for k, v in arguments.items()
-               if k != "prompt" and k not in _STREAM_DEFAULTS}
+               if k != "prompt" and k not in _STREAM_DEFAULTS and k not in NAMES}
     if unknown:
         raise _unknown_arguments(unknown)
 
@@ -595,7 +583,7 @@ def _unknown_arguments(unknown: dict[str, Any]) -> GenerationConfigError:
     import difflib
 
     known = [name for name, p in inspect.signature(Model.stream).parameters.items()
-             if p.kind is inspect.Parameter.KEYWORD_ONLY]
+             if p.kind is inspect.Parameter.KEYWORD_ONLY] + list(NAMES)
     parts = []
     for name in unknown:
         near = difflib.get_close_matches(name, known, n=1)

@@ -9,9 +9,10 @@ from typing import Any
 
 from forerun.bench.errors import BenchError
 from forerun.bench.method import BenchContext, BenchMethod, MethodOutput
-from forerun.bench.registry import register_method, register_pattern
+from forerun.bench.registry import known, register_method, register_pattern
 from forerun.errors import ForerunError, ModelNotFoundError
 from forerun.speculation.config import SpeculativeConfig, resolve
+from forerun.speculation.methods import METHOD_TABLE, MethodSpec, shape_options
 
 
 class ForerunMethod(BenchMethod):
@@ -227,3 +228,41 @@ register_pattern(r"eagle(-tree|-lookup)?(?::(.+))?", _eagle, "eagle[-tree|-looku
                  "-lookup: chains or prompt lookup, whichever pays more each round) from the "
                  "model's own states: Model.generate(draft='eagle', draft_lookup=False); :HEAD "
                  "names a head folder instead of the preset's shipped one (torch engine)")
+
+
+def _draft_lookup_suffix(match: re.Match) -> BenchMethod:
+    kind = match.group(1)
+    drafter = "the draft model" if kind == "draft" else "the EAGLE-3 head"
+    return ForerunMethod(match.group(0), draft=None if kind == "draft" else "eagle",
+                         use_draft_model=kind == "draft", options={"draft_lookup": "suffix"},
+                         description=f"suffix drafting or {drafter}, whichever pays more "
+                                     f"each round")
+
+
+register_pattern(r"(draft|eagle)-lookup-suffix", _draft_lookup_suffix,
+                 "{draft,eagle}-lookup-suffix",
+                 "a draft model or the EAGLE-3 head beside suffix drafting (the prompt, the "
+                 "text so far and the model's earlier answers): Model.generate(draft=..., "
+                 "draft_lookup='suffix')")
+
+
+def _from_the_registry() -> None:
+    """Every method of the drafter registry that has no entry above, under
+    its own name with its default options (a drafter added to the table is
+    a bench method at once)."""
+    for spec in METHOD_TABLE.values():
+        if spec.draft in ("none", "drafter") or known(spec.name):
+            continue
+        draft = {"model": None, "medusa": "medusa", "eagle": "eagle"}.get(spec.draft, spec.draft)
+        register_method(spec.name, _method_of(spec, draft), spec.summary)
+
+
+def _method_of(spec: MethodSpec, draft: str | None):
+    """The bench method of a registry row, with its default options."""
+    def make() -> BenchMethod:
+        return ForerunMethod(spec.name, draft=draft, use_draft_model=spec.draft == "model",
+                             options=shape_options(spec), description=spec.summary)
+    return make
+
+
+_from_the_registry()

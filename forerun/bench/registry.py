@@ -58,6 +58,12 @@ def register_pattern(pattern: str, factory: Callable[[re.Match], BenchMethod], u
     REGISTRY[usage] = _Entry(usage, description, make, re.compile(pattern))
 
 
+def known(name: str) -> bool:
+    """Whether a registered method or family is called ``name``."""
+    return any(name == usage if e.pattern is None else bool(e.pattern.fullmatch(name))
+               for usage, e in REGISTRY.items())
+
+
 def make_method(name: str) -> BenchMethod:
     """A fresh method of the given name."""
     entry = REGISTRY.get(name)

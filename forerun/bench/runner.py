@@ -32,6 +32,7 @@ from forerun.bench.registry import ENGINE_PEERS, PEER_GROUPS, make_method
 from forerun.bench.summary import PLAIN, BenchReport, summarize
 from forerun.decoding.stats import acceptance_rate, mean_accepted_tokens
 from forerun.errors import ForerunError
+from forerun.loading.presets import PRESETS
 from forerun.machine.calibration import cpu_name
 from forerun.protocol.token_sequences import common_prefix
 
@@ -324,7 +325,6 @@ def _source_of(model, spec) -> str | None:
     would give the peers the wrong weights."""
     if spec is None:
         return None
-    from forerun.loading.presets import PRESETS
 
     text = str(spec)
     name = text if text in PRESETS else Path(text).expanduser().name

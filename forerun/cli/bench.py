@@ -8,8 +8,15 @@ import datetime as _dt
 import sys
 from pathlib import Path
 
+from forerun.bench.errors import BenchError
+from forerun.bench.prompts import load_prompts, select_prompts
+from forerun.bench.registry import available_methods
+from forerun.bench.report import REPORT_FILES, print_report, write_reports
+from forerun.bench.runner import BenchSettings, run_bench
 from forerun.cli.options import WEIGHT_CHOICES
+from forerun.loading.presets import DEFAULT_MODEL
 from forerun.machine.output_files import check_output_dir, check_replaceable
+from forerun.speculation.config import default_draft
 
 DEFAULT_METHODS = "plain,draft,ngram"
 
@@ -81,11 +88,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace):
-    from forerun.bench.errors import BenchError
-    from forerun.bench.runner import BenchSettings
-    from forerun.loading.presets import DEFAULT_MODEL
-    from forerun.speculation.config import default_draft
-
     temps = []
     for t in _split(args.temperature) or ["0"]:
         try:
@@ -107,11 +109,6 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from forerun.bench.prompts import load_prompts, select_prompts
-    from forerun.bench.registry import available_methods
-    from forerun.bench.report import REPORT_FILES, print_report, write_reports
-    from forerun.bench.runner import run_bench
-
     if args.list_methods:
         for usage, description in available_methods():
             print(f"{usage:16} {description}")

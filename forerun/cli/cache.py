@@ -19,6 +19,8 @@ import time
 from collections.abc import Sequence
 
 from forerun.errors import ForerunError
+from forerun.loading.cache_inventory import prune_digests, removable, remove, scan
+from forerun.machine.paths import cache_dir
 
 
 def add_parser(sub) -> None:
@@ -64,9 +66,6 @@ def _table(rows: Sequence[tuple[str, ...]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from forerun.loading.cache_inventory import prune_digests, removable, remove, scan
-    from forerun.machine.paths import cache_dir
-
     root = cache_dir()
     action = args.cache_command
     if action == "path":

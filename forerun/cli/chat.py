@@ -30,7 +30,17 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
+from forerun.cli.notices import calibration_notices
+from forerun.cli.options import (
+    add_model_options,
+    add_sampling_options,
+    check_generation_options,
+    load_model,
+    speculative_config,
+)
+from forerun.cli.stats_report import print_model_stats
 from forerun.errors import ForerunError
+from forerun.speculation.options import add_speculation_flags
 
 if TYPE_CHECKING:
     from forerun.api.model import Model
@@ -56,14 +66,6 @@ Stopper = Callable[[], contextlib.AbstractContextManager[threading.Event]]
 
 
 def add_parser(sub) -> None:
-    from forerun.cli.options import (
-        add_async_options,
-        add_lookup_option,
-        add_model_options,
-        add_sampling_options,
-        add_tree_options,
-    )
-
     p = sub.add_parser(
         "chat", help="chat with a model in the terminal",
         description="A multi-turn chat in the terminal: answers stream as they are "
@@ -72,9 +74,7 @@ def add_parser(sub) -> None:
                     f"tokens of one answer (default {DEFAULT_MAX_NEW_TOKENS}).")
     add_model_options(p)
     add_sampling_options(p)
-    add_async_options(p)
-    add_tree_options(p)
-    add_lookup_option(p)
+    add_speculation_flags(p)
     p.add_argument("--system", default=None,
                    help="the system message (/system in the chat changes it)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
@@ -82,9 +82,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from forerun.cli.notices import calibration_notices
-    from forerun.cli.options import check_generation_options, load_model, speculative_config
-
     check_generation_options(args)
     speculative = speculative_config(args)
     with calibration_notices(shown=not args.quiet):
@@ -228,8 +225,6 @@ class Chat:
             self.say(f"[cut at {limit} tokens: --max-new-tokens]")
 
     def print_stats(self) -> None:
-        from forerun.cli.stats_report import print_model_stats
-
         if self.last is None:
             self.say("[no answer yet]")
             return

@@ -7,7 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from forerun.cli.exits import signals_deferred
 from forerun.errors import ForerunError, ModelNotFoundError
+from forerun.loading.presets import DEFAULT_MODEL
 
 #: The HEAD that names the default preset's shipped head.
 SHIPPED = "eagle"
@@ -41,15 +43,13 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from forerun.cli.exits import signals_deferred
-
     with signals_deferred():
         import torch  # noqa: F401  (the long import; a signal in it is held)
     return cmd_eagle3(args)
 
 
 def cmd_eagle3(args: argparse.Namespace) -> int:
-    from forerun.loading.eagle3_files import load_eagle3, save_eagle3
+    from forerun.drafters.eagle.files import load_eagle3, save_eagle3
 
     if args.target_layers is not None and args.target_layers < 1:
         raise ForerunError("--target-layers must be >= 1")
@@ -77,8 +77,7 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
 def resolve_head(value: str) -> Path:
     """HEAD as a path: ``eagle`` is the default preset's shipped head."""
     if value == SHIPPED:
-        from forerun.loading.eagle3_files import shipped_head_path
-        from forerun.loading.presets import DEFAULT_MODEL
+        from forerun.drafters.eagle.files import shipped_head_path
 
         path = shipped_head_path(DEFAULT_MODEL)
         if path is None:

@@ -10,17 +10,15 @@ from typing import TYPE_CHECKING
 
 from forerun.cli.notices import calibration_notices
 from forerun.cli.options import (
-    add_async_options,
-    add_lookup_option,
     add_model_options,
     add_sampling_options,
-    add_tree_options,
     check_generation_options,
     load_model,
     speculative_config,
 )
 from forerun.cli.stats_report import print_model_stats
 from forerun.errors import ForerunError
+from forerun.speculation.options import add_speculation_flags
 
 if TYPE_CHECKING:
     from forerun.speculation.config import SpeculativeConfig
@@ -36,9 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the prompt ('-' reads it from standard input)")
     add_model_options(gen)
     add_sampling_options(gen)
-    add_async_options(gen)
-    add_tree_options(gen)
-    add_lookup_option(gen)
+    add_speculation_flags(gen)
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is, without the chat template")
     gen.add_argument("--system", default=None, help="a system message for the chat template")

@@ -92,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from forerun.api import load
-    from forerun.drafters.medusa import heads_path
-    from forerun.training.medusa import TrainSettings, train_medusa
-    from forerun.training.token_manifest import TokenManifest
+    from forerun.corpus.token_manifest import TokenManifest
+    from forerun.drafters.medusa.heads import heads_path
+    from forerun.drafters.medusa.training import TrainSettings, train_medusa
 
     settings = TrainSettings(heads=args.heads, epochs=args.epochs, lr=args.lr,
                              batch_size=args.batch_size, own_lm_head=args.own_lm_head,
@@ -138,7 +138,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from forerun.drafters.medusa import MedusaHeads
+    from forerun.drafters.medusa.heads import MedusaHeads
 
     heads = MedusaHeads.load(args.path)
     out = sys.stdout

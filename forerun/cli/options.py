@@ -8,14 +8,29 @@ import argparse
 from typing import TYPE_CHECKING
 
 from forerun.errors import ForerunError
+from forerun.loading.presets import DEFAULT_MODEL
+from forerun.speculation.config import CLI, SpeculativeConfig, resolve_for_preset
+from forerun.speculation.methods import BUILTIN_DRAFTS, METHOD_TABLE
+from forerun.speculation.options import flag_values
 
 if TYPE_CHECKING:
     from forerun.api.model import Model
-    from forerun.speculation.config import SpeculativeConfig
 
 #: ``--weights`` values: "auto" and forerun.engines.linear.WEIGHT_FORMATS,
 #: written out so that parsing the command line does not import torch
 WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "q8", "q4", "q4-all")
+
+
+#: --draft's help: what a draft value names, the built-in drafters from the
+#: drafter registry
+_DRAFT_HELP = (
+    "speculative decoding with this draft: a preset, .gguf file or folder sharing the "
+    "model's tokenizer (a draft model), "
+    + ", ".join(f"'{name}' ({METHOD_TABLE[name].summary})" for name in BUILTIN_DRAFTS)
+    + " ('medusa:FILE' and 'eagle:DIR' for heads of your own), or 'none' for plain "
+    "decoding (default: the preset's own: ngram for qwen2.5-coder-1.5b, or its draft model "
+    "qwen2.5-coder-0.5b where --draft-tree, --tree-nodes, --draft-lookup or --draft-async "
+    "asks for a draft model; none for a path)")
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -39,59 +54,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "matrix 4-bit: smaller, less faithful; what a draft runs in), q8 "
                         "(int8), bfloat16, float32, or auto (default: for a GGUF, the "
                         "fastest on this machine, measured once)")
-    p.add_argument("--draft", "-d", default=None,
-                   help="speculative decoding with this draft: a preset, .gguf file or "
-                        "folder sharing the model's tokenizer, 'ngram' (prompt lookup), "
-                        "'suffix' (prompt lookup and the model's earlier answers, "
-                        "which a server or chat remembers), "
-                        "'medusa' (the preset's shipped Medusa heads; 'medusa:FILE' for "
-                        "others), or 'none' for plain decoding "
-                        "(default: the preset's own: ngram for qwen2.5-coder-1.5b, or its "
-                        "draft model qwen2.5-coder-0.5b where --draft-tree, --tree-nodes, "
-                        "--draft-lookup or --draft-async asks for a draft model; none for a "
-                        "path)")
-    p.add_argument("--draft-k", type=int, default=None,
-                   help="fixed draft length (default: chosen every round from measured costs)")
-    p.add_argument("--draft-window", type=_window, default=None, metavar="N|all",
-                   help="the most prompt tokens a draft model reads: the first 4 and the "
-                        "last N-4 of a longer prompt (default 512; 'all' reads the whole "
-                        "prompt); the output is the same, only the draft's cost and "
-                        "acceptance change")
-
-
-def _window(text: str) -> int | str:
-    """A --draft-window value: a number as an int, anything else as given
-    (resolve() says what is wrong with it)."""
-    return int(text) if text.strip().isdigit() else text
-
-
-def add_tree_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-tree", action="store_true",
-                   help="the draft model drafts a token tree by its own probabilities, "
-                        "verified in one forward (torch engine); its node budget is chosen "
-                        "every round from measured costs")
-    p.add_argument("--tree-nodes", type=int, default=None,
-                   help="a fixed node budget for the draft tree (implies --draft-tree), or "
-                        "the node count of a Medusa tree")
-
-
-def add_lookup_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-lookup", action=argparse.BooleanOptionalAction, default=None,
-                   help="prompt lookup beside the draft model or EAGLE head: each round "
-                        "drafts from the prompt and the text so far, or with the model or "
-                        "head, whichever is expected to pay more (default: on for chains of a "
-                        "chosen length; --no-draft-lookup: the draft model or head alone)")
-
-
-def add_async_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-async", action="store_true",
-                   help="run the draft model in a thread of its own, drafting ahead while "
-                        "the model verifies (same output; --stats says whether it paid)")
-    p.add_argument("--draft-threads", type=int, default=None,
-                   help="with --draft-async: the draft model's CPU threads (default 1)")
-    p.add_argument("--target-threads", type=int, default=None,
-                   help="with --draft-async: the model's CPU threads while the draft runs "
-                        "beside it (default: its own count less the draft's, at least 1)")
+    p.add_argument("--draft", "-d", default=None, help=_DRAFT_HELP)
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -125,7 +88,6 @@ def load_model(args: argparse.Namespace, *, progress: bool) -> Model:
     """The model the options of :func:`add_model_options` name (the default
     preset without ``--model``), loaded."""
     from forerun.api import load
-    from forerun.loading.presets import DEFAULT_MODEL
 
     return load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
                 context_length=args.context_length, device=args.device, progress=progress)
@@ -135,14 +97,6 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     """The command line's :class:`~forerun.speculation.SpeculativeConfig`:
     --draft and the options that shape it, or the preset's default drafter
     (its draft model where the options need one); ``--draft none`` turns
-    speculation off.  ``forerun generate`` and ``forerun serve`` both call
-    it."""
-    from forerun.speculation.config import CLI, resolve_for_preset
-
-    return resolve_for_preset(
-        args.model, args.draft, names=CLI, draft_k=args.draft_k,
-        draft_lookup=args.draft_lookup, draft_tree=args.draft_tree,
-        tree_nodes=args.tree_nodes, draft_async=getattr(args, "draft_async", False),
-        draft_threads=getattr(args, "draft_threads", None),
-        target_threads=getattr(args, "target_threads", None),
-        draft_window=getattr(args, "draft_window", None))
+    speculation off.  ``forerun generate``, ``forerun chat`` and ``forerun
+    serve`` all call it."""
+    return resolve_for_preset(args.model, args.draft, names=CLI, **flag_values(args))

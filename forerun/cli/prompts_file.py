@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from forerun.errors import ForerunError
+from forerun.machine.output_files import check_output_file, written_whole
 
 #: What a line may set for its own request, beside its prompt.
 LINE_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
@@ -34,8 +35,6 @@ SOURCES = ("prompt", "messages", "prompt_ids")
 def check_paths(args: argparse.Namespace) -> tuple[Path, Path]:
     """The input file (readable) and the output path (writable, new unless
     ``--force``), before anything loads."""
-    from forerun.machine.output_files import check_output_file
-
     if args.prompt is not None:
         raise ForerunError("give a prompt or --prompts-file, not both")
     if not str(args.prompts_file).strip():
@@ -110,9 +109,7 @@ def _generated(args: argparse.Namespace, model, speculative, requests: list[dict
                common: dict[str, Any], bar) -> list:
     """Every request's result: together where the drafter batches, else
     one at a time (``--parallel`` then refused above 1)."""
-    from forerun.api.model import BATCHED_METHODS
-
-    if speculative.method in BATCHED_METHODS:
+    if speculative.batched:
         return model.generate_batch(requests, parallel=args.parallel,
                                     on_result=lambda n, r: bar.update(), **common)
     if args.parallel not in (None, 1):
@@ -133,8 +130,6 @@ def _generated(args: argparse.Namespace, model, speculative, requests: list[dict
 def run(args: argparse.Namespace, model, speculative) -> int:
     """Generate every request of ``--prompts-file`` and write ``--out``."""
     from tqdm import tqdm
-
-    from forerun.machine.output_files import written_whole
 
     source, out = check_paths(args)
     chat = not args.raw

@@ -7,7 +7,12 @@ import logging
 import sys
 import time
 
+from forerun.cli.options import add_model_options, speculative_config
 from forerun.errors import ConfigError, ForerunError
+from forerun.loading.presets import DEFAULT_MODEL
+from forerun.server import INSTALL_HINT, missing_modules
+from forerun.server.prefix_cache import PrefixCache
+from forerun.speculation.options import add_speculation_flags
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 64
@@ -15,15 +20,12 @@ DEFAULT_PREFIX_CACHE_MB = 1024
 
 
 def add_parser(sub) -> None:
-    from forerun.cli.options import add_lookup_option, add_model_options, add_tree_options
-
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (needs: pip install 'forerun[server]')",
         description="Serve a model over OpenAI's API (/v1/chat/completions, /v1/completions, "
                     "/v1/models), with speculative decoding and an exact prefix cache.")
     add_model_options(p)
-    add_tree_options(p)
-    add_lookup_option(p)
+    add_speculation_flags(p, serving=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
                    "127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -49,8 +51,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from forerun.server import INSTALL_HINT, missing_modules
-
     missing = missing_modules()
     if missing:
         raise ForerunError(f"forerun serve needs the server extra, which is not installed "
@@ -112,11 +112,8 @@ def _build_service(args: argparse.Namespace):
     """Load the model (and its draft model), and assemble the server's parts."""
     import forerun
     from forerun.api.busy_threads import ThreadsForLoad
-    from forerun.cli.options import speculative_config
-    from forerun.loading.presets import DEFAULT_MODEL
     from forerun.server.app import Service
     from forerun.server.metrics import Metrics
-    from forerun.server.prefix_cache import PrefixCache
     from forerun.server.translate import Translator
     from forerun.server.worker import EngineWorker
 
@@ -170,16 +167,14 @@ def _slots(model, config, asked: int | None) -> int:
     checked against what batches (the engine, the drafter) and what the
     memory holds, or by default the measured count that fits."""
     from forerun.api.engine_policy import available_bytes, measured_parallel, slot_bytes
-    from forerun.api.model import BATCHED_METHODS
-
-    batches = model.decoder.capabilities.batch and config.method in BATCHED_METHODS
+    batches = model.decoder.capabilities.batch and config.batched
     if asked == 1 or (asked is None and not batches):
         return 1
     if not model.decoder.capabilities.batch:
         raise ConfigError(f"--parallel {asked}: the {model.decoder.engine} engine decodes "
                           f"one request at a time; use --engine torch, or leave --parallel "
                           f"out")
-    if config.method not in BATCHED_METHODS:
+    if not config.batched:
         raise ConfigError(f"--parallel {asked}: requests decoded together use plain decoding, "
                           f"prompt lookup or suffix drafting, not {config.describe()}; pass "
                           f"--draft ngram, --draft suffix or --draft none, or leave --parallel "

@@ -1,6 +1,6 @@
 """``forerun train``: train drafting components for a model on this
 machine; ``forerun train data`` makes the token data a draft head learns
-from (:mod:`forerun.training.magpie`, :mod:`forerun.training.token_manifest`)."""
+from (:mod:`forerun.training.magpie`, :mod:`forerun.corpus.token_manifest`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from forerun.cli.exits import stop_on_signals
-from forerun.cli.options import add_model_options
+from forerun.bench.prompts import DEFAULT_PROMPTS, load_prompts
+from forerun.cli.exits import EXIT_INTERRUPTED, EXIT_TERMINATED, signals_deferred, stop_on_signals
+from forerun.cli.medusa import add_train_parser, cmd_train
+from forerun.cli.options import add_model_options, load_model
+from forerun.cli.train_eagle import add_eagle_parser, cmd_eagle
+from forerun.corpus.text_files import corpus_files
 from forerun.errors import ForerunError
+from forerun.loading.presets import DEFAULT_MODEL
+from forerun.speculation.config import CLI, PLAIN, resolve_for_preset
+from forerun.speculation.options import add_speculation_flags
 
 #: --max-tokens without one, on a new manifest
 DEFAULT_MAX_TOKENS = 1_000_000
@@ -31,8 +38,6 @@ def add_parser(sub) -> None:
                                           "heads (train medusa)")
     tsub = train.add_subparsers(dest="train_command", required=True)
     _add_data_parser(tsub)
-    from forerun.cli.medusa import add_train_parser
-    from forerun.cli.train_eagle import add_eagle_parser
     add_eagle_parser(tsub)
     add_train_parser(tsub)
 
@@ -108,22 +113,17 @@ def _add_data_parser(tsub) -> None:
                       help="flush the records made so far at least this often (default 30)")
     data.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     add_model_options(data)
-    data.set_defaults(draft_async=False, draft_threads=None, target_threads=None,
-                      draft_tree=False, tree_nodes=None, draft_lookup=None)
+    add_speculation_flags(data, only=("draft_k", "draft_window"))
 
 
 def run(args: argparse.Namespace) -> int:
-    from forerun.cli.exits import signals_deferred
-
     with signals_deferred():
         import torch  # noqa: F401  (the long import; a signal in it is held)
     if args.train_command == "data":
         return cmd_data(args)
     if args.train_command == "medusa":
-        from forerun.cli.medusa import cmd_train
         return cmd_train(args)
     if args.train_command == "eagle":
-        from forerun.cli.train_eagle import cmd_eagle
         return cmd_eagle(args)
     raise ForerunError(f"unknown train command {args.train_command!r}")
 
@@ -131,15 +131,12 @@ def run(args: argparse.Namespace) -> int:
 # -- forerun train data ----------------------------------------------------------
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from forerun.cli.options import load_model
-    from forerun.loading.presets import DEFAULT_MODEL
-    from forerun.speculation.config import CLI, PLAIN, resolve_for_preset
-    from forerun.training.magpie import DataBuilder, magpie_prefix, new_counters, new_state
-    from forerun.training.token_manifest import (
+    from forerun.corpus.token_manifest import (
         ManifestWriter,
         TokenManifest,
         check_new_folder,
     )
+    from forerun.training.magpie import DataBuilder, magpie_prefix, new_counters, new_state
 
     _check_numbers(args)
     out = Path(args.out).expanduser()
@@ -240,14 +237,12 @@ def _settings(args: argparse.Namespace, saved: dict[str, Any]):
     """The run's DataSettings (the options given; left out, the manifest's
     with --resume, else the defaults), its corpus files and its benchmark
     prompts."""
-    from forerun.bench.prompts import DEFAULT_PROMPTS, load_prompts
     from forerun.training.magpie import (
         BenchOverlap,
         DataSettings,
         corpus_digest,
         ordered_files,
     )
-    from forerun.training.text_files import corpus_files
 
     base = DataSettings.from_json(saved) if saved else DataSettings()
     values = {name: getattr(args, name) for name in DATA_OPTIONS
@@ -298,8 +293,6 @@ def _check_resume(out: Path, stored: dict[str, Any], settings, model: str,
 
 def _ending(report, caught: list[int], out: Path, max_tokens: int) -> int:
     """The closing message on stderr, and the exit status."""
-    from forerun.cli.exits import EXIT_INTERRUPTED, EXIT_TERMINATED
-
     again = f"forerun train data --out {out} --resume"
     if report.stopped == "signal":
         name = "SIGTERM" if caught and caught[0] == signal.SIGTERM else "Ctrl-C"

@@ -1,6 +1,6 @@
 """``forerun train eagle``: train an EAGLE-3 head for a model on this
 machine, from a token manifest (``forerun train data``); the pipeline is
-:mod:`forerun.training.eagle`'s."""
+:mod:`forerun.drafters.eagle.training`'s."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ import sys
 import threading
 from pathlib import Path
 
+from forerun.cli.exits import EXIT_INTERRUPTED, EXIT_TERMINATED, stop_on_signals
+from forerun.cli.options import WEIGHT_CHOICES, load_model
 from forerun.errors import ForerunError
+from forerun.machine.output_files import MARKER, check_output_dir, check_replaceable
 
 #: the suffix of the checkpoint beside the head's folder
 CHECKPOINT_SUFFIX = ".checkpoint"
-#: :class:`~forerun.training.eagle.EagleSettings`' defaults, for the help
+#: :class:`~forerun.drafters.eagle.training.EagleSettings`' defaults, for the help
 #: (that module imports torch, which building the parser must not; a test
 #: keeps the two the same)
 DEFAULTS = {"ttt_steps": 2, "intermediate_size": 4096, "draft_vocab": 16384, "lr": 1e-3,
@@ -26,8 +29,6 @@ DEFAULTS = {"ttt_steps": 2, "intermediate_size": 4096, "draft_vocab": 16384, "lr
 
 def add_eagle_parser(tsub) -> None:
     from types import SimpleNamespace
-
-    from forerun.cli.options import WEIGHT_CHOICES
 
     d = SimpleNamespace(**DEFAULTS)
     p = tsub.add_parser(
@@ -130,7 +131,7 @@ def _aux_layers(text: str | None) -> tuple[int, ...] | None:
 
 
 def _settings(args: argparse.Namespace):
-    from forerun.training.eagle import EagleSettings
+    from forerun.drafters.eagle.training import EagleSettings
 
     settings = EagleSettings(
         ttt_steps=args.ttt_steps, intermediate_size=args.intermediate_size,
@@ -147,8 +148,6 @@ def _settings(args: argparse.Namespace):
 def _check_out(out: Path, force: bool) -> None:
     """The head's folder: new, empty, or holding only a head forerun wrote
     (another's files only with ``force``)."""
-    from forerun.machine.output_files import MARKER, check_output_dir, check_replaceable
-
     check_output_dir(out, "--out")
     check_replaceable(out, ["config.json", "model.safetensors"], "--out", force=force)
     other = sorted(p.name for p in out.iterdir()
@@ -159,11 +158,9 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def cmd_eagle(args: argparse.Namespace) -> int:
-    from forerun.cli.exits import EXIT_INTERRUPTED, EXIT_TERMINATED, stop_on_signals
-    from forerun.cli.options import load_model
-    from forerun.training.eagle import train_eagle
-    from forerun.training.eagle_features import FeaturesStopped
-    from forerun.training.token_manifest import TokenManifest
+    from forerun.corpus.token_manifest import TokenManifest
+    from forerun.drafters.eagle.features import FeaturesStopped
+    from forerun.drafters.eagle.training import train_eagle
 
     settings = _settings(args)
     if args.max_seconds is not None and not args.max_seconds > 0:
@@ -197,7 +194,7 @@ def cmd_eagle(args: argparse.Namespace) -> int:
     records = itertools.chain.from_iterable(m.records() for m in manifests)
     init = None
     if args.init is not None:
-        from forerun.loading.eagle3_files import load_eagle3
+        from forerun.drafters.eagle.files import load_eagle3
 
         init = load_eagle3(args.init, target_layers=model.decoder.model.config.num_layers)
     stop = threading.Event()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 from forerun.decoding.sampling import TokenSampler
 from forerun.decoding.stats import GenerationStats
 from forerun.errors import ConfigError
+from forerun.machine.calibration import valid_costs
 from forerun.protocol.decoder import Decoder
 
 if TYPE_CHECKING:
@@ -85,8 +86,6 @@ class DraftAndVerify:
     def _use_stored_or_measure(self, measure: Callable[[], None]) -> None:
         """Fill ``policy.costs`` from ``cost_store`` when it holds costs of
         the same sizes, else ``measure()`` them (and store them)."""
-        from forerun.machine.calibration import valid_costs
-
         costs = self.policy.costs
         stored = (self.cost_store.load(valid_costs(len(costs.seconds)))
                   if self.cost_store else None)

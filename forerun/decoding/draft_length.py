@@ -20,11 +20,10 @@ from forerun.decoding.base import check_count
 from forerun.decoding.confidence import ConfidenceCalibration
 from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.drafter import ReadsContext, ReadsTargetStates
+from forerun.decoding.limits import MAX_DRAFT_LENGTH
 from forerun.decoding.sampling import TokenSampler
 from forerun.protocol.decoder import Decoder
 from forerun.protocol.token_sequences import common_prefix
-
-MAX_DRAFT_LENGTH = 16
 
 # A measured forward counts as at most this many times the estimate it
 # refines (see VerifyCosts.observe).

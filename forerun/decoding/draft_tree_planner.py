@@ -57,7 +57,7 @@ from forerun.decoding.draft_length import (
 )
 from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.drafter import ReadsContext, ReadsTargetStates
-from forerun.decoding.rank_tree_planner import MAX_TREE_NODES
+from forerun.decoding.limits import MAX_TREE_NODES
 from forerun.decoding.sampling import TokenSampler
 
 

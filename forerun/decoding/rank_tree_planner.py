@@ -69,10 +69,9 @@ import torch
 from forerun.decoding.base import check_count
 from forerun.decoding.draft_length import OPTIMISTIC_ACCEPTANCE, Exploration, VerifyCosts
 from forerun.decoding.draft_tree import DraftTree, TreeTopology
+from forerun.decoding.limits import MAX_TREE_NODES
 from forerun.decoding.sampling import TokenSampler
 from forerun.errors import ConfigError
-
-MAX_TREE_NODES = 64
 
 RankPath = tuple[int, ...]
 

@@ -49,10 +49,11 @@ import torch
 
 from forerun.decoding.base import DraftAndVerify
 from forerun.decoding.confidence import top_probabilities
-from forerun.decoding.draft_length import MAX_DRAFT_LENGTH, ChainPlanner, VerifyCosts
+from forerun.decoding.draft_length import ChainPlanner, VerifyCosts
 from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.drafter import Drafter
 from forerun.decoding.finite import finite
+from forerun.decoding.limits import MAX_DRAFT_LENGTH
 from forerun.decoding.prefill import prefill
 from forerun.decoding.sampling import TokenSampler
 from forerun.decoding.stats import GenerationStats

@@ -43,6 +43,9 @@ from forerun.decoding.sampling import TokenSampler
 from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.decoding.stats import GenerationStats
 from forerun.drafters.async_draft import AsyncDraftModelDrafter
+from forerun.drafters.method_target import MethodOptions, MethodTarget
+from forerun.errors import ConfigError
+from forerun.machine.calibration import valid_costs
 from forerun.protocol.decoder import Decoder
 
 
@@ -119,8 +122,6 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
         them, then rolled back) and one draft step.  Run while no
         generation runs; :meth:`run` does it before its first generation
         when it was not done (the time then counts as decoding time)."""
-        from forerun.machine.calibration import valid_costs
-
         costs = VerifyCosts(self.policy.max_k + 1)
         store = self.reference_store
         stored = store.load(valid_costs(len(costs.seconds))) if store else None
@@ -149,3 +150,40 @@ class AsyncSpeculativeDecoding(SpeculativeDecoding):
             stats.async_tokens_per_second = (stats.accepted + stats.rounds) / busy
             k, rate = self.reference.best(self.policy.max_k, self.policy.acceptance.rate)
             stats.sync_draft_length, stats.sync_tokens_per_second = k, rate
+
+
+
+def asynchronous(target: MethodTarget, options: MethodOptions):
+    """A draft model drafting in a thread of its own (the registry's
+    ``draft-async``) on ``options.draft_threads`` (default 1) while the
+    target verifies on ``options.target_threads`` (default: its own count
+    less the draft's).  Verifying on fewer threads than the model was loaded
+    with is exact only where the grouping probe finds that count gives the
+    same logits."""
+    asked = options.target_threads
+    draft_threads = options.draft_threads or 1
+    own = target.decoder.threads
+    target_threads = asked or max(1, own - draft_threads)
+    drafter = AsyncDraftModelDrafter(target.draft_decoder(options.draft),
+                                     threads=draft_threads, window=options.draft_window)
+    group = target.verification_grouping().exact_group
+    if target_threads != own:
+        probe = target.measured_grouping(target_threads)
+        if probe.exact_group == 0 and asked is not None:
+            raise ConfigError(
+                f"target_threads={asked}: on {target_threads} thread(s) this model's "
+                f"engine computes other logits than on its own {own} "
+                f"({probe.describe()}), so speculative decoding would not be "
+                f"token-identical to plain decoding; leave target_threads out (the "
+                f"model then keeps its {own} threads) or use another weight format")
+        if probe.exact_group == 0:
+            target_threads = own
+        else:
+            group = min(group, probe.exact_group)
+    method = AsyncSpeculativeDecoding(
+        target.decoder, drafter, k=options.draft_k, target_threads=target_threads,
+        verify_group=group, cost_store=target.cost_store(f"+async-{draft_threads}+"
+                                                         f"{target_threads}"),
+        reference_store=target.cost_store())
+    method.measure_reference(target.probe_token())
+    return method

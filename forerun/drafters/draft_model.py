@@ -11,6 +11,8 @@ from forerun.decoding.draft_length import refine_seconds
 from forerun.decoding.drafter import Draft
 from forerun.decoding.sampling import TokenSampler
 from forerun.drafters.draft_context import DraftContext
+from forerun.drafters.lookup_or_draft_planner import lookup_or_model
+from forerun.drafters.method_target import MethodOptions, MethodTarget, chain
 from forerun.protocol.decoder import Decoder
 
 #: committed tokens fed without a timed draft step after which a one-token
@@ -148,3 +150,18 @@ class DraftModelDrafter:
         (:class:`~forerun.decoding.drafter.ReadsContext`;
         :meth:`~forerun.drafters.draft_context.DraftContext.read_seconds`)."""
         return self.context.read_seconds(sequence, rounds, self.step_seconds())
+
+
+def drafter_of(target: MethodTarget, options: MethodOptions) -> DraftModelDrafter:
+    """The chain drafter of the draft model ``options.draft`` names."""
+    return DraftModelDrafter(target.draft_decoder(options.draft), window=options.draft_window)
+
+
+def chains(target: MethodTarget, options: MethodOptions):
+    """A draft model's chains alone (the registry's ``draft``)."""
+    return chain(target, drafter_of(target, options), options)
+
+
+def beside_lookup(target: MethodTarget, options: MethodOptions):
+    """A draft model's chains beside prompt lookup (``draft-lookup``)."""
+    return lookup_or_model(target, drafter_of(target, options), options, "draft")

@@ -40,9 +40,11 @@ import torch
 
 from forerun.decoding.draft_length import refine_seconds
 from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.drafters.draft_context import DraftContext
 from forerun.drafters.draft_model import STALE_STEP
-from forerun.drafters.tree_drafting import DraftedNodes, TreeDrafting, level_mask
+from forerun.drafters.method_target import MethodOptions, MethodTarget
+from forerun.drafters.tree_drafting import DraftedNodes, TreeDrafting, level_mask, tree_method
 from forerun.errors import ConfigError
 from forerun.protocol.decoder import Decoder
 
@@ -183,3 +185,11 @@ class DraftModelTreeDrafter(TreeDrafting):
         :meth:`~forerun.drafters.draft_context.DraftContext.read_seconds`)."""
         return self.context.read_seconds(sequence, rounds, self.draft_seconds(1, True))
 
+
+def trees(target: MethodTarget, options: MethodOptions) -> SpeculativeDecoding:
+    """A draft model's trees by its own probabilities (the registry's
+    ``draft-tree``), ``options.tree_nodes`` nodes or a budget chosen every
+    round."""
+    drafter = DraftModelTreeDrafter(target.draft_decoder(options.draft),
+                                    window=options.draft_window)
+    return tree_method(target, drafter, options)

@@ -13,7 +13,7 @@ the target verifies them.  Sampled drafts have probability 0 outside the
 cut vocabulary, which the acceptance rule accounts for like any other draft
 distribution.
 
-The frequency order is counted on text (:mod:`forerun.training.token_frequency`)
+The frequency order is counted on text (:mod:`forerun.corpus.token_frequency`)
 and kept in a file: a tensor ``order`` (token ids, most frequent first,
 int32) and metadata naming what was counted.  The ids a draft vocabulary
 holds are kept sorted, so ``ids[i]`` is the target id of draft index ``i``;
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from forerun.errors import ConfigError, ModelFormatError
+from forerun.machine.output_files import written_whole
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,8 +114,6 @@ def read_order(path: Path) -> tuple[list[int], dict[str, str]]:
 def write_order(path: Path, order: Sequence[int], metadata: dict[str, str]) -> None:
     """Write a frequency order file (see the module's text) whole."""
     from safetensors.torch import save_file
-
-    from forerun.machine.output_files import written_whole
 
     tensor = torch.tensor(list(order), dtype=torch.int32)
     with written_whole(path) as tmp:

@@ -34,10 +34,16 @@ The model drafter is any chain drafter that times its steps: a draft model
 (:class:`~forerun.drafters.draft_model.DraftModelDrafter`, which also says
 what reading the committed tokens will cost,
 :class:`~forerun.decoding.drafter.ReadsContext`) or an EAGLE-3 head
-(:class:`~forerun.drafters.eagle.EagleDrafter`, which drafts from the
-target's states: the planner asks the verification loop for them and hands
-them on every round, lookup rounds included, so the head reads the
+(:class:`~forerun.drafters.eagle.drafter.EagleDrafter`, which drafts from
+the target's states: the planner asks the verification loop for them and
+hands them on every round, lookup rounds included, so the head reads the
 positions those committed the next time it drafts).
+
+The lookup is prompt lookup or suffix drafting
+(:class:`~forerun.drafters.suffix.SuffixDrafter`: the prompt, the text so
+far and the model's earlier answers).  :func:`lookup_or_model` is the one
+rule every ``*-lookup`` method of the registry builds with: a draft model
+beside a lookup and an EAGLE head beside one are the same code.
 """
 
 from __future__ import annotations
@@ -58,7 +64,10 @@ from forerun.decoding.draft_length import (
 from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.drafter import ReadsContext, ReadsTargetStates
 from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.drafters.method_target import MethodOptions, MethodTarget
 from forerun.drafters.ngram import NgramDrafter
+from forerun.drafters.suffix import SuffixDrafter
 from forerun.protocol.decoder import Decoder
 
 #: the lookup's acceptance before it has been measured: about what prompt
@@ -77,7 +86,7 @@ class LookupOrDraftPlanner:
     #: the model's policy learns from the target's confidence (see learn)
     wants_confidence = True
 
-    def __init__(self, model, lookup: NgramDrafter | None = None, *,
+    def __init__(self, model, lookup: NgramDrafter | SuffixDrafter | None = None, *,
                  max_k: int = 8, name: str = "draft+lookup") -> None:
         check_count("max_k", max_k, MAX_DRAFT_LENGTH)
         self.model = model
@@ -183,3 +192,22 @@ class LookupOrDraftPlanner:
     def settle(self, length: int) -> None:
         self.model.settle(length)
         self.lookup.settle(length)
+
+
+def lookup_or_model(target: MethodTarget, model, options: MethodOptions,
+                    kind: str) -> SpeculativeDecoding:
+    """The one rule of every ``*-lookup`` method: ``model`` (a draft
+    model's or an EAGLE head's chain drafter) beside a lookup, each round
+    drafting with the one expected to pay more.  The lookup is prompt
+    lookup (``options.draft_lookup == "ngram"``) or suffix drafting, which
+    also looks in the model's earlier answers (``"suffix"``); the planner is
+    named ``KIND+LOOKUP`` in statistics (``draft+lookup``, ``eagle+suffix``)."""
+    if options.draft_lookup == "suffix":
+        lookup: NgramDrafter | SuffixDrafter = SuffixDrafter(target.suffix_store())
+        name = f"{kind}+suffix"
+    else:
+        lookup, name = NgramDrafter(), f"{kind}+lookup"
+    target.verification_grouping()
+    return SpeculativeDecoding(target.decoder,
+                               planner=LookupOrDraftPlanner(model, lookup, name=name),
+                               cost_store=target.cost_store())

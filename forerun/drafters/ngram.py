@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from forerun.decoding.drafter import Draft
 from forerun.decoding.sampling import TokenSampler
+from forerun.drafters.method_target import MethodOptions, MethodTarget, chain
 from forerun.errors import ConfigError
 
 
@@ -94,3 +95,8 @@ class NgramDrafter:
 
     def step_seconds(self) -> float:
         return self._lookup_seconds
+
+
+def build(target: MethodTarget, options: MethodOptions):
+    """Prompt lookup's method (the registry's ``ngram``): chains it drafts."""
+    return chain(target, NgramDrafter(), options)

@@ -51,6 +51,7 @@ from forerun.decoding.draft_tree import DraftTree
 from forerun.decoding.drafter import Draft
 from forerun.decoding.sampling import TokenSampler
 from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.drafters.method_target import MethodOptions, MethodTarget
 from forerun.drafters.suffix_store import SuffixStore
 from forerun.protocol.decoder import Decoder
 
@@ -225,3 +226,13 @@ def suffix_decoding(target: Decoder, store: SuffixStore, *, k: int | None = None
     kept)."""
     return SpeculativeDecoding(target, planner=SuffixPlanner(SuffixDrafter(store), k=k),
                                cost_store=cost_store)
+
+
+def build(target: MethodTarget, options: MethodOptions) -> SpeculativeDecoding:
+    """Suffix drafting's method (the registry's ``suffix``): from this
+    generation and the model's earlier requests (its store,
+    :meth:`MethodTarget.suffix_store`), ``options.draft_k`` long or as long
+    as its match pays."""
+    target.verification_grouping()
+    return suffix_decoding(target.decoder, target.suffix_store(), k=options.draft_k,
+                           cost_store=target.cost_store())

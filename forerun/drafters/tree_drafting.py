@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from forerun.decoding.draft_tree import DraftTree, topology
+from forerun.decoding.draft_tree_planner import DraftTreePlanner
 from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.speculative import SpeculativeDecoding
+from forerun.drafters.method_target import MethodOptions, MethodTarget
 from forerun.errors import ConfigError
 
 
@@ -186,3 +189,14 @@ class TreeDrafting:
         catch_up = catch_up if catch_up is not None else (level or 0.0)
         level = level if level is not None else catch_up
         return catch_up + (depth - 1) * level
+
+
+
+def tree_method(target: MethodTarget, drafter: TreeDrafting,
+                options: MethodOptions) -> SpeculativeDecoding:
+    """Trees that ``drafter`` (a draft model's or an EAGLE head's) drafts,
+    verified in one forward each."""
+    target.verification_grouping()
+    return SpeculativeDecoding(target.decoder,
+                               planner=DraftTreePlanner(drafter, nodes=options.tree_nodes),
+                               cost_store=target.cost_store("+draft-tree"))

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 # register_key_part), before any measurement of these layers, whichever
 # engine a load picks, is stored.
 import forerun.kernels.native  # noqa: F401
-from forerun.errors import ConfigError
+from forerun.errors import ConfigError, EngineError
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "q8", "q4", "q4-all")
 #: the formats of quantized layers, which read a GGUF's blocks directly
@@ -436,8 +436,6 @@ def check_kernels(device: torch.device) -> None:
     """Run every quantized kernel once on a small matrix and compare it with
     the dequantized product: a torch whose private ops changed fails here,
     clearly, rather than computing garbage."""
-    from forerun.errors import EngineError
-
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 64, generator=gen)
     x = torch.randn(3, 64, generator=gen)

@@ -66,6 +66,7 @@ from forerun.errors import (
 from forerun.machine.cpu import cpu_flags
 from forerun.protocol.cache_positions import CachePositions
 from forerun.protocol.decoder import Capabilities, EngineSettings, ForwardOutput
+from forerun.protocol.prefix_reuse import PrefixPayload
 
 INSTALL_HINT = "pip install 'forerun[llama]'"
 DEFAULT_BATCH = 512
@@ -519,8 +520,6 @@ class LlamaCppDecoder(EngineDecoder):
         (``llama_state_seq_get_data``: the cells' positions and their keys
         and values as stored, F16 or Q8_0 bytes)."""
         import ctypes
-
-        from forerun.protocol.prefix_reuse import PrefixPayload
 
         tokens = self.prefilled_tokens
         self.keep_prefix(len(tokens))

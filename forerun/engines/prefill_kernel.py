@@ -32,6 +32,7 @@ import torch
 
 from forerun.engines.linear import Int8Linear
 from forerun.engines.timed_blocks import block_copies, random_weights, time_mlp_blocks
+from forerun.machine.calibration import CalibrationStore
 from forerun.protocol.grouping_probe import MAX_GROUP
 from forerun.protocol.model_config import ModelConfig
 
@@ -99,8 +100,6 @@ def choose_prefill_kernel(name: str, config: ModelConfig, device: torch.device
     """The prefill kernel for int8 matrices of ``config``'s shapes on
     ``device``: stored per machine, else measured.  Off the CPU the int8
     layers run dequantized to bfloat16 anyway, so the choice is "int8"."""
-    from forerun.machine.calibration import CalibrationStore
-
     if device.type != "cpu":
         return PrefillChoice("int8", {k: 1.0 for k in PREFILL_KERNELS})
     key = {"hidden": config.hidden_size, "intermediate": config.intermediate_size,

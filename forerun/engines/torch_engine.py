@@ -22,6 +22,7 @@ from forerun.errors import (
 )
 from forerun.protocol.decoder import Capabilities, EngineSettings, ForwardOutput
 from forerun.protocol.kv_cache import KVCache
+from forerun.protocol.prefix_reuse import PrefixPayload
 
 # Positions per prefill block (see forerun.protocol.prefix_reuse): large enough that a
 # block runs the matrix kernels at full speed, small enough that a chat turn
@@ -169,6 +170,16 @@ class TorchDecoder(EngineDecoder):
                 f"{self.length} of {self.context_length} positions. Use a shorter input "
                 f"or load the model with a larger context_length.")
         return ids
+
+    @property
+    def num_layers(self) -> int:
+        """The network's layer count (``hidden_layers`` names 0 to it)."""
+        return self.model.config.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of the residual stream a layer state has."""
+        return self.model.config.hidden_size
 
     def embed_tokens(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """The network's input embeddings of ``tokens``: float ``[T, hidden]``."""
@@ -320,8 +331,6 @@ class TorchDecoder(EngineDecoder):
         return (self.model, self.context_length, self.prefill_block, torch.get_num_threads())
 
     def export_prefix(self):
-        from forerun.protocol.prefix_reuse import PrefixPayload
-
         tokens = self.prefilled_tokens
         self.cache.keep_prefix(len(tokens))
         data = self.cache.export()

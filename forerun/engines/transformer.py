@@ -29,6 +29,7 @@ from forerun.engines.linear import (
     check_kernels,
     quantize_int8,
 )
+from forerun.engines.prefill_kernel import GEMM_ROWS, PREFILL_KERNELS
 from forerun.engines.rope import RotaryEmbedding, apply_rotary
 from forerun.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
 from forerun.kernels import native
@@ -392,8 +393,6 @@ class Transformer:
         ``"int8"`` (the int8 kernel, as every forward does) or
         ``"float32-gemm"`` (dequantized slices and the BLAS's float32
         product)."""
-        from forerun.engines.prefill_kernel import GEMM_ROWS, PREFILL_KERNELS
-
         if kernel not in PREFILL_KERNELS:
             raise ConfigError(f"prefill kernel must be one of {', '.join(PREFILL_KERNELS)}, "
                               f"got {kernel!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from forerun.generation.stop import StopStrings
+from forerun.tokenizer import StreamDecoder
 
 
 class Output:
@@ -17,8 +18,6 @@ class Output:
 
     def __init__(self, tokenizer, *, max_new_tokens: int, stop_token_ids: Iterable[int],
                  stop: Iterable[str]) -> None:
-        from forerun.tokenizer import StreamDecoder
-
         self.tokens: list[int] = []
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)

@@ -39,6 +39,7 @@ from forerun.loading.cache_entry import (
     remove_path,
     stale_temporaries,
 )
+from forerun.loading.presets import PRESETS, assembled_entry
 
 #: kinds of entries, by the cache subfolder that holds them
 ENTRY_FOLDERS = ("models", "converted", "gguf-header", "packed", "kernels")
@@ -90,8 +91,6 @@ def _mtime(path: Path) -> float:
 def entry_at(kind: str, path: Path) -> CacheEntry:
     """The :class:`CacheEntry` of a path in one of the :data:`ENTRY_FOLDERS`."""
     if kind == "models":
-        from forerun.loading.presets import PRESETS, assembled_entry
-
         preset = PRESETS.get(path.name.removesuffix(".gguf"))
         if preset is not None and path.suffix == ".gguf":
             return assembled_entry(preset)

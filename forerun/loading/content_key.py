@@ -22,13 +22,12 @@ from forerun.loading.cache_entry import (
     sweep_temporaries,
     write_json_atomically,
 )
+from forerun.machine.paths import cache_dir
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _memo_path(path: Path, st: os.stat_result) -> Path:
-    from forerun.machine.paths import cache_dir
-
     key = hashlib.sha256(
         f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}".encode()).hexdigest()[:24]
     return cache_dir() / "digests" / f"{key}.json"

@@ -15,7 +15,10 @@ import json
 from pathlib import Path
 
 from forerun.loading.cache_entry import CacheEntry, ensure
+from forerun.loading.content_key import file_digest
 from forerun.loading.gguf_file import GGUFFile
+from forerun.machine.paths import cache_dir
+from forerun.tokenizer import tokenizer_from_gguf_metadata
 
 CONVERTER_VERSION = "2"
 
@@ -23,9 +26,6 @@ CONVERTER_VERSION = "2"
 def converted_entry(gguf_path: Path, digest: str | None = None) -> CacheEntry:
     """The cache entry of ``gguf_path``'s conversion; ``digest``: the file's
     SHA-256 when it is already known (a preset's)."""
-    from forerun.loading.content_key import file_digest
-    from forerun.machine.paths import cache_dir
-
     digest = digest or file_digest(gguf_path)
     return CacheEntry(cache_dir() / "converted" / digest[:32],
                       f"the converted weights of {gguf_path.name}",
@@ -42,8 +42,6 @@ def convert_gguf(gguf_path: Path, *, progress: bool = True, digest: str | None =
 def _convert(gguf_path: Path, out: Path, progress: bool) -> dict:
     from safetensors.numpy import save_file
     from tqdm import tqdm
-
-    from forerun.tokenizer import tokenizer_from_gguf_metadata
 
     gguf = GGUFFile(gguf_path)
     config = gguf.config()

@@ -17,15 +17,22 @@ import torch
 
 from forerun.architectures import ARCHITECTURES
 from forerun.errors import (
+    CacheError,
     ConfigError,
     ModelFormatError,
     ModelNotFoundError,
     UnsupportedArchitectureError,
 )
+from forerun.loading.cache_entry import CacheEntry, ensure
+from forerun.loading.content_key import file_digest
+from forerun.loading.conversion_cache import convert_gguf
+from forerun.loading.gguf_file import GGUFFile
 from forerun.loading.presets import PRESETS, resolve_preset
 from forerun.loading.weights import SafetensorsWeights, safetensors_files
 from forerun.machine.json_files import read_json_object
+from forerun.machine.paths import cache_dir
 from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, torch_unsupported
+from forerun.tokenizer import Tokenizer, tokenizer_from_gguf_metadata, tokenizer_from_hf_folder
 
 
 @dataclass
@@ -67,8 +74,6 @@ def resolve_spec(spec: str | Path, *, progress: bool = True) -> Path:
 
 def load_hf_folder(folder: Path) -> ModelFiles:
     """Config, lazy weights and tokenizer of a Hugging Face model folder."""
-    from forerun.tokenizer import tokenizer_from_hf_folder
-
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelNotFoundError(f"{folder} has no config.json; is it a Hugging Face model folder?")
@@ -87,8 +92,6 @@ def load_hf_folder(folder: Path) -> ModelFiles:
 
 def load_converted(folder: Path, name: str, gguf_path: Path) -> ModelFiles:
     """A folder written by :func:`~forerun.loading.conversion_cache.convert_gguf`."""
-    from forerun.tokenizer import Tokenizer
-
     config = ModelConfig.from_dict(_read_json(folder / "config.json"))
     weights = SafetensorsWeights([folder / "model.safetensors"])
     tokenizer = Tokenizer.load(folder / "tokenizer")
@@ -108,8 +111,6 @@ def resolve_model_path(spec: str | Path, *, progress: bool = True) -> Path:
 
 def load_model_files(spec: str | Path, *, progress: bool = True) -> ModelFiles:
     """Resolve ``spec`` and read what the engine needs."""
-    from forerun.loading.conversion_cache import convert_gguf
-
     path = resolve_model_path(spec, progress=progress)
     name = str(spec) if str(spec) in PRESETS else path.name
     if path.is_dir():
@@ -180,18 +181,10 @@ def _gguf_header(path: Path, digest: str | None = None) -> tuple[ModelConfig, An
     parsed, with a warning."""
     import warnings
 
-    from forerun.errors import CacheError
-    from forerun.loading.cache_entry import CacheEntry, ensure
-    from forerun.loading.content_key import file_digest
-    from forerun.machine.paths import cache_dir
-    from forerun.tokenizer import Tokenizer
-
     parsed: list = []
 
     def read_header() -> list:
         # (the gguf package, and the yaml it imports, only where the header is parsed)
-        from forerun.loading.gguf_file import GGUFFile
-        from forerun.tokenizer import tokenizer_from_gguf_metadata
 
         gguf = GGUFFile(path)
         return [gguf.config(any_architecture=True), tokenizer_from_gguf_metadata(gguf.metadata)]

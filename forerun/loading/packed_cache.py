@@ -46,8 +46,10 @@ from typing import Any, cast
 
 import torch
 
+from forerun.engines.kernel_choice import product_kernels
 from forerun.engines.transformer import Transformer
 from forerun.errors import CacheError, ModelFormatError
+from forerun.kernels.binding import ABI_VERSION
 from forerun.loading.cache_entry import (
     CacheEntry,
     ensure,
@@ -55,7 +57,10 @@ from forerun.loading.cache_entry import (
     remove_path,
     write_json_atomically,
 )
+from forerun.loading.content_key import file_digest
+from forerun.loading.gguf_quantized import GGUFQuantizedWeights
 from forerun.machine.cache_files import notice_rebuild
+from forerun.machine.paths import cache_dir
 from forerun.protocol.model_config import ModelConfig
 
 PACKED_VERSION = "4"
@@ -77,10 +82,6 @@ class DamagedNetwork(ModelFormatError):
 def packed_entry(digest: str, fmt: str, device: torch.device) -> CacheEntry:
     """The cache entry of the ``fmt`` network of the GGUF whose SHA-256 is
     ``digest``, built for ``device``."""
-    from forerun.engines.kernel_choice import product_kernels
-    from forerun.kernels.binding import ABI_VERSION
-    from forerun.machine.paths import cache_dir
-
     # The layers' layout depends on whether forerun's native kernels run
     # here, and on the row groups of the build that does.
     native = product_kernels() if device.type == "cpu" else None
@@ -95,13 +96,10 @@ def packed_network(gguf_path: Path, config: ModelConfig, fmt: str, device: torch
                    digest: str | None = None, progress: bool = True) -> Transformer:
     """The ``fmt`` (``"q4"``, ``"q8"`` or ``"q4-all"``) network of
     ``gguf_path`` on ``device``: read from the cache, or built from the GGUF and stored."""
-    from forerun.loading.content_key import file_digest
-
     built: list[Transformer] = []
 
     def build_network() -> Transformer:
         # (the gguf package, and the yaml it imports, only where the GGUF is read)
-        from forerun.loading.gguf_quantized import GGUFQuantizedWeights
 
         if progress:
             print(f"forerun: packing {gguf_path.name} into {fmt} weights (first load only)",

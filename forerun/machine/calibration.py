@@ -34,6 +34,7 @@ from typing import Any
 
 from forerun.machine.cpu import cpu_info
 from forerun.machine.machine_load import Conditions, LoadMeter, conditions_now
+from forerun.machine.paths import cache_dir
 
 # 2: records hold the conditions they were measured under; those of version
 # 1 don't say, and may have been timed on a busy machine, so are taken again.
@@ -94,8 +95,6 @@ class CalibrationStore:
     JSON-serialisable dict) on this machine."""
 
     def __init__(self, kind: str, key: dict[str, Any], label: str = "") -> None:
-        from forerun.machine.paths import cache_dir
-
         self.key = {"kind": kind, "version": STORE_VERSION, "machine": machine_fingerprint(),
                     "numerics": ENGINE_NUMERICS_VERSION,
                     **{name: provider() for name, provider in _KEY_PARTS.items()}, **key}

@@ -52,9 +52,11 @@ class Capabilities:
     with a cut vocabulary (:mod:`forerun.drafters.draft_vocabulary`).
     ``layer_states``: ``hidden_layers=`` works in :meth:`Decoder.feed` and
     :meth:`Decoder.forward` (the residual stream entering chosen layers,
-    :attr:`ForwardOutput.layers`), and ``embed_tokens(ids)`` gives the
-    model's input embeddings ``[T, hidden]``: what an EAGLE head drafts
-    from (:mod:`forerun.drafters.eagle`).
+    :attr:`ForwardOutput.layers`), ``embed_tokens(ids)`` gives the
+    model's input embeddings ``[T, hidden]``, and ``num_layers`` and
+    ``hidden_size`` say how many layers there are and how wide a state is:
+    what an EAGLE head drafts
+    from (:mod:`forerun.drafters.eagle.drafter`).
     ``batch``: ``feed_batch(feeds)`` feeds several sequences in shared
     forwards: ``feeds`` lists ``(decoder, tokens)`` pairs, each decoder this
     one or a ``fork()`` of it (one model's weights), each at most once, and

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from forerun.errors import CacheStateError, ContextLengthError
+from forerun.errors import CacheStateError, ContextLengthError, ModelNotFoundError
 from forerun.protocol.cache_positions import CachePositions
 
 PAYLOAD_FORMAT = "forerun-kv-cache/1"
@@ -173,7 +173,6 @@ class KVCache(CachePositions):
 
         path = Path(path)
         if not path.is_file():
-            from forerun.errors import ModelNotFoundError
             raise ModelNotFoundError(f"KV cache file {path} does not exist")
         try:
             with safe_open(str(path), framework="pt") as f:

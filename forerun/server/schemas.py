@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from forerun.server.errors import APIError, bad_request
+from forerun.speculation.options import OPTIONS
 
 MAX_SEED = 2 ** 63 - 1
 
@@ -23,28 +24,25 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class Speculative(BaseModel):
-    """forerun's extension: the drafter of this request.  ``draft``:
-    ``"none"`` (plain decoding), ``"ngram"`` (prompt lookup), ``"suffix"``
-    (prompt lookup and the server's earlier answers), ``"medusa"``
-    (the preset's Medusa heads), or the name of a draft model the server
-    loaded; ``draft_k``: a fixed draft length (default: adaptive);
-    ``draft_tree``: the draft model drafts a token tree (its node budget
-    adaptive); ``tree_nodes``: a fixed node budget for that tree, or the
-    node count of a Medusa tree; ``draft_lookup``: prompt lookup beside the
-    draft model or EAGLE head, each round drafting with whichever pays more
-    (default: wherever it applies, a draft model drafting chains of a chosen
-    length; ``false``: the draft model alone); ``draft_window``: the most prompt
-    tokens a draft model reads (``"all"``: the whole prompt)."""
+#: A server request's type for each kind of speculation option (the values
+#: themselves are checked by resolve, which names what is wrong).
+_OPTION_TYPES: dict[str, Any] = {"count": int | None, "switch": bool | None,
+                                 "lookup": bool | str | None, "window": int | str | None}
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    draft: str | None = None
-    draft_k: int | None = Field(default=None, ge=1, le=64)
-    draft_tree: bool | None = None
-    tree_nodes: int | None = Field(default=None, ge=1)
-    draft_lookup: bool | None = None
-    draft_window: int | str | None = None
+#: forerun's extension: the drafter of this request, ``draft`` (``"none"``,
+#: ``"ngram"``, ``"suffix"``, ``"medusa"``, ``"eagle"``, or the name of a
+#: draft model the server loaded) and the speculation options a request may
+#: set (:data:`~forerun.speculation.options.OPTIONS`; those marked
+#: ``server``), each with its help as its description.
+_FIELDS: dict[str, Any] = {
+    "draft": (str | None, Field(default=None, description="none, ngram, suffix, medusa, eagle, "
+                                                         "or a draft model the server loaded")),
+    **{o.name: (_OPTION_TYPES[o.kind],
+                Field(default=None, description=o.help, ge=1 if o.kind == "count" else None))
+       for o in OPTIONS if o.server}}
+Speculative = create_model("Speculative", __config__=ConfigDict(extra="forbid", strict=True),
+                           __doc__="forerun's extension: the drafter of this request and its "
+                                   "shape.", **_FIELDS)
 
 
 class StreamOptions(_Body):
@@ -69,7 +67,7 @@ class _Generation(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
-    speculative: Speculative | None = None
+    speculative: Speculative | None = None  # type: ignore[valid-type]
 
 
 class ChatMessage(_Body):

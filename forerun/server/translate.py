@@ -17,7 +17,6 @@ from forerun.errors import ForerunError
 from forerun.server.errors import APIError, bad_request, from_forerun_error, not_found
 from forerun.server.schemas import ChatCompletionRequest, CompletionRequest, _Generation
 from forerun.speculation.config import (
-    BUILTIN_DRAFTS,
     NO_DRAFT,
     PLAIN,
     SERVER,
@@ -25,6 +24,8 @@ from forerun.speculation.config import (
     SpeculativeConfigError,
     resolve,
 )
+from forerun.speculation.methods import BUILTIN_DRAFTS
+from forerun.speculation.options import OPTIONS
 
 MAX_STOP_STRINGS = 16
 
@@ -185,10 +186,9 @@ class Translator:
         ``draft_lookup``, ``draft_window``) takes none of the server's shape; one that names
         only a drafter gets that drafter's own defaults."""
         spec = req.speculative
-        shape = {} if spec is None else {
-            name: value for name in ("draft_k", "draft_tree", "tree_nodes", "draft_lookup",
-                                     "draft_window")
-            if (value := getattr(spec, name)) is not None}
+        shape: dict[str, Any] = {} if spec is None else {
+            o.name: value for o in OPTIONS
+            if o.server and (value := getattr(spec, o.name)) is not None}
         if (spec is None or spec.draft is None) and not shape:
             return {"speculative": self.default}
         name = self.default.draft if spec is None or spec.draft is None else spec.draft

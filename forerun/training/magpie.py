@@ -1,6 +1,6 @@
 """Training data for a draft head, made by the target model itself: Magpie
 conversations and local text, into a token manifest
-(:mod:`forerun.training.token_manifest`).
+(:mod:`forerun.corpus.token_manifest`).
 
 **Magpie** (Xu et al. 2024, "Magpie: Alignment Data Synthesis from
 Scratch by Prompting Aligned LLMs with Nothing").  An instruct model given
@@ -33,7 +33,7 @@ greedy by default; generation goes through forerun's public API only
 end with an end-of-turn), degenerate (:func:`degenerate`), holds special
 tokens, overlaps one of the benchmark prompts (:class:`BenchOverlap`), or
 duplicates a kept query exactly or nearly
-(:class:`~forerun.training.token_manifest.Dedup`); an answer when it is
+(:class:`~forerun.corpus.token_manifest.Dedup`); an answer when it is
 empty or degenerate, and when it is over-long unless ``keep_cut_answers``
 (the default): an answer cut at ``max_answer_tokens`` is still the target's
 own text, token for token, which is all a draft head learns from (in the
@@ -66,10 +66,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from forerun.errors import ConfigError, ForerunError, TokenizerError
-from forerun.speculation.config import PLAIN, SpeculativeConfig
-from forerun.training.text_files import read_text
-from forerun.training.token_manifest import (
+from forerun.corpus.text_files import read_text
+from forerun.corpus.token_manifest import (
     Dedup,
     ManifestWriter,
     Record,
@@ -78,6 +76,8 @@ from forerun.training.token_manifest import (
     text_key,
     words,
 )
+from forerun.errors import ConfigError, ForerunError, TokenizerError
+from forerun.speculation.config import PLAIN, SpeculativeConfig
 
 #: a user message no template writes by itself: where it lands in the
 #: rendered template is where the user's text begins
@@ -254,7 +254,7 @@ class BenchOverlap:
 
 def _spans(text: str) -> list[tuple[str, int, int]]:
     """The words of ``text`` (runs of letters and digits), each normalised
-    (:func:`~forerun.training.token_manifest.normalise`), with its
+    (:func:`~forerun.corpus.token_manifest.normalise`), with its
     character offsets in ``text``."""
     out = []
     for m in re.finditer(r"\w+", text):

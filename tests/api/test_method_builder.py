@@ -133,8 +133,9 @@ def test_api_draft_tree_matches_plain_and_refuses_wrong_combinations(tiny):
         assert out.tokens == plain.tokens
     wrong = [
         (dict(draft="ngram", draft_tree=True), "need a draft model"),
-        (dict(draft=draft_folder, draft_tree=True, draft_k=3), "draft_k drafts a chain"),
-        (dict(draft=draft_folder, tree_nodes=3, draft_async=True), "asynchronous drafting"),
+        (dict(draft=draft_folder, draft_tree=True, draft_k=3),
+         "draft_k does not apply to a draft model's trees"),
+        (dict(draft=draft_folder, tree_nodes=3, draft_async=True), "ask for two shapes"),
         (dict(draft=draft_folder, tree_nodes=0), "tree_nodes must be a positive integer"),
         (dict(draft=draft_folder, draft_tree="yes"), "draft_tree must be true or false"),
         (dict(draft=None, draft_tree=True), "need a draft model"),
@@ -166,11 +167,11 @@ def test_api_draft_lookup_matches_plain_and_refuses_wrong_combinations(tiny):
         assert out.tokens == plain.tokens and out.stats.method == name, kwargs
     wrong = [
         (dict(draft="ngram", draft_lookup=True), "for prompt lookup alone draft with 'ngram'"),
-        (dict(draft=None, draft_lookup=True), "adds prompt lookup to a draft model"),
+        (dict(draft=None, draft_lookup=True), "draft_lookup needs a draft model"),
         (dict(draft=draft_folder, draft_lookup=True, draft_k=2), "drop draft_k"),
-        (dict(draft=draft_folder, draft_lookup=True, draft_tree=True), "drop draft_tree"),
+        (dict(draft=draft_folder, draft_lookup=True, draft_tree=True), "two shapes"),
         (dict(draft=draft_folder, draft_lookup=True, draft_async=True), "draft_async"),
-        (dict(draft=draft_folder, draft_lookup=1), "draft_lookup must be true, false or unset"),
+        (dict(draft=draft_folder, draft_lookup=1), "draft_lookup must be true, false"),
     ]
     for kwargs, message in wrong:
         with pytest.raises(GenerationConfigError, match=message):
@@ -197,7 +198,7 @@ def test_every_draft_model_method_reads_the_window_it_is_given(tiny, options, dr
 
 
 def _eagle_weights(target, **overrides):
-    from forerun.engines.eagle3_weights import Eagle3Config, Eagle3Weights
+    from forerun.drafters.eagle.weights import Eagle3Config, Eagle3Weights
 
     c = target.decoder.model.config
     values = dict(hidden_size=c.hidden_size, intermediate_size=32, num_heads=c.num_heads,
@@ -213,8 +214,8 @@ def test_api_eagle_heads_match_plain_as_objects_and_folders(tiny, tmp_path):
     layout (``draft='eagle:PATH'``) drafts chains and trees that keep plain
     decoding's output; a head for another model, a missing one and the
     options that don't apply are refused."""
+    from forerun.drafters.eagle.files import save_eagle3
     from forerun.errors import ModelNotFoundError
-    from forerun.loading.eagle3_files import save_eagle3
 
     target, _ = tiny
     plain = target.generate(prompt_ids=[1, 2, 3], max_new_tokens=12, ignore_eos=True)
@@ -246,3 +247,55 @@ def test_api_eagle_heads_match_plain_as_objects_and_folders(tiny, tmp_path):
     for kwargs, error, message in wrong:
         with pytest.raises(error, match=message):
             target.generate(prompt_ids=[1, 2, 3], max_new_tokens=2, **kwargs)
+
+
+def test_a_draft_model_beside_suffix_drafting_matches_plain_and_drafts_earlier_answers(tiny):
+    """The new pairing of the one ``*-lookup`` rule: a draft model beside
+    suffix drafting (``draft_lookup="suffix"``), greedy, keeps plain
+    decoding's tokens; asked again, the answer the model gave before drafts
+    it.  Its broken twin, prompt lookup beside the draft (blind to earlier
+    answers), verifies as often the second time as the first."""
+    from forerun.drafters.ngram import NgramDrafter
+    from forerun.drafters.suffix import SuffixDrafter
+
+    target, draft_folder = tiny
+    prompt = [7, 3, 9, 1, 12, 5]
+    plain = target.generate(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True)
+    rounds = {}
+    for lookup, drafter in (("suffix", SuffixDrafter), (True, NgramDrafter)):
+        target.suffix_store().clear()
+        asks = [target.generate(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True,
+                                draft=draft_folder, draft_lookup=lookup) for _ in range(2)]
+        assert [a.tokens for a in asks] == [plain.tokens] * 2
+        method, _ = target._method(resolve(draft_folder, draft_lookup=lookup))
+        assert isinstance(method.planner.lookup, drafter)
+        rounds[lookup] = [a.stats.rounds for a in asks]
+    assert asks[0].stats.method == "draft+lookup"
+    first, second = rounds["suffix"]
+    assert second <= first // 2, rounds            # the earlier answer drafted itself
+    assert rounds[True][1] > 2 * second, rounds    # prompt lookup: no such help
+
+
+def test_speculative_takes_a_dict_or_a_config_and_the_keywords_are_its_shorthand(tiny):
+    """One place decides a request's speculation: ``speculative=`` as a dict
+    of options or a resolved config, or the same options as keywords."""
+    target, _ = tiny
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    by_keywords = target.generate(prompt_ids=prompt, max_new_tokens=12, ignore_eos=True,
+                                  draft="ngram", draft_k=2)
+    by_dict = target.generate(prompt_ids=prompt, max_new_tokens=12, ignore_eos=True,
+                              speculative={"draft": "ngram", "draft_k": 2})
+    by_config = target.generate(prompt_ids=prompt, max_new_tokens=12, ignore_eos=True,
+                                speculative=resolve("ngram", draft_k=2))
+    assert by_keywords.tokens == by_dict.tokens == by_config.tokens
+    assert by_keywords.stats.method == by_dict.stats.method == by_config.stats.method == "ngram"
+    wrong = [
+        (dict(speculative={"draft": "ngram"}, draft_k=2), "not both"),
+        (dict(speculative=resolve("ngram"), draft="ngram"), "not both"),
+        (dict(speculative={"draft": "ngram", "draftk": 2}), "unknown speculation option 'draftk'"),
+        (dict(speculative="ngram"), "speculative must be a SpeculativeConfig"),
+        (dict(speculative={"draft": "ngram", "draft_k": 0}), "draft_k must be a positive"),
+    ]
+    for kwargs, message in wrong:
+        with pytest.raises(GenerationConfigError, match=message):
+            target.generate(prompt_ids=prompt, max_new_tokens=2, **kwargs)

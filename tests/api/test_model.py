@@ -303,7 +303,7 @@ def test_invalid_loads_raise_forerun_errors(folders, tmp_path, monkeypatch, data
     ({"draft": "ngram", "draft_k": True}, "draft_k"),
     ({"draft": "ngram", "draft_async": True}, "draft_async needs a draft model"),
     ({"draft_async": 1}, "draft_async must be true or false"),
-    ({"draft_threads": 1}, "add draft_async"),
+    ({"draft_threads": 1}, "draft_threads needs a draft"),
     ({"messages": "hi", "prompt": None}, "messages must be a list"),
     ({"prompt": "bad \udcff byte"}, "the prompt is not valid UTF-8"),
     ({"messages": [{"role": "user", "content": "bad \udcff"}], "prompt": None},

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from forerun.cli.main import main
-from forerun.engines.eagle3_weights import TENSOR_NAMES, Eagle3Config, Eagle3Weights
-from forerun.loading.eagle3_files import load_eagle3, save_eagle3
+from forerun.drafters.eagle.files import load_eagle3, save_eagle3
+from forerun.drafters.eagle.weights import TENSOR_NAMES, Eagle3Config, Eagle3Weights
 
 
 def tiny_head() -> Eagle3Weights:
@@ -49,7 +49,7 @@ def test_export_defaults_to_bfloat16(head_dir, tmp_path):
 def test_the_shipped_head_exports(tmp_path):
     """``eagle`` names the default preset's shipped head; exported in float32
     it reads back as exactly the weights forerun drafts with."""
-    from forerun.loading.eagle3_files import shipped_head_path
+    from forerun.drafters.eagle.files import shipped_head_path
 
     proc = subprocess.run([sys.executable, "-m", "forerun.cli.main", "export", "eagle3",
                            "eagle", str(tmp_path / "out"), "--dtype", "float32"],

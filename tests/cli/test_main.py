@@ -113,16 +113,19 @@ def test_prompt_longer_than_context_is_a_clean_error(preset_gguf):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--draft", "x", "--draft-threads", "1"], "--draft-threads applies to asynchronous drafting"),
-    (["--draft", "x", "--target-threads", "2"], "--target-threads applies to asynchronous"),
+    (["--draft", "x", "--draft-threads", "1"],
+     "--draft-threads applies to a draft model in a thread of its own: add --draft-async"),
+    (["--draft", "x", "--target-threads", "2"],
+     "--target-threads applies to a draft model in a thread of its own"),
     (["--draft", "ngram", "--draft-async"], "--draft-async needs a draft model"),
     (["--draft", "none", "--draft-async"], "--draft-async needs a draft model"),
     (["--draft", "x", "--draft-async", "--draft-threads", "0"],
      "--draft-threads must be a positive"),
     (["--draft", "ngram", "--draft-lookup"], "for prompt lookup alone"),
-    (["--draft", "none", "--draft-lookup"], "adds prompt lookup to a draft model"),
+    (["--draft", "none", "--draft-lookup"], "--draft-lookup needs a draft model"),
+    (["--draft", "ngram", "--draft-lookup=suffix"], "--draft-lookup needs a draft model"),
     (["--draft", "x", "--draft-lookup", "--draft-k", "3"], "drop --draft-k"),
-    (["--draft", "x", "--draft-lookup", "--draft-tree"], "drop --draft-tree"),
+    (["--draft", "x", "--draft-lookup", "--draft-tree"], "ask for two shapes of drafting"),
     (["--draft", "x", "--draft-lookup", "--draft-async"], "--draft-async"),
 ])
 def test_async_options_are_checked_before_loading(args, message, capsys):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from forerun.cli.main import main
-from forerun.training.token_manifest import MANIFEST, TokenManifest
+from forerun.corpus.token_manifest import MANIFEST, TokenManifest
 from training.test_magpie import chat_model_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,7 +195,7 @@ def test_a_resume_with_other_settings_or_of_a_foreign_or_damaged_manifest_is_ref
 
 def test_a_full_disk_midway_is_a_clear_error_and_keeps_the_last_checkpoint(
         model_dir, corpus, tmp_path, capsys, monkeypatch):
-    import forerun.training.token_manifest as tm
+    import forerun.corpus.token_manifest as tm
 
     real_write, writes = tm._write_bytes, []
 

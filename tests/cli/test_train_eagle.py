@@ -19,9 +19,9 @@ import torch
 
 from forerun.cli.main import main
 from forerun.cli.train_eagle import DEFAULTS
-from forerun.loading.eagle3_files import load_eagle3
-from forerun.training.eagle import EagleSettings
-from forerun.training.token_manifest import ManifestWriter, Record
+from forerun.corpus.token_manifest import ManifestWriter, Record
+from forerun.drafters.eagle.files import load_eagle3
+from forerun.drafters.eagle.training import EagleSettings
 from tiny_models import VOCAB, hf_folders
 
 OPTIONS = ["--ttt-steps", "2", "--intermediate-size", "32", "--draft-vocab", "100",

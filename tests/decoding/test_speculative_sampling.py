@@ -400,12 +400,17 @@ def test_suffix_drafter_broken_twin_is_detected(monkeypatch):
     assert_detected(counts, TOP_K, SUFFIX_PROMPT, "suffix residual_is_p")
 
 
-def lookup_or_draft(draft_table: torch.Tensor, alternate: bool = False):
-    """Prompt lookup beside a draft model, both over the tables; with
-    ``alternate``, the lookup drafts every other round it finds tokens (2 of
-    them) and the model the others (3), whatever the estimates say."""
+def lookup_or_draft(draft_table: torch.Tensor, alternate: bool = False,
+                    lookup: str = "ngram"):
+    """Prompt lookup (``lookup="suffix"``: suffix drafting, from a store
+    that holds every earlier draw) beside a draft model, both over the
+    tables; with ``alternate``, the lookup drafts every other round it finds
+    tokens (2 of them) and the model the others (3), whatever the estimates
+    say."""
     from forerun.drafters.lookup_or_draft_planner import LookupOrDraftPlanner
     from forerun.drafters.ngram import NgramDrafter
+    from forerun.drafters.suffix import SuffixDrafter
+    from forerun.drafters.suffix_store import SuffixStore
 
     class Alternating(LookupOrDraftPlanner):
         turn = 0
@@ -418,21 +423,25 @@ def lookup_or_draft(draft_table: torch.Tensor, alternate: bool = False):
             return min(2, len(found)) if self.turn % 2 else 0
 
     kind = Alternating if alternate else LookupOrDraftPlanner
-    planner = kind(DraftModelDrafter(TableDecoder(draft_table)), NgramDrafter(1, 3))
+    looks = NgramDrafter(1, 3) if lookup == "ngram" else SuffixDrafter(SuffixStore(4096))
+    planner = kind(DraftModelDrafter(TableDecoder(draft_table)), looks)
     return SpeculativeDecoding(TableDecoder(TARGET), planner=planner), planner
 
 
 LOOKUP_PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1]
 
 
-def test_lookup_or_draft_is_exact():
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
+def test_lookup_or_draft_is_exact(lookup):
     """Rounds of point-mass drafts (the lookup) and of drafts drawn from the
     model's distribution mix within and across generations.  They
     alternate, so that both draft often: by the planner's own estimates the
     model drafts almost every round here, and which source drafts a round
     is decided before its verdict either way, which is all exactness
-    needs."""
-    method, planner = lookup_or_draft(DRAFTS["partial_support"], alternate=True)
+    needs.  Suffix drafting beside the model drafts from the earlier draws
+    too (the one rule of every ``*-lookup`` method)."""
+    method, planner = lookup_or_draft(DRAFTS["partial_support"], alternate=True,
+                                      lookup=lookup)
     counts, stats = draw_counts(method, TOP_P, LOOKUP_PROMPT, N_EXTRA, seed=6)
     check_stats(stats, N_EXTRA)
     assert min(planner.rounds.values()) > N_EXTRA / 3, planner.rounds
@@ -440,11 +449,12 @@ def test_lookup_or_draft_is_exact():
 
 
 @pytest.mark.power
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
 @pytest.mark.parametrize("rule", sorted(BROKEN_RULES))
-def test_lookup_or_draft_broken_twin_is_detected(monkeypatch, rule):
+def test_lookup_or_draft_broken_twin_is_detected(monkeypatch, rule, lookup):
     monkeypatch.setattr(speculative_module, "accept_tree_sampled",
                         _accept_then(BROKEN_RULES[rule]))
-    method, _ = lookup_or_draft(DRAFTS["partial_support"], alternate=True)
+    method, _ = lookup_or_draft(DRAFTS["partial_support"], alternate=True, lookup=lookup)
     counts, _ = draw_counts(method, TOP_P, LOOKUP_PROMPT, N_BROKEN, seed=6)
     assert_detected(counts, TOP_P, LOOKUP_PROMPT, f"lookup or draft {rule}")
 

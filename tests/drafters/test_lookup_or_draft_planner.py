@@ -18,7 +18,7 @@ from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.decoding.stats import GenerationStats
 from forerun.drafters.draft_model import DraftModelDrafter
-from forerun.drafters.eagle import EagleDrafter
+from forerun.drafters.eagle.drafter import EagleDrafter
 from forerun.drafters.lookup_or_draft_planner import LookupOrDraftPlanner
 from method_runs import greedy_tokens
 from table_decoders import ClockedWrapper, TableDecoder, single_thread  # noqa: F401 (autouse fixture)
@@ -354,9 +354,9 @@ def test_greedy_eagle_or_lookup_equals_plain(arch, monkeypatch):
     from types import SimpleNamespace
 
     from forerun.decoding import draft_length, speculative
-    from forerun.drafters import eagle
+    from forerun.drafters.eagle import drafter as eagle
 
-    from .test_eagle import head_for, targets
+    from .eagle.test_drafter import head_for, targets
 
     clock = SimpleNamespace(now=0.0)
     for module in (draft_length, speculative, eagle):

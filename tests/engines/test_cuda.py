@@ -397,7 +397,7 @@ def test_a_verified_tree_is_exact(device, load, tiny, arch, fmt):
 # -- greedy speculative decoding ---------------------------------------------------------------
 
 def _medusa_heads(seed: int, vocab: int, hidden: int = 64, n: int = 3):
-    from forerun.drafters.medusa import MedusaHeads
+    from forerun.drafters.medusa.heads import MedusaHeads
 
     gen = torch.Generator().manual_seed(seed)
     blocks = [[(torch.randn(hidden, hidden, generator=gen) * 0.3 / hidden ** 0.5,

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.real_model
 
 def head_for(target):
     """The shipped head, else a random one of the shipped head's shape."""
-    from forerun.engines.eagle3_weights import Eagle3Config, Eagle3Weights, default_aux_layers
-    from forerun.loading.eagle3_files import shipped_head_path
+    from forerun.drafters.eagle.files import shipped_head_path
+    from forerun.drafters.eagle.weights import Eagle3Config, Eagle3Weights, default_aux_layers
 
     if shipped_head_path(target.name) is not None:
         return "eagle"

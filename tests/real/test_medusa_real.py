@@ -3,7 +3,7 @@ is token-identical to plain greedy decoding, and the heads do draft."""
 
 import pytest
 
-from forerun.drafters.medusa import MedusaHeads, shipped_heads_path
+from forerun.drafters.medusa.heads import MedusaHeads, shipped_heads_path
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

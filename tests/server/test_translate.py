@@ -16,7 +16,9 @@ W = DEFAULT_DRAFT_WINDOW  # what a draft model reads of a prompt by default
 
 def drafted(method: str, **shape) -> SpeculativeConfig:
     """The config of the server's draft model drafting as ``method``."""
-    return SpeculativeConfig(method, DRAFT, window=W, **shape)
+    if method.endswith("-lookup"):
+        shape.setdefault("draft_lookup", "ngram")
+    return SpeculativeConfig(method, DRAFT, draft_window=W, **shape)
 
 
 def translator(default_draft=DRAFT, **default_shape) -> Translator:
@@ -35,16 +37,16 @@ def test_a_request_without_fields_gets_the_servers_drafter_and_shape():
     assert drafter(translator()) == drafted("draft-lookup")
     assert drafter(translator(draft_lookup=True)) == drafted("draft-lookup")
     assert drafter(translator(draft_lookup=False)) == drafted("draft")
-    assert drafter(translator(draft_k=3)) == drafted("draft", length=3)
+    assert drafter(translator(draft_k=3)) == drafted("draft", draft_k=3)
     assert drafter(translator(draft_tree=True)) == drafted("draft-tree")
-    assert drafter(translator(tree_nodes=5)) == drafted("draft-tree", nodes=5)
+    assert drafter(translator(tree_nodes=5)) == drafted("draft-tree", tree_nodes=5)
     assert drafter(translator(None)) == PLAIN
 
 
 def test_a_request_that_shapes_its_drafter_takes_none_of_the_servers_shape():
     t = translator(draft_tree=True)
-    assert drafter(t, '{"tree_nodes": 6}') == drafted("draft-tree", nodes=6)
-    assert drafter(t, '{"draft_k": 2}') == drafted("draft", length=2)
+    assert drafter(t, '{"tree_nodes": 6}') == drafted("draft-tree", tree_nodes=6)
+    assert drafter(t, '{"draft_k": 2}') == drafted("draft", draft_k=2)
     assert drafter(t, '{"draft_lookup": true}') == drafted("draft-lookup")
     assert drafter(translator(draft_lookup=True), '{"draft_lookup": false}') \
         == drafted("draft")
@@ -54,13 +56,13 @@ def test_a_request_that_shapes_its_drafter_takes_none_of_the_servers_shape():
     assert drafter(translator(), '{"draft": "small", "draft_tree": true}') \
         == drafted("draft-tree")
     assert drafter(translator(), '{"draft": "medusa", "tree_nodes": 8}') \
-        == SpeculativeConfig("medusa", "medusa", nodes=8)
+        == SpeculativeConfig("medusa", "medusa", tree_nodes=8)
 
 
 @pytest.mark.parametrize("speculative,param,words", [
     ('{"draft": "ngram", "draft_tree": true}', "speculative.draft_tree", "draft model"),
     ('{"draft": "ngram", "tree_nodes": 4}', "speculative.tree_nodes", "draft model"),
-    ('{"draft_k": 3, "tree_nodes": 4}', "speculative.draft_k", "speculative.tree_nodes"),
+    ('{"draft_k": 3, "tree_nodes": 4}', "speculative.draft_k", "drop speculative.draft_k"),
     ('{"tree_nodes": 65}', "speculative.tree_nodes", "at most 64"),
     ('{"tree_nodes": 0}', "speculative.tree_nodes", "greater than or equal to 1"),
     ('{"draft_tree": 1}', "speculative.draft_tree", "boolean"),
@@ -70,10 +72,10 @@ def test_a_request_that_shapes_its_drafter_takes_none_of_the_servers_shape():
     ('{"draft": "qwen-9000"}', "speculative.draft", "'ngram'"),
     ('{"draft": "ngram", "draft_lookup": true}', "speculative.draft_lookup",
      "for prompt lookup alone draft with 'ngram'"),
-    ('{"draft_k": 3, "draft_lookup": true}', "speculative.draft_lookup",
+    ('{"draft_k": 3, "draft_lookup": true}', "speculative.draft_k",
      "drop speculative.draft_k"),
     ('{"draft_tree": true, "draft_lookup": true}', "speculative.draft_lookup",
-     "drop speculative.draft_tree"),
+     "ask for two shapes"),
     ('{"draft_lookup": 1}', "speculative.draft_lookup", "boolean"),
     ('{"draft": "none", "draft_lookup": true}', "speculative.draft_lookup", "needs a drafter"),
 ])

@@ -13,7 +13,7 @@ import pytest
 
 from forerun.cli.main import build_parser, speculative_config
 from forerun.drafters.draft_window import DEFAULT_DRAFT_WINDOW
-from forerun.drafters.medusa import MedusaHeads
+from forerun.drafters.medusa.heads import MedusaHeads
 from forerun.drafters.ngram import NgramDrafter
 from forerun.errors import GenerationConfigError
 from forerun.server.schemas import ChatCompletionRequest, parse
@@ -73,42 +73,48 @@ OWN = NgramDrafter()
 W = DEFAULT_DRAFT_WINDOW
 
 
+def beside_lookup(kind: str, draft, window) -> SpeculativeConfig:
+    """The config of a draft model or an EAGLE head beside prompt lookup."""
+    return SpeculativeConfig(f"{kind}-lookup", draft, draft_window=window, draft_lookup="ngram")
+
+
 @pytest.mark.parametrize("draft, options, expected", [
     (None, {}, PLAIN),
     ("none", {}, PLAIN),
     ("ngram", {}, SpeculativeConfig("ngram", "ngram")),
-    ("ngram", {"draft_k": 3}, SpeculativeConfig("ngram", "ngram", length=3)),
+    ("ngram", {"draft_k": 3}, SpeculativeConfig("ngram", "ngram", draft_k=3)),
     ("suffix", {}, SpeculativeConfig("suffix", "suffix")),
-    ("suffix", {"draft_k": 5}, SpeculativeConfig("suffix", "suffix", length=5)),
-    (OWN, {"draft_k": 2}, SpeculativeConfig("drafter", OWN, length=2)),
+    ("suffix", {"draft_k": 5}, SpeculativeConfig("suffix", "suffix", draft_k=5)),
+    (OWN, {"draft_k": 2}, SpeculativeConfig("drafter", OWN, draft_k=2)),
     ("medusa", {}, SpeculativeConfig("medusa", "medusa")),
-    ("medusa", {"tree_nodes": 8}, SpeculativeConfig("medusa", "medusa", nodes=8)),
-    ("medusa", {"draft_k": 5}, SpeculativeConfig("medusa", "medusa", nodes=5)),
-    (DRAFT, {}, SpeculativeConfig("draft-lookup", DRAFT, window=W)),
-    (DRAFT, {"draft_lookup": True}, SpeculativeConfig("draft-lookup", DRAFT, window=W)),
-    (DRAFT, {"draft_lookup": False}, SpeculativeConfig("draft", DRAFT, window=W)),
-    (DRAFT, {"draft_k": 4}, SpeculativeConfig("draft", DRAFT, length=4, window=W)),
-    (DRAFT, {"draft_tree": True}, SpeculativeConfig("draft-tree", DRAFT, window=W)),
-    (DRAFT, {"tree_nodes": 6}, SpeculativeConfig("draft-tree", DRAFT, nodes=6, window=W)),
-    (DRAFT, {"draft_async": True}, SpeculativeConfig("draft-async", DRAFT, window=W)),
+    ("medusa", {"tree_nodes": 8}, SpeculativeConfig("medusa", "medusa", tree_nodes=8)),
+    ("medusa", {"draft_k": 5}, SpeculativeConfig("medusa", "medusa", tree_nodes=5)),
+    (DRAFT, {}, beside_lookup("draft", DRAFT, W)),
+    (DRAFT, {"draft_lookup": True}, beside_lookup("draft", DRAFT, W)),
+    (DRAFT, {"draft_lookup": False}, SpeculativeConfig("draft", DRAFT, draft_window=W)),
+    (DRAFT, {"draft_k": 4}, SpeculativeConfig("draft", DRAFT, draft_k=4, draft_window=W)),
+    (DRAFT, {"draft_tree": True}, SpeculativeConfig("draft-tree", DRAFT, draft_window=W)),
+    (DRAFT, {"tree_nodes": 6},
+     SpeculativeConfig("draft-tree", DRAFT, tree_nodes=6, draft_window=W)),
+    (DRAFT, {"draft_async": True}, SpeculativeConfig("draft-async", DRAFT, draft_window=W)),
     (DRAFT, {"draft_async": True, "draft_k": 3, "draft_threads": 1, "target_threads": 1},
-     SpeculativeConfig("draft-async", DRAFT, length=3, draft_threads=1, target_threads=1,
-                       window=W)),
+     SpeculativeConfig("draft-async", DRAFT, draft_k=3, draft_threads=1, target_threads=1,
+                       draft_window=W)),
     # how much of a prompt the draft model reads
-    (DRAFT, {"draft_window": 64}, SpeculativeConfig("draft-lookup", DRAFT, window=64)),
-    (DRAFT, {"draft_window": "all"}, SpeculativeConfig("draft-lookup", DRAFT, window=None)),
+    (DRAFT, {"draft_window": 64}, beside_lookup("draft", DRAFT, 64)),
+    (DRAFT, {"draft_window": "all"}, beside_lookup("draft", DRAFT, None)),
     (DRAFT, {"draft_window": "ALL", "draft_tree": True},
-     SpeculativeConfig("draft-tree", DRAFT, window=None)),
+     SpeculativeConfig("draft-tree", DRAFT, draft_window=None)),
     (DRAFT, {"draft_window": 32, "draft_async": True},
-     SpeculativeConfig("draft-async", DRAFT, window=32)),
+     SpeculativeConfig("draft-async", DRAFT, draft_window=32)),
     # an EAGLE head: chains, trees, or chains beside prompt lookup when asked
-    ("eagle:h", {}, SpeculativeConfig("eagle-lookup", "eagle:h", window=W)),
-    ("eagle", {"draft_k": 3}, SpeculativeConfig("eagle", "eagle", length=3, window=W)),
-    ("eagle", {"draft_lookup": False}, SpeculativeConfig("eagle", "eagle", window=W)),
-    ("eagle", {"draft_lookup": True}, SpeculativeConfig("eagle-lookup", "eagle", window=W)),
+    ("eagle:h", {}, beside_lookup("eagle", "eagle:h", W)),
+    ("eagle", {"draft_k": 3}, SpeculativeConfig("eagle", "eagle", draft_k=3, draft_window=W)),
+    ("eagle", {"draft_lookup": False}, SpeculativeConfig("eagle", "eagle", draft_window=W)),
+    ("eagle", {"draft_lookup": True}, beside_lookup("eagle", "eagle", W)),
     ("eagle:h", {"draft_lookup": True, "draft_window": 64},
-     SpeculativeConfig("eagle-lookup", "eagle:h", window=64)),
-    ("eagle", {"draft_tree": True}, SpeculativeConfig("eagle-tree", "eagle", window=W)),
+     beside_lookup("eagle", "eagle:h", 64)),
+    ("eagle", {"draft_tree": True}, SpeculativeConfig("eagle-tree", "eagle", draft_window=W)),
 ])
 def test_each_set_of_options_resolves_to_one_method(draft, options, expected):
     assert resolve(draft, **options) == expected
@@ -121,14 +127,16 @@ def test_each_set_of_options_resolves_to_one_method(draft, options, expected):
     ("ngram", {"draft_tree": True}, "draft_tree", "need a draft model"),
     ("ngram", {"tree_nodes": 4}, "tree_nodes", "need a draft model"),
     (None, {"draft_tree": True}, "draft_tree", "need a draft model"),
-    (DRAFT, {"draft_tree": True, "draft_k": 3}, "draft_k", "{draft_k} drafts a chain"),
-    (DRAFT, {"tree_nodes": 3, "draft_async": True}, "draft_async", "asynchronous drafting"),
+    (DRAFT, {"draft_tree": True, "draft_k": 3}, "draft_k",
+     "{draft_k} does not apply to a draft model's trees (draft-tree): drop {draft_k}"),
+    (DRAFT, {"tree_nodes": 3, "draft_async": True}, "draft_async",
+     "{tree_nodes} and {draft_async} ask for two shapes of drafting"),
     (DRAFT, {"tree_nodes": 65}, "tree_nodes", "{tree_nodes} is at most 64"),
     ("ngram", {"draft_k": 1000}, "draft_k", "{draft_k} is at most 16"),
     (DRAFT, {"draft_k": 17}, "draft_k", "{draft_k} is at most 16"),
     ("medusa", {"draft_k": 65}, "draft_k", "{draft_k} is at most 64"),
     (DRAFT, {"draft_tree": "yes"}, "draft_tree", "{draft_tree} must be true or false"),
-    ("medusa", {"tree_nodes": 4, "draft_k": 4}, "tree_nodes", "node count once"),
+    ("medusa", {"tree_nodes": 4, "draft_k": 4}, "tree_nodes", "one option for Medusa heads"),
     ("ngram", {"draft_async": True}, "draft_async", "{draft_async} needs a draft model"),
     (DRAFT, {"draft_threads": 1}, "draft_threads", "add {draft_async}"),
     (DRAFT, {"draft_async": True, "target_threads": 0}, "target_threads",
@@ -137,14 +145,16 @@ def test_each_set_of_options_resolves_to_one_method(draft, options, expected):
     ("suffix", {"draft_lookup": True}, "draft_lookup", "for prompt lookup alone"),
     ("suffix", {"draft_tree": True}, "draft_tree", "need a draft model"),
     ("suffix", {"draft_window": 64}, "draft_window", "{draft_window} is how much of the prompt"),
-    (DRAFT, {"draft_lookup": True, "draft_k": 2}, "draft_lookup", "drop {draft_k}"),
-    (DRAFT, {"draft_lookup": True, "draft_tree": True}, "draft_lookup", "drop {draft_tree}"),
-    (DRAFT, {"draft_lookup": True, "draft_async": True}, "draft_lookup", "{draft_async}"),
+    (DRAFT, {"draft_lookup": True, "draft_k": 2}, "draft_k", "drop {draft_k}"),
+    (DRAFT, {"draft_lookup": True, "draft_tree": True}, "draft_lookup",
+     "{draft_tree} and {draft_lookup} ask for two shapes"),
+    (DRAFT, {"draft_lookup": True, "draft_async": True}, "draft_async",
+     "{draft_lookup} and {draft_async} ask for two shapes"),
     (DRAFT, {"draft_lookup": 1}, "draft_lookup", "{draft_lookup} must be true, false"),
     ("medusa", {"draft_lookup": True}, "draft_lookup", "or an EAGLE head"),
-    ("eagle", {"draft_lookup": True, "draft_k": 2}, "draft_lookup", "drop {draft_k}"),
+    ("eagle", {"draft_lookup": True, "draft_k": 2}, "draft_k", "drop {draft_k}"),
     ("eagle", {"draft_lookup": True, "draft_tree": True}, "draft_lookup",
-     "drop {draft_tree}"),
+     "{draft_tree} and {draft_lookup} ask for two shapes"),
     ("ngram", {"draft_window": 64}, "draft_window", "{draft_window} is how much of the prompt"),
     (None, {"draft_window": 64}, "draft_window", "{draft_window} is how much of the prompt"),
     (DRAFT, {"draft_window": 4}, "draft_window", "{draft_window} must be an integer above 4"),
@@ -168,7 +178,7 @@ def test_errors_name_the_option_as_each_front_end_spells_it(draft, options, opti
 def test_a_config_is_frozen_and_keyed_by_its_drafts_identity():
     config = resolve(OWN, draft_k=2)
     with pytest.raises(AttributeError):
-        config.length = 3   # type: ignore[misc]
+        config.draft_k = 3   # type: ignore[misc]
     assert config.key == resolve(OWN, draft_k=2).key
     assert config.key != resolve(NgramDrafter(), draft_k=2).key
     assert resolve(DRAFT, tree_nodes=6).describe() == "draft.gguf, trees of 6 nodes"
@@ -224,7 +234,7 @@ def test_the_cli_the_server_and_the_api_resolve_the_same_settings_alike(argv, bo
 
 def test_the_cli_refuses_before_loading_anything(monkeypatch):
     monkeypatch.setitem(sys.modules, "forerun.api.loader", None)   # importing it would fail
-    with pytest.raises(SpeculativeConfigError, match="--draft-k drafts a chain"):
+    with pytest.raises(SpeculativeConfigError, match="--draft-k does not apply"):
         _cli("--draft-tree", "--draft-k", "3")
 
 

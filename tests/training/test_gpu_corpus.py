@@ -92,8 +92,8 @@ def test_a_whole_run_makes_a_manifest_and_a_head_forerun_reads(tiny, tmp_path, g
     sys.path.insert(0, str(GPU))
     import make_corpus
 
-    from forerun.loading.eagle3_files import load_eagle3
-    from forerun.training.token_manifest import TokenManifest
+    from forerun.corpus.token_manifest import TokenManifest
+    from forerun.drafters.eagle.files import load_eagle3
 
     out = tmp_path / "out"
     sources = tmp_path / "sources.jsonl.xz"

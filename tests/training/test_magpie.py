@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from forerun.corpus.token_manifest import ManifestWriter, TokenManifest
 from forerun.errors import ConfigError
 from forerun.tokenizer import Tokenizer
 from forerun.training.magpie import (
@@ -25,7 +26,6 @@ from forerun.training.magpie import (
     new_counters,
     new_state,
 )
-from forerun.training.token_manifest import ManifestWriter, TokenManifest
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
             "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -305,7 +305,7 @@ class StopAt:
 
 def build(model, out: Path, corpus: Path, *, max_tokens: int, stop_at: int | None = None,
           resume: bool = False, checkpoint_seconds: float = 0.0, parallel: int = 1):
-    from forerun.training.text_files import corpus_files
+    from forerun.corpus.text_files import corpus_files
 
     fp = model.tokenizer.fingerprint()
     if resume:
@@ -423,7 +423,7 @@ def test_a_time_budget_ends_a_run_and_a_resume_continues_it(chat_model, corpus, 
     whole = tmp_path / "whole"
     build(chat_model, whole, corpus, max_tokens=900, checkpoint_seconds=60)
     out = tmp_path / "timed"
-    from forerun.training.text_files import corpus_files
+    from forerun.corpus.text_files import corpus_files
 
     fp = chat_model.tokenizer.fingerprint()
     writer = ManifestWriter.create(out, model=chat_model.name, fingerprint=fp,

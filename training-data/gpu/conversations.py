@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from batcher import Batcher, Job
 
+from forerun.corpus.token_manifest import Dedup, ManifestWriter, Record, text_key
 from forerun.protocol.token_sequences import common_prefix
 from forerun.training.magpie import (
     SENTINEL,
@@ -44,7 +45,6 @@ from forerun.training.magpie import (
     magpie_prefix,
     query_problem,
 )
-from forerun.training.token_manifest import Dedup, ManifestWriter, Record, text_key
 
 TOPICS = (
     "You are an assistant that translates texts between English, Chinese, French, German "

@@ -45,10 +45,10 @@ from conversations import TOPICS, Conversations, Settings  # noqa: E402
 from target_on_gpu import Target  # noqa: E402
 
 from forerun.bench.prompts import DEFAULT_PROMPTS, load_prompts  # noqa: E402
+from forerun.corpus.token_manifest import ManifestWriter  # noqa: E402
 from forerun.loading.gguf_file import GGUFFile  # noqa: E402
 from forerun.tokenizer.gguf_tokenizer import tokenizer_from_gguf_metadata  # noqa: E402
 from forerun.training.magpie import BenchOverlap, magpie_prefix  # noqa: E402
-from forerun.training.token_manifest import ManifestWriter  # noqa: E402
 
 PART_BYTES = 16_000_000
 
@@ -200,13 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.train_seconds > 0:
         from train_on_gpu import train_head
 
-        from forerun.training.eagle import EagleSettings
+        from forerun.drafters.eagle.training import EagleSettings
 
         records = list(writer.records())
         if args.smoke:
             import numpy as np
 
-            from forerun.training.token_manifest import Record
+            from forerun.corpus.token_manifest import Record
 
             rng = np.random.default_rng(args.seed)
             records += [Record(rng.integers(0, target.config.vocab_size, 300), "text", 10)

@@ -1,5 +1,5 @@
 """An EAGLE-3 head trained on the GPU machine right after the data is made,
-with forerun's own trainer pieces (``forerun/training/eagle.py``: the
+with forerun's own trainer pieces (``forerun/drafters/eagle/training.py``: the
 pieces, batches, loss of the training-time test, held-out metrics; the
 head module of ``eagle_model.py``; ``save_eagle3``).  What differs from
 ``forerun train eagle`` on a CPU: the target's features come from
@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from forerun.engines.eagle3_weights import default_aux_layers
-from forerun.loading.eagle3_files import save_eagle3
-from forerun.training.eagle import (
+from forerun.drafters.eagle.features import TokenRecord, as_records, draft_vocabulary
+from forerun.drafters.eagle.files import save_eagle3
+from forerun.drafters.eagle.trainable import TrainableEagle3
+from forerun.drafters.eagle.training import (
     EagleSettings,
     _Record,
     epoch_batches,
@@ -32,8 +33,7 @@ from forerun.training.eagle import (
     record_pieces,
     split_records,
 )
-from forerun.training.eagle_features import TokenRecord, as_records, draft_vocabulary
-from forerun.training.eagle_model import TrainableEagle3
+from forerun.drafters.eagle.weights import default_aux_layers
 
 
 class GpuFeatures:

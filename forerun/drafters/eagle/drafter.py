@@ -1,5 +1,5 @@
 """Drafting with an EAGLE-3 head (Li et al. 2025): chains and trees from the
-target's own states (:mod:`forerun.engines.eagle_head` says what the head
+target's own states (:mod:`forerun.drafters.eagle.head` says what the head
 computes).
 
 The head keeps a cache of its own.  Each committed position ``p`` the
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -44,15 +45,20 @@ from forerun.decoding.draft_length import refine_seconds
 from forerun.decoding.drafter import Draft
 from forerun.decoding.sampling import TokenSampler
 from forerun.drafters.draft_window import DEFAULT_DRAFT_WINDOW, SINK_TOKENS, window_problem
-from forerun.drafters.tree_drafting import DraftedNodes, TreeDrafting, level_mask
-from forerun.engines.eagle_head import EagleHead
+from forerun.drafters.eagle.files import load_eagle3, shipped_head_path
+from forerun.drafters.eagle.head import EagleHead
+from forerun.drafters.eagle.weights import Eagle3Weights
+from forerun.drafters.lookup_or_draft_planner import lookup_or_model
+from forerun.drafters.method_target import MethodOptions, MethodTarget, chain, heads_file
+from forerun.drafters.tree_drafting import DraftedNodes, TreeDrafting, level_mask, tree_method
+from forerun.engines.linear import QUANTIZED_FORMATS
 from forerun.errors import ConfigError
 from forerun.protocol.token_sequences import common_prefix
 
 
 class EagleDrafter(TreeDrafting):
     """Chains (:meth:`propose`) and trees (:meth:`expand`) from an
-    :class:`~forerun.engines.eagle_head.EagleHead` (see the module's text).
+    :class:`~forerun.drafters.eagle.head.EagleHead` (see the module's text).
     ``capacity``: the most slots its cache holds (the target's context
     length); ``window``: the most prompt positions it reads (``None``: all);
     the tree options are :class:`~forerun.drafters.tree_drafting.TreeDrafting`'s."""
@@ -263,3 +269,55 @@ class EagleDrafter(TreeDrafting):
             self.cache.rollback(keep)
             del self._positions[keep:]
         del self._sequence[length:]
+
+
+def drafter_of(target: MethodTarget, options: MethodOptions) -> EagleDrafter:
+    """The drafter of the EAGLE-3 head ``options.draft`` names (see
+    :func:`eagle_head`), named after the method in statistics."""
+    return EagleDrafter(eagle_head(target, options.draft), target.decoder.context_length,
+                        window=options.draft_window, name=options.method)
+
+
+def chains(target: MethodTarget, options: MethodOptions):
+    """An EAGLE-3 head's chains (the registry's ``eagle``), ``options.draft_k``
+    long or chosen every round."""
+    return chain(target, drafter_of(target, options), options)
+
+
+def beside_lookup(target: MethodTarget, options: MethodOptions):
+    """An EAGLE-3 head's chains beside prompt lookup (``eagle-lookup``),
+    each round drafting with the one expected to pay more."""
+    return lookup_or_model(target, drafter_of(target, options), options, "eagle")
+
+
+def trees(target: MethodTarget, options: MethodOptions):
+    """An EAGLE-3 head's trees (``eagle-tree``), ``options.tree_nodes`` nodes
+    or a budget chosen every round."""
+    return tree_method(target, drafter_of(target, options), options)
+
+
+def eagle_head(target: MethodTarget, draft) -> EagleHead:
+    """The :class:`~forerun.drafters.eagle.head.EagleHead` ``draft`` names on
+    ``target``: ``"eagle"``, the head forerun ships for the model (a preset);
+    ``"eagle:PATH"``, a head in the layout vLLM and SGLang load
+    (:mod:`forerun.drafters.eagle.files`); or
+    :class:`~forerun.drafters.eagle.weights.Eagle3Weights`.  Its matrices run
+    in int8 beside a quantized target, else in the target's format."""
+    # (num_layers, hidden_size and embed_tokens come with layer_states)
+    decoder: Any = target.decoder
+    if not decoder.capabilities.layer_states:
+        raise ConfigError(f"an EAGLE head drafts from the target's layer states, which the "
+                          f"{decoder.engine} engine does not give; load {target.name} on the "
+                          f"torch engine")
+    layers = decoder.num_layers   # (declared with layer_states)
+    if isinstance(draft, Eagle3Weights):
+        weights = draft
+    else:
+        weights = load_eagle3(heads_file(
+            draft, "eagle", "EAGLE head", shipped_head_path(target.name), target.name,
+            f"forerun train eagle --model {target.name} --data DATA --out HEAD"),
+            target_layers=layers)
+    weights.check_target(decoder.hidden_size, decoder.vocab_size, layers, target.name)
+    fmt = decoder.settings.weights
+    fmt = "q8" if fmt in QUANTIZED_FORMATS else (fmt or "float32")
+    return EagleHead(weights, decoder.embed_tokens, weights_format=fmt, device=decoder.device)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from forerun.engines.eagle3_weights import Eagle3Weights
+from forerun.drafters.eagle.weights import Eagle3Weights
 from forerun.engines.layer_factory import fuse_linear
 from forerun.engines.linear import WEIGHT_FORMATS, Linear
 from forerun.engines.rope import RotaryEmbedding, apply_rotary
@@ -51,7 +51,7 @@ Embed = Callable[[torch.Tensor], torch.Tensor]
 
 class EagleHead:
     """The head's network (see the module docstring).  ``weights``: the
-    float weights (:class:`~forerun.engines.eagle3_weights.Eagle3Weights`);
+    float weights (:class:`~forerun.drafters.eagle.weights.Eagle3Weights`);
     ``embed``: the target's input embedding of int64 token ids;
     ``weights_format``: the format of its matrices (``"q8"`` by default:
     int8 rows, on the native kernels where they run)."""

@@ -4,16 +4,16 @@ The pipeline, each stage restartable:
 
 1. **Split** the records (token id sequences with a ``loss_start``) into
    training and held-out ones by each record's digest
-   (:func:`~forerun.training.token_manifest.is_held_out`: the manifest's
+   (:func:`~forerun.corpus.token_manifest.is_held_out`: the manifest's
    split, the same on every machine); the held-out ones are never trained
    on.
 2. **Features**: the target's states at the aux layers and its top-k
    predictions over the whole vocabulary, per position, computed once and
-   cached (:mod:`forerun.training.eagle_features`).
+   cached (:mod:`forerun.drafters.eagle.features`).
 3. **Draft vocabulary**: the ``draft_vocab`` ids the target most often
    predicts as its argmax over the training records' loss positions (ties
    by id), the end-of-sequence ids always among them.
-4. **The head** (:class:`~forerun.training.eagle_model.TrainableEagle3`):
+4. **The head** (:class:`~forerun.drafters.eagle.trainable.TrainableEagle3`):
    ``lm_head`` starts as the target's LM head rows of the draft vocabulary
    and ``norm`` as its final norm, ``fc`` as the identity on the deepest
    aux layer's state and the layer's output projections at zero (its
@@ -21,7 +21,7 @@ The pipeline, each stage restartable:
    (seeded), the other norms one.
 5. **Training-time test**: each record runs ``ttt_steps`` (``K``) chain
    steps from every position at once
-   (:meth:`~forerun.training.eagle_model.TrainableEagle3.rollout`).  Step
+   (:meth:`~forerun.drafters.eagle.trainable.TrainableEagle3.rollout`).  Step
    ``j`` at position ``p`` predicts the token ``p + 2 + j``; its target is
    the target's distribution at position ``p + 1 + j`` (its top-k,
    renormalised, restricted to the draft vocabulary and renormalised
@@ -76,10 +76,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from forerun.engines.eagle3_weights import Eagle3Config, Eagle3Weights, default_aux_layers
-from forerun.errors import ConfigError, ForerunError
-from forerun.machine.output_files import written_whole
-from forerun.training.eagle_features import (
+from forerun.corpus.token_manifest import HELD_OUT, is_held_out
+from forerun.drafters.eagle.features import (
     TOP_K,
     FeatureReport,
     Features,
@@ -88,8 +86,12 @@ from forerun.training.eagle_features import (
     as_records,
     draft_vocabulary,
 )
-from forerun.training.eagle_model import TrainableEagle3
-from forerun.training.token_manifest import HELD_OUT, is_held_out
+from forerun.drafters.eagle.files import save_eagle3
+from forerun.drafters.eagle.trainable import TrainableEagle3
+from forerun.drafters.eagle.weights import Eagle3Config, Eagle3Weights, default_aux_layers
+from forerun.drafters.target_key import model_key
+from forerun.errors import ConfigError, ForerunError
+from forerun.machine.output_files import written_whole
 
 #: the trainer's arithmetic choices (``EagleSettings.compute``)
 COMPUTE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -518,8 +520,6 @@ class EagleTrainer:
                        f.top_logp.float(), record.loss_start)
 
     def data_identity(self, draft_ids: torch.Tensor) -> dict[str, Any]:
-        from forerun.training.medusa import model_key
-
         def digest(records: Sequence[TokenRecord]) -> str:
             return hashlib.sha256("\n".join(r.key for r in records).encode()).hexdigest()
 
@@ -549,11 +549,9 @@ class EagleTrainer:
         Stops at the end of the planned steps, after ``max_seconds`` (this
         run's own, counted from its start), or when ``stop`` is set (at the
         next step boundary; while the features are computed, at the next
-        record, raising :class:`~forerun.training.eagle_features.FeaturesStopped`).
+        record, raising :class:`~forerun.drafters.eagle.features.FeaturesStopped`).
         ``on_step(step)`` is called after each step."""
         from tqdm import tqdm
-
-        from forerun.loading.eagle3_files import save_eagle3
 
         started = time.perf_counter()
         s = self.settings
@@ -780,7 +778,7 @@ def train_eagle(decoder, records: Iterable[Any], *, model_name: str,
                 init: Eagle3Weights | None = None, force: bool = False) -> EagleRun:
     """Train an EAGLE-3 head for the target ``decoder`` (forerun's torch
     engine, as it serves) on ``records`` (module text) and write it to
-    ``out`` (:func:`~forerun.loading.eagle3_files.save_eagle3`, in
+    ``out`` (:func:`~forerun.drafters.eagle.files.save_eagle3`, in
     ``dtype``).  ``init``: a head to go on training (its weights and draft
     vocabulary; a head an earlier run made, trained on on more data),
     instead of a new one.  ``force``: replace files in ``out`` that forerun

@@ -1,7 +1,7 @@
 """The EAGLE-3 head as a differentiable torch module, for training.
 
 :class:`TrainableEagle3` computes exactly what
-:class:`~forerun.engines.eagle_head.EagleHead` computes (that module's text
+:class:`~forerun.drafters.eagle.head.EagleHead` computes (that module's text
 says what; here in float32, every matrix a parameter), and its parameters
 carry the published names (``fc.weight``, ``midlayer.*``, ``norm.weight``,
 ``lm_head.weight``): its ``state_dict`` is the head's tensors.  The
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forerun.engines.eagle3_weights import NORM_NAMES, TENSOR_NAMES, Eagle3Config, Eagle3Weights
+from forerun.drafters.eagle.weights import NORM_NAMES, TENSOR_NAMES, Eagle3Config, Eagle3Weights
 from forerun.engines.rope import RotaryEmbedding, apply_rotary
 from forerun.engines.transformer import rms_norm
 from forerun.errors import ConfigError
@@ -165,7 +165,7 @@ class TrainableEagle3(nn.Module):
 
     def to_weights(self, draft_ids: torch.Tensor, info: Mapping[str, Any] | None = None
                    ) -> Eagle3Weights:
-        """The head as :class:`~forerun.engines.eagle3_weights.Eagle3Weights`
+        """The head as :class:`~forerun.drafters.eagle.weights.Eagle3Weights`
         (copies of the float32 parameters), draft index ``i`` being target id
         ``draft_ids[i]`` (sorted, distinct)."""
         params = dict(self.named_parameters())
@@ -218,7 +218,7 @@ class TrainableEagle3(nn.Module):
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What :meth:`EagleHead.forward <forerun.engines.eagle_head.EagleHead.forward>`
+        """What :meth:`EagleHead.forward <forerun.drafters.eagle.head.EagleHead.forward>`
         computes for ``T`` slots on an empty cache with causal attention:
         the tokens' embeddings ``embeds`` (``[T, H]``, the target's), the
         features (``[T, 3H]``: the target's states; ``[T, H]``: the head's

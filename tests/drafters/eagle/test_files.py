@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from forerun.engines.eagle3_weights import TENSOR_NAMES, Eagle3Config, Eagle3Weights
+from forerun.drafters.eagle import files as eagle3_files
+from forerun.drafters.eagle.files import load_eagle3, save_eagle3, shipped_head_path
+from forerun.drafters.eagle.weights import TENSOR_NAMES, Eagle3Config, Eagle3Weights
 from forerun.errors import ModelFormatError, ModelNotFoundError
-from forerun.loading import eagle3_files
-from forerun.loading.eagle3_files import load_eagle3, save_eagle3, shipped_head_path
 from forerun.machine.output_files import OutputPathError
 
 VOCAB, DRAFT, HIDDEN = 300, 128, 64

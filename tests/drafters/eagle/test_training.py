@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from forerun.errors import ForerunError
-from forerun.training.eagle import (
+from forerun.corpus.token_manifest import is_held_out
+from forerun.drafters.eagle.features import as_records
+from forerun.drafters.eagle.training import (
     CheckpointError,
     EagleSettings,
     EagleTrainer,
@@ -25,8 +26,7 @@ from forerun.training.eagle import (
     split_records,
     train_eagle,
 )
-from forerun.training.eagle_features import as_records
-from forerun.training.token_manifest import is_held_out
+from forerun.errors import ForerunError
 from tiny_models import forerun_decoder, hf_model
 
 PROMPT = 6
@@ -101,7 +101,7 @@ def test_training_raises_the_held_out_agreement_and_lr_0_does_not(target, record
 
 
 def test_the_head_info_says_what_it_was_trained_on(target, records, features, tmp_path):
-    from forerun.loading.eagle3_files import load_eagle3
+    from forerun.drafters.eagle.files import load_eagle3
 
     result = run(target, records, features, epochs=1, out=tmp_path / "head")
     head = load_eagle3(tmp_path / "head")
@@ -135,8 +135,8 @@ def _one_record(target, records, features, loss_start=PROMPT):
     record = trainer.features(trainer.train[0])
     record.loss_start = loss_start
     config = settings(draft_vocab=draft_ids.numel())
-    from forerun.training.eagle import head_config
-    from forerun.training.eagle_model import TrainableEagle3
+    from forerun.drafters.eagle.trainable import TrainableEagle3
+    from forerun.drafters.eagle.training import head_config
 
     model = TrainableEagle3(head_config(target.model.config, config, draft_ids.numel()))
     model.initialise(lm_head_rows=torch.randn(draft_ids.numel(), 64),
@@ -159,7 +159,7 @@ def test_the_loss_counts_rows_predicting_training_targets_in_the_draft_vocabular
 def test_the_gradient_is_the_plain_losss(target, records, features):
     model, record, _, local = _one_record(target, records, features)
     scales = [0.5, 0.3, 0.2]
-    from forerun.training.eagle import _soft_targets
+    from forerun.drafters.eagle.training import _soft_targets
 
     model.zero_grad()
     loss = _record_backward(model, record, 3, scales, local)
@@ -185,7 +185,7 @@ def test_a_bfloat16_step_matches_a_float32_one_within_the_stated_tolerance(
     run in bfloat16); a twin that rounds the features to bfloat16 before
     the float32 forward is as close, and one that scales step 0's rows
     wrongly is not."""
-    from forerun.training.eagle import COMPUTE_TOLERANCE
+    from forerun.drafters.eagle.training import COMPUTE_TOLERANCE
 
     model, record, _, local = _one_record(target, records, features)
     scales = [0.5, 0.3, 0.2]
@@ -320,8 +320,8 @@ def test_records_cut_into_pieces_predict_every_position_once():
     """Every position of a record whose next-but-one token is a training
     target is a step-0 row of exactly one piece; pieces of prompt alone
     are left out."""
-    from forerun.training.eagle import record_pieces
-    from forerun.training.eagle_features import TokenRecord
+    from forerun.drafters.eagle.features import TokenRecord
+    from forerun.drafters.eagle.training import record_pieces
 
     records = [TokenRecord(np.arange(n) % 50, loss_start)
                for n, loss_start in ((1, 0), (2, 0), (9, 0), (10, 0), (23, 0), (23, 12),
@@ -352,7 +352,7 @@ def test_a_diverging_run_stops_at_once_naming_the_last_good_checkpoint(
             checkpoint=tmp_path / "a.ckpt")
     assert not (tmp_path / "head").exists() and not (tmp_path / "a.ckpt").exists()
     # Good steps first: with a learning rate raised to 1e30 from step 3 on.
-    import forerun.training.eagle as eagle
+    import forerun.drafters.eagle.training as eagle
 
     real = eagle.EagleTrainer._step
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forerun.engines.eagle3_weights import Eagle3Config, Eagle3Weights
-from forerun.engines.eagle_head import EagleHead
+from forerun.drafters.eagle.head import EagleHead
+from forerun.drafters.eagle.weights import Eagle3Config, Eagle3Weights
 
 H, VOCAB, DRAFT_VOCAB = 64, 300, 128
 TOL = 1e-4

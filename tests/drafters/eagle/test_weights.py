@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from forerun.engines.eagle3_weights import (
+from forerun.drafters.eagle.weights import (
     TENSOR_NAMES,
     Eagle3Config,
     Eagle3Weights,

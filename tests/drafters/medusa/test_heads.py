@@ -11,16 +11,16 @@ import torch
 
 import forerun
 from forerun.cli.main import main as cli_main
+from forerun.corpus.text_files import corpus_files
 from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.rank_tree_planner import TreeShape
 from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.decoding.stats import GenerationStats
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
-from forerun.drafters.medusa import MedusaDrafter, MedusaHeads, shipped_heads_path
+from forerun.drafters.medusa.heads import MedusaDrafter, MedusaHeads, shipped_heads_path
+from forerun.drafters.medusa.training import TrainSettings, build_corpus, train_medusa
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
 from forerun.machine.output_files import OutputPathError
-from forerun.training.medusa import TrainSettings, build_corpus, train_medusa
-from forerun.training.text_files import corpus_files
 from method_runs import greedy_tokens
 from tiny_models import VOCAB, forerun_decoder, hf_model
 
@@ -474,7 +474,7 @@ def test_the_corpus_split_message_says_what_is_wrong(tmp_path):
 def _records(n=40, length=100, seed=0):
     import numpy as np
 
-    from forerun.training.token_manifest import Record
+    from forerun.corpus.token_manifest import Record
 
     rng = np.random.default_rng(seed)
     return [Record(rng.integers(3, VOCAB, length, dtype=np.int32), "conversation", 10)
@@ -485,8 +485,8 @@ def test_a_manifest_corpus_holds_out_by_the_manifests_split():
     """Records go to the held-out set exactly as the manifest's split says
     (the one an EAGLE head's training takes), whole and in seq_len chunks;
     training stops taking records at max_tokens."""
-    from forerun.training.medusa import corpus_from_records
-    from forerun.training.token_manifest import is_held_out
+    from forerun.corpus.token_manifest import is_held_out
+    from forerun.drafters.medusa.training import corpus_from_records
 
     records = _records()
     held = [r for r in records if is_held_out(r.digest)]
@@ -502,8 +502,8 @@ def test_a_manifest_corpus_holds_out_by_the_manifests_split():
 
 
 def test_a_manifest_corpus_with_nothing_to_train_or_hold_out_is_an_error():
-    from forerun.training.medusa import corpus_from_records
-    from forerun.training.token_manifest import is_held_out
+    from forerun.corpus.token_manifest import is_held_out
+    from forerun.drafters.medusa.training import corpus_from_records
 
     records = _records()
     with pytest.raises(ConfigError, match="leave the held-out set empty.*--resume"):
@@ -513,7 +513,7 @@ def test_a_manifest_corpus_with_nothing_to_train_or_hold_out_is_an_error():
 
 
 def test_cli_train_on_token_manifests(tmp_path, monkeypatch, capsys):
-    from forerun.training.token_manifest import ManifestWriter
+    from forerun.corpus.token_manifest import ManifestWriter
 
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
     folder = tiny_folder(tmp_path)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from forerun.training.text_files import corpus_files, read_text
+from forerun.corpus.text_files import corpus_files, read_text
 
 #: bytes of text counted by default
 DEFAULT_BUDGET = 64 * 2**20

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+from forerun.corpus.token_manifest import Record
 from forerun.decoding.prefill import prefill
-from forerun.errors import ConfigError
-from forerun.training.eagle_features import (
+from forerun.drafters.eagle.features import (
     FeatureStore,
     TokenRecord,
     as_records,
     draft_vocabulary,
 )
-from forerun.training.token_manifest import Record
+from forerun.errors import ConfigError
 from tiny_models import VOCAB, forerun_decoder, hf_model
 
 AUX = (0, 1, 2)
@@ -143,7 +143,7 @@ def test_the_draft_vocabulary_is_the_most_frequent_argmax_with_eos():
 def test_a_stop_between_records_keeps_the_features_made(decoder, tmp_path):
     import threading
 
-    from forerun.training.eagle_features import FeaturesStopped
+    from forerun.drafters.eagle.features import FeaturesStopped
 
     records = [record(30, seed=i) for i in range(3)]
     store = FeatureStore(decoder, "tiny", AUX, root=tmp_path)

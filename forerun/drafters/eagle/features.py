@@ -4,7 +4,7 @@ predictions over the training records, computed once and cached on disk.
 **Records.**  A training sequence is its token ids and ``loss_start``, the
 first position whose token is a training target (a conversation's first
 answer token; 0 for plain text).  :func:`as_records` takes the records of a
-:class:`~forerun.training.token_manifest.TokenManifest`, ``(tokens,
+:class:`~forerun.corpus.token_manifest.TokenManifest`, ``(tokens,
 loss_start)`` pairs or bare token lists.  A record's digest is the
 manifest's (SHA-256 of its little-endian int32 ids), so the held-out split
 by digest is the manifest's.
@@ -26,7 +26,7 @@ last layer's output.  Per position it keeps
 
 **The cache.**  One safetensors file per record,
 ``<forerun cache>/eagle-features/<model key>/aux-A-B-C-topK/<token hash>.safetensors``
-(the model key: :func:`~forerun.training.medusa.model_key`, its name,
+(the model key: :func:`~forerun.drafters.target_key.model_key`, its name,
 engine settings and a few weights), written whole through a temporary file
 and a rename.  Its metadata holds the record's token hash, its length, the
 width, ``k`` and the SHA-256 of each tensor's bytes.  A file that can't be
@@ -50,8 +50,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from forerun.corpus.token_frequency import frequency_order
+from forerun.drafters.target_key import model_key
+from forerun.engines.transformer import rms_norm
 from forerun.errors import CacheError, ConfigError
 from forerun.machine.output_files import written_whole
+from forerun.machine.paths import cache_dir
 
 #: teacher predictions kept per position (as Medusa's trainer keeps)
 TOP_K = 10
@@ -185,9 +189,6 @@ class FeatureStore:
         self.top_k = top_k
         self.hidden = c.hidden_size
         if root is None:
-            from forerun.machine.paths import cache_dir
-            from forerun.training.medusa import model_key
-
             aux = "-".join(map(str, self.aux_layers))
             root = (cache_dir() / FEATURE_DIR / model_key(decoder, model_name)
                     / f"aux-{aux}-top{top_k}")
@@ -230,8 +231,6 @@ class FeatureStore:
         """The target's top-k ids and log-probabilities over its whole
         vocabulary from the last layer's outputs ``last`` (``[T, H]``): its
         final norm and full LM head, :data:`LOGIT_ROWS` rows at a time."""
-        from forerun.engines.transformer import rms_norm
-
         m = self.model
         ids, logps = [], []
         for start in range(0, last.shape[0], LOGIT_ROWS):
@@ -374,8 +373,6 @@ def draft_vocabulary(argmax_counts: np.ndarray, size: int, eos_ids: Iterable[int
     target most often predicts as its argmax (``argmax_counts``, one count
     per target id; ties by id), the end-of-sequence ids ``eos_ids`` always
     among them.  ``size`` is clamped to the vocabulary."""
-    from forerun.training.token_frequency import frequency_order
-
     vocab = len(argmax_counts)
     eos = [int(e) for e in eos_ids if 0 <= int(e) < vocab]
     size = min(int(size), vocab)

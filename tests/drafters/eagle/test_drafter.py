@@ -15,9 +15,9 @@ from forerun.decoding.plain import PlainDecoding
 from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.decoding.stats import GenerationStats
-from forerun.drafters.eagle import EagleDrafter
-from forerun.engines.eagle3_weights import Eagle3Config, Eagle3Weights
-from forerun.engines.eagle_head import EagleHead
+from forerun.drafters.eagle.drafter import EagleDrafter
+from forerun.drafters.eagle.head import EagleHead
+from forerun.drafters.eagle.weights import Eagle3Config, Eagle3Weights
 from forerun.errors import ConfigError
 from method_runs import greedy_tokens
 from tiny_models import VOCAB, forerun_decoder, hf_model

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from forerun.decoding.sampling import SamplingParams, TokenSampler
-from forerun.drafters.eagle import EagleDrafter
-from forerun.engines.eagle3_weights import Eagle3Config, Eagle3Weights
-from forerun.engines.eagle_head import EagleHead
+from forerun.drafters.eagle.drafter import EagleDrafter
+from forerun.drafters.eagle.head import EagleHead
+from forerun.drafters.eagle.trainable import TrainableEagle3
+from forerun.drafters.eagle.weights import Eagle3Config, Eagle3Weights
 from forerun.engines.transformer import rms_norm
-from forerun.training.eagle_model import TrainableEagle3
 
 H, VOCAB, DRAFT_VOCAB = 64, 300, 128
 TOL = 1e-5

@@ -41,9 +41,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from forerun.drafters.medusa import MedusaHeads
+from forerun.corpus.text_files import corpus_files, read_text
+from forerun.corpus.token_manifest import HELD_OUT, is_held_out
+from forerun.drafters.medusa.heads import MedusaHeads, heads_path
+from forerun.drafters.target_key import model_key
 from forerun.errors import ConfigError
-from forerun.training.text_files import corpus_files, read_text
+from forerun.machine.paths import cache_dir
 
 MIN_CHUNK = 16
 RANKS = 10        # ranks whose hit rates are recorded
@@ -199,13 +202,11 @@ def corpus_from_records(records: Iterable, *, seq_len: int = 512,
                         max_tokens: int | None = None) -> Corpus:
     """The corpus of token-manifest records (``forerun train data``), in
     chunks of at most ``seq_len`` tokens: a record goes to the held-out set
-    by the manifest's own split (:func:`~forerun.training.token_manifest.is_held_out`,
+    by the manifest's own split (:func:`~forerun.corpus.token_manifest.is_held_out`,
     the split an EAGLE head's training takes, so the two measure on the same
     text), and training takes records in order until it has ``max_tokens``
     (default: all).  Every token is a training position: a Medusa head
     learns the model's own predictions, which the prompt has too."""
-    from forerun.training.token_manifest import HELD_OUT, is_held_out
-
     _check_sizes(seq_len, max_tokens)
     corpus = Corpus([], [])
     count = 0
@@ -261,22 +262,6 @@ class TeacherData:
         for j in range(head + 1):
             ok &= greedy[(src + j).clamp_max(n - 1)]
         return ok
-
-
-def model_key(decoder, name: str) -> str:
-    """Identifies a base model for the cache: its name, its engine settings
-    (weight format, dtype), its output layer's shape and a few of its
-    weights."""
-    layer = decoder.output_layer
-    digest = hashlib.sha256(name.encode())
-    shape = {"hidden": layer.hidden_size, "vocab": layer.vocab_size,
-             "settings": {k: v for k, v in decoder.settings.key.items()
-                          if k in ("engine", "weights", "dtype")}}
-    digest.update(json.dumps(shape, sort_keys=True, default=str).encode())
-    corner = layer.weight_rows(torch.arange(4))[:, :4]
-    digest.update(str([float(x) for x in corner.reshape(-1)]).encode())
-    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in name)[:60]
-    return f"{safe}-{digest.hexdigest()[:16]}"
 
 
 def collect_teacher(decoder, chunks: Sequence[list[int]], *, top_k: int = 10,
@@ -578,9 +563,6 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
     there that is not forerun's Medusa heads is replaced only with
     ``force``).  ``records``: token-manifest records to train on instead of
     the text files ``corpus`` (:func:`corpus_from_records`)."""
-    from forerun.drafters.medusa import heads_path
-    from forerun.machine.paths import cache_dir
-
     settings = settings or TrainSettings()
     if out is not None:   # before the corpus, the teacher and the training
         out = heads_path(out, "out", force=force)

@@ -19,10 +19,10 @@ from forerun.decoding.draft_tree_planner import DraftTreePlanner
 from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.decoding.speculative import SpeculativeDecoding
 from forerun.decoding.stats import GenerationStats
-from forerun.drafters.eagle import EagleDrafter
+from forerun.drafters.eagle.drafter import EagleDrafter
+from forerun.drafters.eagle.head import EagleHead
+from forerun.drafters.eagle.weights import Eagle3Config, Eagle3Weights
 from forerun.drafters.lookup_or_draft_planner import LookupOrDraftPlanner
-from forerun.engines.eagle3_weights import Eagle3Config, Eagle3Weights
-from forerun.engines.eagle_head import EagleHead
 from method_runs import run_method
 from quick import draws
 from table_decoders import chi_square_pvalue

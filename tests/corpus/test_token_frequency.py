@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from forerun.training.token_frequency import count_tokens, frequency_order, seeded_order
+from forerun.corpus.token_frequency import count_tokens, frequency_order, seeded_order
 
 
 def _encode(texts):

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import forerun.training.token_manifest as tm
-from forerun.training.token_manifest import (
+import forerun.corpus.token_manifest as tm
+from forerun.corpus.token_manifest import (
     MANIFEST,
     Dedup,
     ManifestError,

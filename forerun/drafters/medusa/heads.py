@@ -49,6 +49,8 @@ import torch.nn.functional as F
 
 from forerun.decoding.draft_length import refine_seconds
 from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
+from forerun.drafters.method_target import MethodOptions, MethodTarget, heads_file
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
 from forerun.machine.json_files import read_json_object
 from forerun.machine.output_files import (
@@ -388,7 +390,7 @@ def _from_original(tensors, config: dict, file: Path) -> MedusaHeads:
 
 def shipped_heads_path(model_name: str) -> Path | None:
     """The heads forerun ships for a preset, if any."""
-    path = Path(__file__).resolve().parent.parent / "data" / "medusa" / f"{model_name}.safetensors"
+    path = Path(__file__).resolve().parents[2] / "data" / "medusa" / f"{model_name}.safetensors"
     return path if path.is_file() else None
 
 
@@ -490,16 +492,18 @@ class MedusaDrafter:
         return s * depth / d
 
 
-def is_medusa_spec(draft) -> bool:
-    """Whether a ``draft=`` value asks for Medusa: ``"medusa"``,
-    ``"medusa:PATH"``, :class:`MedusaHeads` or a tree drafter object."""
-    if isinstance(draft, str):
-        return draft == "medusa" or draft.startswith("medusa:")
-    return isinstance(draft, MedusaHeads) or hasattr(draft, "candidates")
+def build(target: MethodTarget, options: MethodOptions) -> TreeSpeculativeDecoding:
+    """Medusa's method (the registry's ``medusa``): heads drafting a rank
+    tree of ``options.tree_nodes`` nodes (default: chosen by the heads'
+    measured accuracies)."""
+    drafter = medusa_drafter(target, options.draft)
+    target.verification_grouping()
+    return TreeSpeculativeDecoding(target.decoder, drafter, nodes=options.tree_nodes,
+                                   cost_store=target.cost_store("+tree"))
 
 
-def medusa_drafter(model, draft) -> MedusaDrafter:
-    """The tree drafter for ``draft`` on a :class:`forerun.api.model.Model`:
+def medusa_drafter(model: MethodTarget, draft) -> MedusaDrafter:
+    """The tree drafter for ``draft`` on ``model`` (a target):
     ``"medusa"`` takes the heads forerun ships for the model (a preset),
     ``"medusa:PATH"`` reads heads from a file or folder (either format)."""
     if hasattr(draft, "candidates"):
@@ -510,17 +514,8 @@ def medusa_drafter(model, draft) -> MedusaDrafter:
                           f"and LM head); {model.name} runs on another engine")
     if isinstance(draft, MedusaHeads):
         heads = draft
-    elif draft == "medusa":
-        path = shipped_heads_path(model.name)
-        if path is None:
-            raise ModelNotFoundError(
-                f"forerun ships no Medusa heads for {model.name}; train some with "
-                f"'forerun train medusa --model {model.name} --corpus PATH --out FILE' and "
-                f"use draft='medusa:FILE' (--draft medusa:FILE)")
-        heads = MedusaHeads.load(path)
     else:
-        spec = draft.split(":", 1)[1]
-        if not spec:
-            raise ConfigError("draft='medusa:PATH' needs a path to Medusa heads")
-        heads = MedusaHeads.load(spec)
+        heads = MedusaHeads.load(heads_file(
+            draft, "medusa", "Medusa heads", shipped_heads_path(model.name), model.name,
+            f"forerun train medusa --model {model.name} --corpus PATH --out FILE"))
     return MedusaDrafter.for_decoder(heads, decoder, model.name)

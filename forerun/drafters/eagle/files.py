@@ -1,7 +1,7 @@
 """EAGLE-3 heads on disk, in the layout vLLM, SGLang and llama.cpp's
 converter load: a folder with ``config.json`` and ``model.safetensors``.
 
-:func:`save_eagle3` writes a head (:class:`~forerun.engines.eagle3_weights.Eagle3Weights`)
+:func:`save_eagle3` writes a head (:class:`~forerun.drafters.eagle.weights.Eagle3Weights`)
 that way; :func:`load_eagle3` reads one written by forerun, SpecForge or
 EAGLE's own training code, or Red Hat's ``speculators`` layout.  What each
 key and tensor means, and how the serving engines use such a folder:
@@ -52,13 +52,14 @@ from typing import Any
 
 import torch
 
-from forerun.engines.eagle3_weights import (
+from forerun.drafters.eagle.weights import (
     TENSOR_NAMES,
     Eagle3Config,
     Eagle3Weights,
     d2t_out_of_range,
     default_aux_layers,
 )
+from forerun.engines.linear import quantize_int8
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
 from forerun.machine.output_files import (
     OutputPathError,
@@ -121,8 +122,6 @@ def save_eagle3(weights: Eagle3Weights, directory: str | Path,
                for name in TENSOR_NAMES}
     config = eagle3_config_json(weights, dtype)
     if int8:
-        from forerun.engines.linear import quantize_int8
-
         for name in TENSOR_NAMES:
             if tensors[name].dim() == 2:
                 rows = quantize_int8(tensors[name])
@@ -228,7 +227,7 @@ def load_eagle3(path: str | Path, *, target_layers: int | None = None) -> Eagle3
 def shipped_head_path(preset: str) -> Path | None:
     """The EAGLE-3 head forerun ships for a preset, if any: the folder
     ``forerun/data/eagle/<preset>/`` in this module's layout."""
-    folder = Path(__file__).resolve().parent.parent / "data" / "eagle" / preset
+    folder = Path(__file__).resolve().parents[2] / "data" / "eagle" / preset
     return folder if (folder / CONFIG_FILE).is_file() else None
 
 
