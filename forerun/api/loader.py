@@ -47,7 +47,7 @@ from forerun.loading.load import (
 from forerun.loading.packed_cache import packed_network
 from forerun.machine.calibration import CalibrationStore
 from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES, torch_unsupported
-from forerun.speculation.methods import BUILTIN_DRAFTS
+from forerun.speculation.methods import builtin_drafts
 
 DEFAULT_CONTEXT_LENGTH = 4096
 ENGINES = ("auto", "torch", "llama.cpp")
@@ -282,7 +282,7 @@ def load_draft_model(target: Model, spec: Any, *, progress: bool = False) -> Mod
         except ModelNotFoundError as exc:
             # a mistyped drafter ('sufix') reads as a model path: say both
             raise ModelNotFoundError(f"draft {exc}; a draft may also be a built-in "
-                                     f"drafter: {', '.join(BUILTIN_DRAFTS)}") from None
+                                     f"drafter: {', '.join(builtin_drafts())}") from None
         check_draft_model(target, str(spec), header.tokenizer,
                           header.config.max_position_embeddings)
         settings = decoder.settings

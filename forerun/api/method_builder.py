@@ -35,14 +35,8 @@ def build_method(model: Model, config: SpeculativeConfig
     spec = config.spec
     if spec is None:
         return PlainDecoding(model.decoder), []
-    caps = model.decoder.capabilities
-    for need in spec.needs:
-        if not getattr(caps, need):
-            raise ConfigError(f"{spec.summary} ({spec.name}) needs the target's {need}, which "
-                              f"the {model.decoder.engine} engine does not give; load "
-                              f"{model.name} on the torch engine")
     target = _Target(model)
-    return _builder(spec)(target, config), target.drafts
+    return _builder(spec, model)(target, config), target.drafts
 
 
 def build_member_method(model: Model, decoder, config: SpeculativeConfig,
@@ -60,10 +54,17 @@ def build_member_method(model: Model, decoder, config: SpeculativeConfig,
         raise ConfigError(f"a batch of sequences runs plain decoding or "
                           f"{', '.join(s.name for s in METHOD_TABLE.values() if s.batched)}, "
                           f"not {spec.name}")
-    return _builder(spec)(_Target(model, decoder=decoder, costs=costs), config)
+    return _builder(spec, model)(_Target(model, decoder=decoder, costs=costs), config)
 
 
-def _builder(spec: MethodSpec):
+def _builder(spec: MethodSpec, model: Model):
+    """The row's builder, once the model's engine gives what the row needs."""
+    caps = model.decoder.capabilities
+    for need in spec.needs:
+        if not getattr(caps, need):
+            raise ConfigError(f"{spec.summary} ({spec.name}) needs the target's {need}, which "
+                              f"the {model.decoder.engine} engine does not give; load "
+                              f"{model.name} on the torch engine")
     module, _, function = spec.builder.partition(":")
     return getattr(importlib.import_module(module), function)
 

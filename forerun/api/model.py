@@ -316,14 +316,9 @@ class Model:
                 raise ConfigError("a batch member's drafting takes the costs "
                                   "batch_costs(config) read on the engine thread; call it "
                                   "there before the batch starts")
-            method = self._lookup(decoder, config)
+            method = build_member_method(self, decoder, config)
             method.use_costs(costs)
         return GenerationStream(self._generation(method, ids, params, cancel))
-
-    def _lookup(self, decoder, config: SpeculativeConfig, costs=None):
-        """A batch member's method (a batched method of the registry) on
-        ``decoder``, timing into ``costs`` (``None``: it times nothing)."""
-        return build_member_method(self, decoder, config, costs)
 
     def batch_costs(self, config: SpeculativeConfig) -> list[float | None]:
         """The verification costs prompt lookup or suffix drafting
@@ -337,7 +332,7 @@ class Model:
         if costs is None:
             self.verification_grouping()
             alone = self.decoder.fork()
-            template = self._lookup(alone, config, cost_store(self))
+            template: Any = build_member_method(self, alone, config, cost_store(self))
             prompt = probe_tokens(self, 32)
             alone.feed(prompt, last_only=True)
             costs = self._methods[key] = template.measured_costs(prompt[-1])

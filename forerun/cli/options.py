@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from forerun.errors import ForerunError
 from forerun.loading.presets import DEFAULT_MODEL
 from forerun.speculation.config import CLI, SpeculativeConfig, resolve_for_preset
-from forerun.speculation.methods import BUILTIN_DRAFTS, METHOD_TABLE
+from forerun.speculation.methods import METHOD_TABLE, builtin_drafts
 from forerun.speculation.options import flag_values
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "q8", "q4", "q4-all")
 _DRAFT_HELP = (
     "speculative decoding with this draft: a preset, .gguf file or folder sharing the "
     "model's tokenizer (a draft model), "
-    + ", ".join(f"'{name}' ({METHOD_TABLE[name].summary})" for name in BUILTIN_DRAFTS)
+    + ", ".join(f"'{name}' ({METHOD_TABLE[name].summary})" for name in builtin_drafts())
     + " ('medusa:FILE' and 'eagle:DIR' for heads of your own), or 'none' for plain "
     "decoding (default: the preset's own: ngram for qwen2.5-coder-1.5b, or its draft model "
     "qwen2.5-coder-0.5b where --draft-tree, --tree-nodes, --draft-lookup or --draft-async "

@@ -24,7 +24,7 @@ from forerun.speculation.config import (
     SpeculativeConfigError,
     resolve,
 )
-from forerun.speculation.methods import BUILTIN_DRAFTS
+from forerun.speculation.methods import builtin_drafts
 from forerun.speculation.options import OPTIONS
 
 MAX_STOP_STRINGS = 16
@@ -123,7 +123,7 @@ class Translator:
 
     def draft_names(self) -> list[str]:
         """What ``speculative.draft`` accepts."""
-        names = [NO_DRAFT, *BUILTIN_DRAFTS, *self.drafts]
+        names = [NO_DRAFT, *builtin_drafts(), *self.drafts]
         default = self.default.draft
         if isinstance(default, str) and default not in names:
             names.append(default)
@@ -208,7 +208,7 @@ class Translator:
         """The draft a request's ``speculative.draft`` names, or a 400."""
         if name in self.drafts:
             return self.drafts[name]
-        if name in BUILTIN_DRAFTS or name == self.default.draft:
+        if name in builtin_drafts() or name == self.default.draft:
             return name
         raise bad_request(f"unknown drafter {name!r}; choose one of "
                           f"{', '.join(map(repr, self.draft_names()))}",

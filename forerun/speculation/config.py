@@ -321,8 +321,6 @@ def resolve_for_preset(model: str | None, draft: Any = None, *,
     """:func:`resolve` for a run that names its model by preset (the command
     line, a server's default): without a draft, the preset's
     (:func:`default_draft`)."""
-    needs = wants_draft_model(**{k: options[k] for k in
-                                 ("draft_tree", "tree_nodes", "draft_lookup", "draft_async")
-                                 if k in options})
+    needs = wants_draft_model(**{k: options[k] for k in SHAPE_OPTIONS if k in options})
     chosen = default_draft(model, draft, needs_model=needs)
     return resolve(chosen, names=names, **options)

@@ -115,9 +115,6 @@ def builtin_drafts() -> tuple[str, ...]:
                                if s.draft not in ("model", "drafter")))
 
 
-#: The built-in drafters of forerun's own table.
-BUILTIN_DRAFTS = builtin_drafts()
-
 
 def register_method(spec: MethodSpec) -> None:
     """Add a method (or replace one of the same name): ``resolve`` then

@@ -303,12 +303,9 @@ def eagle_head(target: MethodTarget, draft) -> EagleHead:
     (:mod:`forerun.drafters.eagle.files`); or
     :class:`~forerun.drafters.eagle.weights.Eagle3Weights`.  Its matrices run
     in int8 beside a quantized target, else in the target's format."""
-    # (num_layers, hidden_size and embed_tokens come with layer_states)
+    # (its rows need layer_states, which brings num_layers, hidden_size and
+    # embed_tokens: the method builder checks it first)
     decoder: Any = target.decoder
-    if not decoder.capabilities.layer_states:
-        raise ConfigError(f"an EAGLE head drafts from the target's layer states, which the "
-                          f"{decoder.engine} engine does not give; load {target.name} on the "
-                          f"torch engine")
     layers = decoder.num_layers   # (declared with layer_states)
     if isinstance(draft, Eagle3Weights):
         weights = draft

@@ -508,10 +508,7 @@ def medusa_drafter(model: MethodTarget, draft) -> MedusaDrafter:
     ``"medusa:PATH"`` reads heads from a file or folder (either format)."""
     if hasattr(draft, "candidates"):
         return draft
-    decoder = model.decoder
-    if not (decoder.capabilities.hidden_states and decoder.capabilities.output_layer):
-        raise ConfigError(f"Medusa needs forerun's torch engine (the target's hidden states "
-                          f"and LM head); {model.name} runs on another engine")
+    decoder = model.decoder   # (its row needs hidden_states and output_layer)
     if isinstance(draft, MedusaHeads):
         heads = draft
     else:
