@@ -28,6 +28,8 @@ __all__ = ["SamplingParams", "probabilities", "greedy_token", "sample_token",
 #: the smallest positive temperature: dividing logits by less overflows
 #: float32 (and a distribution that sharp is greedy decoding anyway)
 MIN_TEMPERATURE = 1e-4
+#: the most likely tokens the top-p nucleus is first looked for among
+NUCLEUS_CANDIDATES = 256
 
 
 def _is_real(x: object) -> bool:
@@ -133,12 +135,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, neg_inf)
 
     if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=False)
-        cumulative = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative <= (1.0 - float(params.top_p))
-        drop_sorted[..., -1] = False  # the most likely token always stays
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, neg_inf)
+        x = _nucleus(x, float(params.top_p))
 
     if params.min_p > 0.0:
         p = torch.softmax(x, dim=-1)
@@ -151,14 +148,73 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
+def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``x`` (``[..., V]``) with every token outside the top-p nucleus at
+    ``-inf``: a token stays when the probability of the tokens above it
+    (by logit, in :func:`torch.topk`'s order) is less than ``top_p``, which
+    is the transformers warper's rule (drop a token when the ascending
+    cumulative mass up to it is ``<= 1 - top_p``) written from the top.
+
+    The nucleus is looked for among the :data:`NUCLEUS_CANDIDATES` most
+    likely tokens, eight times as many while some row keeps its last
+    candidate, instead of sorting all ``V`` logits: on one CPU thread a sort
+    of Qwen's 151,936 logits took 16 ms, a top-256 0.7 ms and a top-16,384
+    3 ms.  The masses are
+    float64, so the cut falls where exact arithmetic puts it (the sort's
+    float32 softmax and cumulative sum could move it only for a token whose
+    mass above lies within about 1e-7 of ``top_p``)."""
+    shape, vocab = x.shape, x.shape[-1]
+    rows = x.reshape(-1, vocab)
+    top_logit = rows.amax(dim=-1, keepdim=True)
+    total = torch.exp((rows - top_logit).double()).sum(dim=-1, keepdim=True)
+    k = min(vocab, NUCLEUS_CANDIDATES)
+    while True:
+        top, ids = (torch.topk(rows, k, dim=-1) if k < vocab
+                    else torch.sort(rows, dim=-1, descending=True))
+        mass = torch.exp((top - top_logit).double()) / total
+        above = torch.cumsum(mass, dim=-1) - mass
+        keep = above < top_p
+        keep[:, 0] = True  # the most likely token always stays
+        if k == vocab or not bool(keep[:, -1].any()):
+            break
+        k = min(vocab, 8 * k)
+    # The nucleus is the first ``count`` candidates.  Of the tokens tied
+    # with the least of them, it keeps the highest ids, as the warper's
+    # stable ascending sort puts them last.
+    count = keep.sum(dim=-1, keepdim=True)
+    bound = top.gather(-1, count - 1)
+    kept = rows > bound
+    tied = rows == bound
+    short = count[:, 0] - kept.sum(dim=-1)
+    for r in (tied.sum(dim=-1) > short).nonzero().flatten().tolist():
+        at = tied[r].nonzero().flatten()
+        tied[r] = False
+        tied[r, at[at.numel() - int(short[r]):]] = True
+    return rows.masked_fill(~(kept | tied), float("-inf")).reshape(shape)
+
+
 def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token drawn from the ``[V]`` probability vector ``probs`` with
-    ``torch.multinomial`` and ``generator`` (which must live on
-    ``probs.device``).  The same ``probs`` and generator state give the same
-    token."""
+    """One token drawn from the ``[V]`` probability vector ``probs`` (not
+    necessarily normalised) with ``generator``, which must live on
+    ``probs.device``: one uniform ``u`` in [0, 1) from the generator, and
+    the first token whose float64 cumulative probability exceeds ``u``
+    times the total (inverse transform sampling), so a token of probability
+    0 is never drawn.  The same ``probs`` and generator state give the same
+    token, and every draw takes one number from the generator.  (What
+    ``torch.multinomial`` does for one sample, an exponential variate per
+    token, took 4.9 ms for 151,936 tokens on one CPU thread; this takes
+    about 0.3 ms.)"""
     if probs.dim() != 1:
         raise ValueError(f"sample_token takes a [V] tensor, got shape {tuple(probs.shape)}")
-    return int(torch.multinomial(probs, 1, generator=generator))
+    cumulative = probs.double().cumsum(0)
+    total = cumulative[-1:]
+    if not bool(total > 0):
+        raise ValueError("sample_token needs a probability vector with some positive mass")
+    u = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device)
+    token = int(torch.searchsorted(cumulative, u * total, right=True))
+    if token >= probs.numel():   # u * total rounded up to the total
+        token = int(torch.nonzero(probs)[-1])
+    return token
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:

@@ -49,6 +49,7 @@ from collections.abc import Callable
 import torch
 
 from forerun.decoding.draft_tree import DraftTree
+from forerun.decoding.sampling import sample_token
 
 ProbsOf = Callable[[int], torch.Tensor]
 
@@ -68,7 +69,7 @@ def accept_tree_greedy(tree: DraftTree, argmax_of: Callable[[int], int]
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs.to(generator.device), 1, generator=generator))
+    return sample_token(probs.to(generator.device), generator)
 
 
 def _pad(probs: torch.Tensor, width: int) -> torch.Tensor:

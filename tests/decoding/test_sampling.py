@@ -4,12 +4,14 @@ statistical checks of the sampler."""
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import scipy.stats as scipy_stats  # noqa: E402
 import torch
 import transformers.generation.logits_process as logits_process  # noqa: E402
 
+import forerun.decoding.sampling as sampling
 from forerun.decoding.sampling import (
     SamplingParams,
     TokenSampler,
@@ -20,9 +22,19 @@ from forerun.decoding.sampling import (
 )
 from forerun.errors import GenerationConfigError
 
+_SORT = torch.sort
+
+
+def _stable_sort(*args, **kwargs):
+    kwargs.setdefault("stable", True)
+    return _SORT(*args, **kwargs)
+
 
 def reference_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """transformers' warpers chained in forerun's order, then softmax."""
+    """transformers' warpers chained in forerun's order, then softmax.  Its
+    top-p warper sorts with ``torch.sort``, which leaves tied logits in an
+    arbitrary order on long rows; run with a stable sort, it keeps the
+    highest ids of a tie at the cut, which is forerun's rule."""
     lp = logits_process
     warpers = [lp.TemperatureLogitsWarper(float(params.temperature))]
     if params.top_k:
@@ -33,8 +45,9 @@ def reference_probabilities(logits: torch.Tensor, params: SamplingParams) -> tor
         warpers.append(lp.MinPLogitsWarper(params.min_p))
     scores = logits.float()
     input_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long)
-    for warper in warpers:
-        scores = warper(input_ids, scores)
+    with mock.patch.object(torch, "sort", _stable_sort):
+        for warper in warpers:
+            scores = warper(input_ids, scores)
     return torch.softmax(scores, dim=-1)
 
 
@@ -250,3 +263,82 @@ def test_ids_past_the_text_tokens_are_never_chosen():
     assert all(hot.pick(logits[0]) < 3 for _ in range(200))
     # without a limit the same logits choose id 3
     assert TokenSampler(SamplingParams(), seed=0).greedy_choices(logits) == [3, 3]
+
+
+# -- top-p among candidates ------------------------------------------------------
+def _nucleus_rows(vocab: int) -> torch.Tensor:
+    """Rows a real vocabulary meets: peaked, flat (a nucleus far past the
+    first candidates), a tie straddling the cut, and filtered tokens."""
+    gen = torch.Generator().manual_seed(77)
+    peaked = torch.randn(vocab, generator=gen) * 2.0
+    peaked[:5] += torch.tensor([14.0, 13.0, 12.5, 12.0, 11.0])
+    flat = torch.randn(vocab, generator=gen) * 0.05
+    tied = torch.randn(vocab, generator=gen) - 20.0
+    tied[100:137] = 3.0           # 37 equal tokens hold nearly all the mass (no top_p
+    #                               below is a multiple of 1/37: the cut is no near-tie)
+    holes = torch.randn(vocab, generator=gen) * 3.0
+    holes[::3] = float("-inf")
+    return torch.stack([peaked, flat, tied, holes])
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.9, 0.95, 0.99])
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_top_p_among_candidates_matches_the_warper_on_a_real_sized_vocabulary(top_p, temperature):
+    """Qwen's vocabulary size: the nucleus found among the most likely
+    tokens (growing the candidates, or sorting all of them for the flat
+    row) keeps the very tokens the transformers warper keeps, ties at the
+    cut included, and gives its probabilities."""
+    logits = _nucleus_rows(151_936)
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    ours = probabilities(logits, params)
+    ref = reference_probabilities(logits, params)
+    assert torch.equal(ours > 0, ref > 0)
+    assert (ours - ref).abs().max().item() < 1e-6
+    kept = (ours > 0).sum(dim=-1)
+    if top_p >= 0.9:   # the flat row's nucleus lies past the first candidates
+        assert int(kept[1]) > sampling.NUCLEUS_CANDIDATES
+    if top_p == 0.5:   # the cut falls inside the tie: the highest ids stay
+        assert 1 < int(kept[2]) < 37
+        assert bool((ours[2, 137 - int(kept[2]):137] > 0).all())
+
+
+@pytest.mark.parametrize("candidates", [1, 2, 3, 7])
+def test_top_p_is_the_same_whatever_the_first_candidates(monkeypatch, candidates):
+    """Few first candidates force every growth step, up to the sort of the
+    whole row: the parity cases give the warper's result all the same."""
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", candidates)
+    gen = torch.Generator().manual_seed(4321)
+    logits = torch.randn(16, 257, generator=gen) * 2.0
+    logits[3, :] = 0.5            # all tied
+    for params in PARITY_PARAMS:
+        if params.top_p < 1.0:
+            ours = probabilities(logits, params)
+            ref = reference_probabilities(logits, params)
+            assert torch.equal(ours > 0, ref > 0), params
+            assert (ours - ref).abs().max().item() < 1e-6, params
+
+
+def test_sample_token_draws_by_the_cumulative_mass_and_never_a_zero():
+    """One uniform per draw, the first token whose cumulative mass exceeds
+    it: the draws follow ``u`` exactly, and tokens of probability 0
+    (between, before and after positive ones) never come out."""
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.0, 0.5, 0.25, 0.0])
+    gen, twin = make_generator(11, "cpu"), make_generator(11, "cpu")
+    edges = torch.tensor([0.25, 0.75, 1.0], dtype=torch.float64)
+    for _ in range(2000):
+        u = float(torch.rand(1, dtype=torch.float64, generator=twin))
+        want = [1, 4, 5][int(torch.searchsorted(edges, torch.tensor([u], dtype=torch.float64),
+                                                right=True))]
+        assert sample_token(probs, gen) == want
+    with pytest.raises(ValueError, match="positive mass"):
+        sample_token(torch.zeros(5), gen)
+
+
+@pytest.mark.parametrize("u, want", [(0.0, 1), (0.25, 4), (0.75, 5), (1.0, 5)])
+def test_sample_token_at_the_edges_of_the_cumulative_mass(monkeypatch, u, want):
+    """A uniform at an edge of the cumulative mass (0, a token's upper end,
+    and the total, which rounding of ``u * total`` can reach) still draws a
+    token of positive probability."""
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.0, 0.5, 0.25, 0.0])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor([u], dtype=torch.float64))
+    assert sample_token(probs, make_generator(0, "cpu")) == want
