@@ -20,7 +20,7 @@ from forerun.errors import (
     GenerationConfigError,
     NonFiniteLogitsError,
 )
-from forerun.generation.batch import run_batch
+from forerun.generation.batch import run_batch, run_pool
 from forerun.generation.exclusive import GenerationLock, Holds
 from forerun.generation.params import GenerationParams
 from forerun.generation.result import GenerationResult
@@ -273,17 +273,34 @@ class Model:
         drafting chooses from are read first, here).  ``on_done(index,
         result)``: called on this thread as each job ends.  The first job
         that raises has its error raised once all ended."""
-        if parallel is not None and (not isinstance(parallel, int) or isinstance(parallel, bool)
-                                     or parallel < 1):
-            raise GenerationConfigError(f"parallel must be a positive integer, got "
-                                        f"{parallel!r}")
+        _check_parallel(parallel)
         with Holds([self._lock]):
-            self.verification_grouping()
-            for config in {c.key: c for c in configs if c.speculates}.values():
-                self.batch_costs(config)
+            self._before_batch(configs)
             if parallel is None:
                 parallel = max(1, min(len(jobs), self.decoder.verify_group or 1))
             return run_batch(self.decoder, list(jobs), parallel, on_done=on_done)
+
+    def run_pool(self, next_job: Callable[[], tuple[Any, Callable[[Any], Any]] | None], *,
+                 parallel: int,
+                 on_end: Callable[[Any, Any, BaseException | None], None] | None = None,
+                 configs: Sequence[SpeculativeConfig] = ()) -> None:
+        """:meth:`run_batch` over jobs taken from a source as slots free up:
+        ``next_job()`` gives a ``(key, job)`` pair, or ``None`` when there
+        is no more; ``on_end(key, result, error)`` is called as each ends
+        (:func:`~forerun.generation.batch.run_pool`).  Both are called on
+        this thread, which runs the shared forwards until the source is
+        done and every job has ended."""
+        _check_parallel(parallel)
+        with Holds([self._lock]):
+            self._before_batch(configs)
+            run_pool(self.decoder, next_job, parallel, on_end=on_end)
+
+    def _before_batch(self, configs: Sequence[SpeculativeConfig]) -> None:
+        """What a batch's members read and never measure: the grouping the
+        engine computes exactly, and the costs their drafting chooses by."""
+        self.verification_grouping()
+        for config in {c.key: c for c in configs if c.speculates}.values():
+            self.batch_costs(config)
 
     def stream_in_batch(self, decoder, prompt: str | None = None, **kwargs: Any
                         ) -> GenerationStream:
@@ -561,6 +578,12 @@ def speculation(speculative: Any, draft_options: Mapping[str, Any]) -> Speculati
                                     f"options, got {type(speculative).__name__}")
     # (resolve checks every value itself, and names an unknown option)
     return resolve(options.pop("draft", None), **options)
+
+
+def _check_parallel(parallel: Any) -> None:
+    if parallel is not None and (not isinstance(parallel, int) or isinstance(parallel, bool)
+                                 or parallel < 1):
+        raise GenerationConfigError(f"parallel must be a positive integer, got {parallel!r}")
 
 
 def _refuse_unknown(arguments: Mapping[str, Any]) -> None:

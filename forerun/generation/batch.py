@@ -154,7 +154,10 @@ class SharedForwards:
             leaves = self._leaves
             self._cond.wait_for(lambda: self._leaves != leaves or self._members == 0 or (
                 self._pending and len(self._pending) >= self._members), timeout)
-            if not (self._pending and len(self._pending) >= self._members):
+            # A member that left frees a slot: the caller fills it before the
+            # next step, so the batch runs full.
+            if self._leaves != leaves or not (self._pending
+                                              and len(self._pending) >= self._members):
                 return False
             taken, self._pending = self._pending, []
         if torch.get_num_threads() != self.threads:
@@ -326,41 +329,89 @@ def run_batch(decoder: Decoder, jobs: Sequence[Callable[[Decoder], T]], parallel
     every job has ended (the others run on).  ``on_done(index, result)``
     is called on the calling thread as each job ends well, in the order
     they end."""
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException | None] = [None] * len(jobs)
+    order = iter(range(len(jobs)))
+
+    def next_job() -> tuple[int, Callable[[Decoder], T]] | None:
+        n = next(order, None)
+        return None if n is None else (n, jobs[n])
+
+    def ended(n: int, result: Any, error: BaseException | None) -> None:
+        results[n], errors[n] = result, error
+        if on_done is not None and error is None:
+            on_done(n, result)
+
+    run_pool(decoder, next_job, parallel, forwards=forwards, on_end=ended)
+    for error in errors:
+        if error is not None:
+            raise error
+    return results
+
+
+#: what a job source may give :func:`run_pool` while a job runs: nothing to
+#: start now, ask again after the next step
+LATER = object()
+
+
+def run_pool(decoder: Decoder, next_job: Callable[[], Any],
+             parallel: int, *, forwards: SharedForwards | None = None,
+             on_end: Callable[[Any, T | None, BaseException | None], None] | None = None
+             ) -> None:
+    """Run jobs as :func:`run_batch` does, taken one at a time from
+    ``next_job()`` whenever fewer than ``parallel`` run, so the batch stays
+    full while a source has work: it gives a ``(key, job)`` pair, ``None``
+    (no more), or, while some job runs, :data:`LATER` (none now).
+    ``on_end(key, result, error)`` is called on the calling thread as each
+    job ends (``error``: what it raised, else ``None``), in
+    the order they end; ``next_job`` is called on the calling thread too."""
     if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
         raise ConfigError(f"parallel must be a positive integer, got {parallel!r}")
     forwards = forwards or SharedForwards(decoder)
-    results: list[Any] = [None] * len(jobs)
-    errors: list[BaseException | None] = [None] * len(jobs)
-    done: queue.SimpleQueue[int] = queue.SimpleQueue()     # jobs in the order they end
+    ended: queue.SimpleQueue[tuple[Any, Any, BaseException | None]] = queue.SimpleQueue()
 
-    def run(n: int, member: BatchedDecoder) -> None:
+    def run(key: Any, job: Callable[[Decoder], T], member: BatchedDecoder) -> None:
+        result: Any = None
+        error: BaseException | None = None
         try:
             forwards.enter()
-            results[n] = jobs[n](member)
+            result = job(member)
         except BaseException as exc:
-            errors[n] = exc
+            error = exc
         finally:
+            # Told first, left second: the step that sees the slot free
+            # finds the job ended, and its slot filled first.
+            ended.put((key, result, error))
             forwards.leave(member)
-            done.put(n)
 
-    started = running = 0
+    running, exhausted = 0, False
     threads: list[threading.Thread] = []
     try:
-        while started < len(jobs) or running:
-            while running < parallel and started < len(jobs):
+        while not exhausted or running:
+            while running < parallel and not exhausted:
+                item = next_job()
+                if item is None:
+                    exhausted = True
+                    break
+                if item is LATER:
+                    if not running:
+                        raise ConfigError("a job source gave LATER while no job ran")
+                    break
                 member = forwards.member()
                 forwards.join(member)
-                threads.append(threading.Thread(target=run, args=(started, member), daemon=True,
-                                                name=f"forerun-batch-{started}"))
+                threads.append(threading.Thread(target=run, args=(*item, member), daemon=True,
+                                                name=f"forerun-batch-{len(threads)}"))
                 threads[-1].start()
-                started += 1
                 running += 1
-            forwards.step()
-            while not done.empty():
+            if running:
+                forwards.step()
+            while not ended.empty():
                 running -= 1
-                n = done.get()
-                if on_done is not None and errors[n] is None:
-                    on_done(n, results[n])
+                key, result, error = ended.get()
+                if on_end is not None:
+                    on_end(key, result, error)
+            # (a data run starts thousands of threads: keep those alive)
+            threads = [t for t in threads if t.is_alive()]
     except BaseException as exc:      # Ctrl-C, a failing callback: no member waits on
         forwards.close(exc)
         raise
@@ -369,7 +420,3 @@ def run_batch(decoder: Decoder, jobs: Sequence[Callable[[Decoder], T]], parallel
     # on: a thread alive at exit once ended a process with "terminate called".
     for thread in threads:
         thread.join()
-    for error in errors:
-        if error is not None:
-            raise error
-    return results

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import re
 import threading
 import time
@@ -77,6 +78,7 @@ from forerun.corpus.token_manifest import (
     words,
 )
 from forerun.errors import ConfigError, ForerunError, TokenizerError
+from forerun.generation.ordered_pool import OrderedPool
 from forerun.speculation.config import PLAIN, SpeculativeConfig
 
 #: a user message no template writes by itself: where it lands in the
@@ -274,8 +276,9 @@ class ChatModel(Protocol):
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Any: ...
 
-    def run_batch(self, jobs: Sequence[Callable[[Any], Any]], *,
-                  parallel: int | None = None) -> list[Any]: ...
+    def run_pool(self, next_job: Callable[[], Any], *, parallel: int,
+                 on_end: Callable[[Any, Any, BaseException | None], None] | None = None
+                 ) -> None: ...
 
     def stream_in_batch(self, decoder: Any, prompt: str | None = None, **kwargs: Any
                         ) -> Any: ...
@@ -431,7 +434,7 @@ class Magpie:
                 keepable: Callable[[Outcome], list[int] | None]
                 ) -> tuple[Outcome, Outcome | None]:
         """Item ``index``'s query generated on ``member`` (a batch member,
-        ``Model.run_batch``), and its answer where ``keepable(query)`` gives
+        ``Model.run_pool``), and its answer where ``keepable(query)`` gives
         the prompt a run could keep it with: what :meth:`query` and
         :meth:`answer` make, token for token.  Answers are generated plainly
         (the same tokens as any drafter gives: answers are greedy where a
@@ -573,9 +576,15 @@ class DataBuilder:
         if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
             raise ConfigError(f"--parallel must be a positive integer, got {parallel!r}")
         self.parallel = parallel
-        # Items made ahead by a batch (parallel > 1), by index: the query,
-        # and the answer where the query may be kept.
-        self._ready: dict[int, tuple[Outcome, Outcome | None]] = {}
+        # Items made ahead by a batch (parallel > 1): each the query, and
+        # the answer where the query may be kept.
+        self._pool: OrderedPool[tuple[Outcome, Outcome | None]] | None = None
+        # The records kept so far, read by the pool's items as they run.
+        self._dedup_lock = threading.Lock()
+        # This run's conversation items and the tokens they kept: how many
+        # more items the budget wants (_items_wanted).
+        self._items_made = 0
+        self._items_kept_tokens = 0
         self.model = model
         self.writer = writer
         self.settings = settings
@@ -610,7 +619,8 @@ class DataBuilder:
 
     def _cancelled(self) -> bool:
         return self.stop.is_set() or (self._deadline is not None
-                                      and time.monotonic() >= self._deadline)
+                                      and time.monotonic() >= self._deadline) or (
+            self._pool is not None and self._pool.closed)
 
     def run(self) -> RunReport:
         """Make records until a budget or a stop request ends the run; the
@@ -664,6 +674,8 @@ class DataBuilder:
             raise
         finally:
             bar.close()
+            if self._pool is not None:
+                self._pool.close()
         self._finish(report, start, report.stopped)
         return report
 
@@ -699,17 +711,16 @@ class DataBuilder:
         leaves nothing changed)."""
         index = self.state["next_item"]
         seed = item_seed(self.settings.seed, index)
-        if self.parallel > 1 and index not in self._ready:
-            self._make_ahead(index)
-        ready = self._ready.pop(index, None)
-        q, answer = ready if ready is not None else (self.magpie.query(seed, index), None)
+        q, answer = (self._made_ahead(index) if self.parallel > 1
+                     else (self.magpie.query(seed, index), None))
         report.query_seconds += q.seconds
         report.query_tokens += len(q.tokens)
         reason = q.dropped
         if reason is None and self.bench.overlaps(q.text, query=True):
             reason = "bench_overlap"
         if reason is None:
-            reason = self.dedup.check(q.text)
+            with self._dedup_lock:
+                reason = self.dedup.check(q.text)
         prompt = self.magpie.prompt(q.text) if reason is None else None
         if reason is None and prompt is None:
             reason = "too_long"      # no room left in the context for an answer
@@ -725,7 +736,9 @@ class DataBuilder:
             record = Record(np.array(a.prompt + a.tokens, dtype=np.int32), "conversation",
                             len(a.prompt), seed=seed, query=q.text, key=text_key(q.text))
             self.writer.add(record)
-            self.dedup.add(q.text, key=record.key)
+            with self._dedup_lock:
+                self.dedup.add(q.text, key=record.key)
+            self._items_kept_tokens += len(record.tokens)
             report.records += 1
             if len(report.examples) < 3:
                 report.examples.append(q.text)
@@ -744,6 +757,7 @@ class DataBuilder:
                 answers["kept"] += 1
                 answers["cut"] += a.cut
         self.state["next_item"] = index + 1
+        self._items_made += 1
         self._fruitless = 0 if kept else self._fruitless + 1
         if self._fruitless >= self.give_up_after:
             raise ForerunError(
@@ -753,39 +767,53 @@ class DataBuilder:
                 f"does not make usable Magpie data with these settings (an instruct model "
                 f"is needed; --max-query-tokens and --max-answer-tokens bound the lengths)")
 
-    def _make_ahead(self, first: int) -> None:
-        """Make items ``first .. first + parallel - 1`` together,
-        ``parallel`` at a time (``Model.run_batch``): each its query, then
-        at once its answer where a run could keep it, so the batch stays
-        full.  Which are kept is decided item by item, in order, by
-        :meth:`_conversation_step`, exactly as in a run of one item at a
-        time: a query that duplicates a record kept before these items
-        can't be kept, and every other one is answered (kept records only
-        grow, so a query new now may turn out a duplicate of an earlier
-        item, never the other way round; the answer is then dropped)."""
-        magpie = self.magpie
+    def _made_ahead(self, index: int) -> tuple[Outcome, Outcome | None]:
+        """Item ``index`` as the batch made it (:class:`OrderedPool`, started
+        at the first item this run makes): its query, and its answer where
+        the query could be kept when it was made.  Which are kept is decided
+        item by item, in order, by :meth:`_conversation_step`, exactly as in
+        a run of one item at a time: a query that duplicates a record kept
+        before it was made is not answered, and every other one is (kept
+        records only grow, so a query new then may turn out a duplicate of
+        an item kept since, never the other way round; its answer is then
+        dropped).  The batch's wall time is shared out by tokens made."""
+        if self._pool is None:
+            magpie = self.magpie
 
-        def keepable(q: Outcome) -> list[int] | None:
-            # (reads only: nothing is kept while the batch runs)
-            if (q.dropped is None and not self.bench.overlaps(q.text, query=True)
-                    and self.dedup.check(q.text) is None):
+            def keepable(q: Outcome) -> list[int] | None:
+                if q.dropped is not None or self.bench.overlaps(q.text, query=True):
+                    return None
+                with self._dedup_lock:
+                    if self.dedup.check(q.text) is not None:
+                        return None
                 return magpie.prompt(q.text)
-            return None
 
-        def job(index: int) -> Callable[[Any], tuple[Outcome, Outcome | None]]:
-            return lambda member: magpie.item_on(
-                member, item_seed(self.settings.seed, index), index, keepable)
+            def make(member: Any, n: int) -> tuple[Outcome, Outcome | None]:
+                return magpie.item_on(member, item_seed(self.settings.seed, n), n, keepable)
 
-        indices = range(first, first + self.parallel)
-        start = time.perf_counter()
-        made = self.model.run_batch([job(i) for i in indices], parallel=self.parallel)
-        # The wall time, shared out by tokens made.
-        outcomes = [o for pair in made for o in pair if o is not None]
-        per_token = (time.perf_counter() - start) / max(1, sum(len(o.tokens)
-                                                                for o in outcomes))
-        for o in outcomes:
+            def run(next_job: Any, on_end: Any) -> None:
+                self.model.run_pool(next_job, parallel=self.parallel, on_end=on_end)
+
+            self._pool = OrderedPool(run, make, index, self._items_wanted)
+            self._pool.start()
+        (q, a), seconds = self._pool.take(index)
+        made = [o for o in (q, a) if o is not None]
+        per_token = seconds / max(1, sum(len(o.tokens) for o in made))
+        for o in made:
             o.seconds = per_token * len(o.tokens)
-        self._ready = dict(zip(indices, made))
+        return q, a
+
+    def _items_wanted(self) -> int | None:
+        """About how many more conversation items the token budget needs,
+        with half as many again to spare (``None`` until a batch of items
+        has been taken): the pool starts no item past them, since it would
+        be made in vain.  An estimate bounds only what is made ahead, never
+        what is kept."""
+        if self._items_made < self.parallel or not self._items_kept_tokens:
+            return None
+        share = 1.0 - self.settings.text_share if self.files else 1.0
+        left = max(0, self.max_tokens - self.writer.tokens) * share
+        return math.ceil(1.5 * left * self._items_made / self._items_kept_tokens)
 
     # -- text ------------------------------------------------------------------
 

@@ -290,11 +290,11 @@ class StopAt:
         self._count()
         return self.model.generate(*args, **kwargs)
 
-    def run_batch(self, *args, **kwargs):
-        self._count()
-        return self.model.run_batch(*args, **kwargs)
+    def run_pool(self, *args, **kwargs):
+        return self.model.run_pool(*args, **kwargs)
 
     def stream_in_batch(self, *args, **kwargs):
+        self._count()
         return self.model.stream_in_batch(*args, **kwargs)
 
     def _count(self) -> None:
@@ -304,7 +304,11 @@ class StopAt:
 
 
 def build(model, out: Path, corpus: Path, *, max_tokens: int, stop_at: int | None = None,
-          resume: bool = False, checkpoint_seconds: float = 0.0, parallel: int = 1):
+          resume: bool = False, checkpoint_seconds: float = 0.0, parallel: int = 1,
+          stop_after_records: int | None = None):
+    """``stop_at``: a stop request as the n-th generation starts;
+    ``stop_after_records``: one as the n-th record is kept (a batch's other
+    items in the middle of their generations)."""
     from forerun.corpus.text_files import corpus_files
 
     fp = model.tokenizer.fingerprint()
@@ -317,6 +321,16 @@ def build(model, out: Path, corpus: Path, *, max_tokens: int, stop_at: int | Non
                                        state=new_state(), counters=new_counters())
     stop = threading.Event()
     runner = StopAt(model, stop, stop_at) if stop_at else model
+    if stop_after_records:
+        add, kept = writer.add, []
+
+        def add_then_stop(record):
+            add(record)
+            kept.append(record)
+            if len(kept) == stop_after_records:
+                stop.set()
+
+        writer.add = add_then_stop
     builder = DataBuilder(runner, writer, SETTINGS, files=corpus_files([corpus]),
                           bench=BenchOverlap([BENCH_SENTENCE]),
                           max_tokens=max_tokens, stop=stop,
@@ -385,9 +399,9 @@ def test_conversations_made_in_parallel_are_the_records_of_one_at_a_time(
     build(chat_model, tmp_path / "eight", corpus, max_tokens=2500, parallel=8)
     assert contents(tmp_path / "eight") == whole
     out = tmp_path / "stopped"
-    assert build(chat_model, out, corpus, max_tokens=2500, stop_at=3,
+    assert build(chat_model, out, corpus, max_tokens=2500, stop_after_records=3,
                  parallel=4).stopped == "signal"
-    assert 0 < len(contents(out)[0]) < len(whole[0])
+    assert 3 == len(contents(out)[0]) < len(whole[0])
     assert build(chat_model, out, corpus, max_tokens=2500, resume=True,
                  parallel=3).stopped == "budget"
     assert contents(out) == whole
