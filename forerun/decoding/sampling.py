@@ -166,7 +166,11 @@ def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
     shape, vocab = x.shape, x.shape[-1]
     rows = x.reshape(-1, vocab)
     top_logit = rows.amax(dim=-1, keepdim=True)
-    total = torch.exp((rows - top_logit).double()).sum(dim=-1, keepdim=True)
+    # Summed in order (a cumulative sum), not by a reduction that threads
+    # split: the cut must not depend on the thread count a generation samples
+    # on (a batch's members sample on one thread, a generation alone on the
+    # engine's count).
+    total = torch.cumsum(torch.exp((rows - top_logit).double()), dim=-1)[:, -1:]
     k = min(vocab, NUCLEUS_CANDIDATES)
     while True:
         top, ids = (torch.topk(rows, k, dim=-1) if k < vocab

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -88,6 +88,9 @@ class TorchDecoder(EngineDecoder):
         self.verify_group: int | None = None
         # (ids, layer): logits of those token ids only (restrict_output)
         self._head: tuple[torch.Tensor, Linear] | None = None
+        #: where another thread runs this decoder's forwards (a batch's
+        #: engine thread): that thread's count, asked for when needed
+        self.forward_threads: Callable[[], int] | None = None
 
     def fork(self) -> TorchDecoder:
         """A second decoder over the same weights with its own, empty cache
@@ -130,7 +133,7 @@ class TorchDecoder(EngineDecoder):
         # decided once and kept).
         native = product_kernels() if kernels == "native" else None
         return EngineSettings(
-            engine=self.engine, device=str(self.device), threads=torch.get_num_threads(),
+            engine=self.engine, device=str(self.device), threads=self.threads,
             weights=self.model.weights_format, kernels=kernels,
             instruction=None if native is None else native.instruction,
             dtype=str(self.model.dtype).removeprefix("torch."),
@@ -143,8 +146,11 @@ class TorchDecoder(EngineDecoder):
 
     @property
     def threads(self) -> int:
-        """The calling thread's torch intra-op thread count."""
-        return torch.get_num_threads()
+        """The thread count this decoder's forwards run on: the calling
+        thread's torch intra-op count, or, for a batch member's decoder
+        (:attr:`forward_threads` set), the batch's, whose engine thread runs
+        its forwards."""
+        return torch.get_num_threads() if self.forward_threads is None else self.forward_threads()
 
     def set_threads(self, n: int) -> None:
         """``torch.set_num_threads(n)`` for the calling thread.  Under
@@ -328,7 +334,7 @@ class TorchDecoder(EngineDecoder):
 
     def _prefix_owner(self) -> tuple:
         # Whatever decides the numerics of the saved keys and values.
-        return (self.model, self.context_length, self.prefill_block, torch.get_num_threads())
+        return (self.model, self.context_length, self.prefill_block, self.threads)
 
     def export_prefix(self):
         tokens = self.prefilled_tokens

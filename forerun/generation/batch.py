@@ -55,9 +55,16 @@ class SharedForwards:
 
     ``decoder``: a decoder with ``capabilities.batch`` and ``fork``; every
     member is a fork of it.  The forwards run on :attr:`threads` threads,
-    the count of the thread that makes this object (the engine thread);
-    a member's own thread takes that count too (:meth:`enter`), since the
-    prefill ledger belongs to the count its blocks were computed on."""
+    the count of the thread that makes this object (the engine thread),
+    which is also the count a member's decoder reports (its prefix ledger
+    belongs to the count its blocks were computed on).  A member's own
+    thread runs on one (:meth:`enter`): its light work (sampling, drafting
+    by lookup) on OpenMP teams of the engine's size competed with the
+    forwards (an 8-row step of the 1.5B took 113 to 120 ms inside a batch
+    of 8 generations, 73 ms alone, 72 ms with members on one thread, on a
+    2-core Xeon).  Sampling gives the same result on any count
+    (:mod:`forerun.decoding.sampling`), so a member draws what the same
+    generation alone draws."""
 
     def __init__(self, decoder: Decoder) -> None:
         caps = decoder.capabilities
@@ -81,6 +88,8 @@ class SharedForwards:
         (the shared decoder itself or a fork of it), by default a new fork
         with an empty cache.  Its computing calls wait for :meth:`step`."""
         inner = decoder if decoder is not None else self.decoder.fork()  # type: ignore[attr-defined]
+        if hasattr(inner, "forward_threads"):
+            inner.forward_threads = lambda: self.threads
         return BatchedDecoder(inner, self)
 
     def join(self, member: BatchedDecoder) -> None:
@@ -94,11 +103,10 @@ class SharedForwards:
             self._members += 1
 
     def enter(self) -> None:
-        """Called first on a member's own thread: the thread count of the
-        forwards there too (the prefix ledger's owner, a generation's
-        sampling)."""
-        if torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+        """Called first on a member's own thread: one torch thread there
+        (its forwards run on the engine thread)."""
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
 
     def leave(self, member: BatchedDecoder) -> None:
         """``member`` runs no more: the steps stop waiting for it."""
@@ -420,3 +428,6 @@ def run_pool(decoder: Decoder, next_job: Callable[[], Any],
     # on: a thread alive at exit once ended a process with "terminate called".
     for thread in threads:
         thread.join()
+    # A member's one thread (enter) is also the count torch gives threads
+    # that start later: the engine's again.
+    torch.set_num_threads(forwards.threads)

@@ -342,3 +342,23 @@ def test_sample_token_at_the_edges_of_the_cumulative_mass(monkeypatch, u, want):
     probs = torch.tensor([0.0, 0.25, 0.0, 0.0, 0.5, 0.25, 0.0])
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor([u], dtype=torch.float64))
     assert sample_token(probs, make_generator(0, "cpu")) == want
+
+
+def test_the_distribution_is_the_same_on_any_thread_count():
+    """A batch's members sample on one thread, the same request alone on the
+    engine's count: the processed distribution must not depend on it, bit
+    for bit (the top-p total is summed in order, not split across threads)."""
+    logits = _nucleus_rows(151_936)
+    settings = [SamplingParams(temperature=0.8, top_p=0.95),
+                SamplingParams(temperature=1.0, top_p=0.99, min_p=0.01),
+                SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)]
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            results.append([probabilities(logits, p) for p in settings])
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
