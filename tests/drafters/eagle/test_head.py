@@ -26,9 +26,10 @@ def config(norm_before_residual=False, **overrides) -> Eagle3Config:
     return Eagle3Config(**values)
 
 
-def weights(norm_before_residual=False, seed=0) -> Eagle3Weights:
+def weights(norm_before_residual=False, seed=0, **overrides) -> Eagle3Weights:
     ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:DRAFT_VOCAB]
-    w = Eagle3Weights.random(config(norm_before_residual), ids.sort().values, seed=seed)
+    w = Eagle3Weights.random(config(norm_before_residual, **overrides), ids.sort().values,
+                             seed=seed)
     for name in ("fc.weight", "lm_head.weight"):     # larger: differences show
         w.tensors[name] = w.tensors[name] * 10
     return w

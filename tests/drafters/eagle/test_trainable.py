@@ -13,35 +13,11 @@ from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.drafters.eagle.drafter import EagleDrafter
 from forerun.drafters.eagle.head import EagleHead
 from forerun.drafters.eagle.trainable import TrainableEagle3
-from forerun.drafters.eagle.weights import Eagle3Config, Eagle3Weights
 from forerun.engines.transformer import rms_norm
 
-H, VOCAB, DRAFT_VOCAB = 64, 300, 128
+from .test_head import DRAFT_VOCAB, VOCAB, H, config, embed, weights
+
 TOL = 1e-5
-
-
-def config(norm_before_residual=False, num_kv_heads=2) -> Eagle3Config:
-    return Eagle3Config(hidden_size=H, intermediate_size=96, num_heads=4,
-                        num_kv_heads=num_kv_heads, head_dim=16, rms_norm_eps=1e-6,
-                        rope_theta=10000.0, rope_scaling=None, vocab_size=VOCAB,
-                        draft_vocab_size=DRAFT_VOCAB, aux_layers=(0, 1, 2),
-                        norm_before_residual=norm_before_residual,
-                        max_position_embeddings=512)
-
-
-def weights(seed=0, **kw) -> Eagle3Weights:
-    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:DRAFT_VOCAB]
-    w = Eagle3Weights.random(config(**kw), ids.sort().values, seed=seed)
-    for name in ("fc.weight", "lm_head.weight"):     # larger: differences show
-        w.tensors[name] = w.tensors[name] * 10
-    return w
-
-
-EMBED = torch.randn(VOCAB, H, generator=torch.Generator().manual_seed(7))
-
-
-def embed(tokens: torch.Tensor) -> torch.Tensor:
-    return EMBED[tokens]
 
 
 def data(t, seed=1):
