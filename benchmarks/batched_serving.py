@@ -80,10 +80,16 @@ def forerun_server(model: str, n: int, context: int, draft: str) -> Process:
 
 
 def llama_server(binary: str, gguf: Path, n: int, context: int) -> Process:
+    """llama.cpp's server; with its extra weight buffers (repacking) off
+    where forerun's llama.cpp engine turns them off (CPUs with AMX, whose
+    kernels crash some virtual machines)."""
+    from forerun.engines.llama_cpp_engine import default_extra_buffers
+
     port = free_port()
+    repack = [] if default_extra_buffers() else ["--no-repack"]
     return Process([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                     "-t", "2", "-tb", "2", "--parallel", str(n), "-c", str(context * n),
-                    "--no-webui", "--temp", "0"],
+                    "--no-webui", "--temp", "0", *repack],
                    r"listening on (http://\S+)",
                    url=f"http://127.0.0.1:{port}/v1")
 

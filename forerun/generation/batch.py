@@ -153,19 +153,30 @@ class SharedForwards:
         with self._cond:
             return self._members
 
-    def step(self, timeout: float | None = None) -> bool:
+    @property
+    def leaves(self) -> int:
+        """How many times a member has left (:meth:`leave`) so far."""
+        with self._cond:
+            return self._leaves
+
+    def step(self, timeout: float | None = None, *, left: int | None = None) -> bool:
         """Wait until every member waits in a call, then compute every
         waiting call and wake the members.  Returns whether it computed
-        anything: False when a member left first (a slot is free for
-        another), when no member runs, or after ``timeout`` seconds (``None``: no limit)."""
+        anything: False when a member left that the caller has not
+        accounted for (a slot is free for another), when no member runs, or
+        after ``timeout`` seconds (``None``: no limit).  ``left``: the
+        leaves the caller has seen (:attr:`leaves`; default: those before
+        this call).  A caller that refills slots passes it: a member that
+        leaves between the caller's look at the ended jobs and this call
+        would otherwise leave a step of fewer members than slots."""
         with self._cond:
-            leaves = self._leaves
-            self._cond.wait_for(lambda: self._leaves != leaves or self._members == 0 or (
+            seen = self._leaves if left is None else left
+            self._cond.wait_for(lambda: self._leaves > seen or self._members == 0 or (
                 self._pending and len(self._pending) >= self._members), timeout)
             # A member that left frees a slot: the caller fills it before the
             # next step, so the batch runs full.
-            if self._leaves != leaves or not (self._pending
-                                              and len(self._pending) >= self._members):
+            if self._leaves > seen or not (self._pending
+                                           and len(self._pending) >= self._members):
                 return False
             taken, self._pending = self._pending, []
         if torch.get_num_threads() != self.threads:
@@ -393,6 +404,9 @@ def run_pool(decoder: Decoder, next_job: Callable[[], Any],
             forwards.leave(member)
 
     running, exhausted = 0, False
+    # the leaves of the jobs whose end was taken below (each job leaves
+    # after reporting its end): a step returns as soon as one more has left
+    left = forwards.leaves
     threads: list[threading.Thread] = []
     try:
         while not exhausted or running:
@@ -412,9 +426,10 @@ def run_pool(decoder: Decoder, next_job: Callable[[], Any],
                 threads[-1].start()
                 running += 1
             if running:
-                forwards.step()
+                forwards.step(left=left)
             while not ended.empty():
                 running -= 1
+                left += 1
                 key, result, error = ended.get()
                 if on_end is not None:
                     on_end(key, result, error)

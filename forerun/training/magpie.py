@@ -164,6 +164,18 @@ def magpie_prefix(tokenizer, system: str | None = None) -> MagpiePrefix:
     return MagpiePrefix(head, ids, tail, (), stop)
 
 
+def doomed_tokens(specials: Collection[int], prefix: MagpiePrefix,
+                  eos_token_ids: Collection[int]) -> frozenset[int]:
+    """The special tokens after which a query is dropped whatever follows:
+    every one but what ends its turn (``prefix``'s stop token) and the
+    model's end of text.  A query with one inside is dropped
+    ("special_tokens" if its turn ends, "too_long" if it never does), so
+    its generation stops at the first one: the tokens after it were thrown
+    away (on the 1.5B, most of the tokens of queries that ran to the
+    longest).  The kept queries, and so the records, are the same."""
+    return frozenset(specials) - set(prefix.stop_token_ids) - set(eos_token_ids)
+
+
 def _render(tokenizer, role: str, system: str | None = None) -> str | None:
     messages = [{"role": role, "content": SENTINEL}]
     if system is not None:
@@ -193,17 +205,18 @@ def degenerate(tokens: Sequence[int], *, n: int = 4, min_distinct: float = 0.4) 
 
 
 def query_problem(text: str, tokens: Sequence[int], finish_reason: str,
-                  specials: Collection[int]) -> str | None:
+                  specials: Collection[int], doomed: Collection[int] = ()) -> str | None:
     """Why a sampled query (its stripped ``text`` and ``tokens``, its end
     token last) is dropped, or None: it did not end its turn ("too_long"),
-    has fewer than two words ("empty"), special tokens inside
-    ("special_tokens"), or repeats itself ("degenerate")."""
+    has special tokens inside or was stopped by one of ``doomed``
+    (:func:`doomed_tokens`: "special_tokens"), has fewer than two words
+    ("empty"), or repeats itself ("degenerate")."""
     if finish_reason != "stop":
         return "too_long"
+    if any(t in specials for t in tokens[:-1]) or (tokens and tokens[-1] in doomed):
+        return "special_tokens"
     if len(words(text)) < 2:
         return "empty"
-    if any(t in specials for t in tokens[:-1]):
-        return "special_tokens"
     if degenerate(tokens):
         return "degenerate"
     return None
@@ -273,6 +286,7 @@ class ChatModel(Protocol):
     name: str
     tokenizer: Any
     decoder: Any
+    eos_token_ids: tuple[int, ...]
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Any: ...
 
@@ -406,6 +420,8 @@ class Magpie:
         self.answer_speculative = answer_speculative
         self.cancel = cancel
         self._specials = model.tokenizer.special_token_ids
+        # (every prefix of a template ends its turn alike)
+        self._doomed = doomed_tokens(self._specials, self.prefix, model.eos_token_ids)
 
     def query(self, seed: int, index: int = 0) -> Outcome:
         """A user request sampled after the Magpie prefix (of item
@@ -420,14 +436,16 @@ class Magpie:
                   if self.topic_prefixes else self.prefix)
         return dict(prompt_ids=list(prefix.ids), max_new_tokens=s.max_query_tokens,
                     temperature=s.query_temperature, top_p=s.query_top_p, seed=seed,
-                    stop=list(prefix.stop), stop_token_ids=list(prefix.stop_token_ids),
+                    stop=list(prefix.stop),
+                    stop_token_ids=[*prefix.stop_token_ids, *sorted(self._doomed)],
                     speculative=PLAIN)
 
     def _query_outcome(self, r: Any, seconds: float) -> Outcome:
         out = Outcome(text=r.text.strip(), tokens=list(r.tokens), seconds=seconds)
         if r.finish_reason == "cancelled":
             raise Stopped
-        out.dropped = query_problem(out.text, out.tokens, r.finish_reason, self._specials)
+        out.dropped = query_problem(out.text, out.tokens, r.finish_reason, self._specials,
+                                    self._doomed)
         return out
 
     def item_on(self, member: Any, seed: int, index: int,

@@ -187,6 +187,27 @@ def test_members_share_forwards_and_wait_for_each_other(model):
     torch.set_num_threads(torch.get_num_threads())
 
 
+def test_a_step_waits_for_the_slot_a_member_left_before_the_caller_saw_it(model):
+    """A member that left after its caller last looked (``left``: the
+    leaves it has seen) makes the step return so the slot is filled, where
+    the step would otherwise run the others without it (a batch of 2 of 3
+    slots under load, run_pool's race)."""
+    forwards = SharedForwards(model.decoder)
+    a, b = forwards.member(), forwards.member()
+    forwards.join(a)
+    forwards.join(b)
+    seen = forwards.leaves
+    forwards.leave(b)                       # ended between the caller's look and the step
+    fed = []
+    thread = threading.Thread(target=lambda: fed.append(a.feed([3])))
+    thread.start()
+    assert forwards.step(left=seen) is False and not fed
+    assert forwards.step(left=seen + 1) is True        # its end taken: a computes alone
+    thread.join()
+    assert len(fed) == 1 and forwards.steps == [(1, 0)]
+    forwards.leave(a)
+
+
 def test_prompt_lookup_in_a_batch_takes_the_costs_measured_alone(model, monkeypatch):
     """Its members never time forwards inside the batch (their timings hold
     the others' forwards) and never store what they refine: every measure

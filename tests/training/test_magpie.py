@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from forerun.corpus.token_manifest import ManifestWriter, TokenManifest
-from forerun.errors import ConfigError
+from forerun.errors import ConfigError, ForerunError
 from forerun.tokenizer import Tokenizer
 from forerun.training.magpie import (
     SENTINEL,
@@ -282,6 +282,7 @@ class StopAt:
     def __init__(self, model, stop: threading.Event, n: int) -> None:
         self.model, self.stop, self.n, self.calls = model, stop, n, 0
         self.tokenizer, self.decoder, self.name = model.tokenizer, model.decoder, model.name
+        self.eos_token_ids = model.eos_token_ids
 
     def encode_prompt(self, *args, **kwargs):
         return self.model.encode_prompt(*args, **kwargs)
@@ -389,6 +390,41 @@ def test_a_run_stopped_twice_and_resumed_makes_the_records_of_one_that_never_sto
     assert names == {"manifest.json"} | {f for f, _ in shards}
 
 
+def test_a_query_stops_at_a_special_token_that_dooms_it_and_the_records_stay_the_same(
+        chat_model, corpus, tmp_path, monkeypatch):
+    """A query stops at the first special token other than its turn's end
+    and the end of text (it would be dropped whatever followed), so a run
+    generates fewer query tokens and keeps the very records of a run that
+    generated them all.  Its broken twin, one that also stops at the end
+    of text (a query ending there is kept), keeps other records."""
+    import forerun.training.magpie as magpie
+
+    doomed = magpie.doomed_tokens
+    prefix = magpie.magpie_prefix(chat_model.tokenizer)
+    assert doomed(chat_model.tokenizer.special_token_ids, prefix, chat_model.eos_token_ids) \
+        == chat_model.tokenizer.special_token_ids - set(prefix.stop_token_ids) \
+        - set(chat_model.eos_token_ids)
+    ends = build(chat_model, tmp_path / "stops", corpus, max_tokens=2500)
+    stopped = contents(tmp_path / "stops")
+    monkeypatch.setattr(magpie, "doomed_tokens", lambda *a: frozenset())
+    runs_on = build(chat_model, tmp_path / "runs-on", corpus, max_tokens=2500)
+    whole = contents(tmp_path / "runs-on")
+    assert stopped[0] == whole[0]                       # the records
+    assert ends.query_tokens < runs_on.query_tokens, (ends.query_tokens, runs_on.query_tokens)
+    dropped = stopped[2]["queries"]["dropped"]
+    assert dropped["special_tokens"] > whole[2]["queries"]["dropped"]["special_tokens"]
+    assert sum(dropped.values()) == sum(whole[2]["queries"]["dropped"].values())
+    monkeypatch.setattr(magpie, "doomed_tokens", lambda specials, p, eos: (
+        doomed(specials, p, eos) | set(eos)))
+    try:            # (this model's queries mostly end at the end of text)
+        build(chat_model, tmp_path / "eos", corpus, max_tokens=2500)
+        twin = contents(tmp_path / "eos")[0]
+    except ForerunError as e:
+        assert "were all dropped" in str(e)
+        twin = None
+    assert twin != whole[0]
+
+
 def test_conversations_made_in_parallel_are_the_records_of_one_at_a_time(
         chat_model, corpus, tmp_path):
     """Queries and answers generated several at a time, with a stop and a
@@ -487,6 +523,7 @@ def test_queries_take_the_topics_in_turn_and_answers_none(chat_model):
         def __init__(self, model) -> None:
             self.model, self.prompts = model, []
             self.tokenizer, self.decoder, self.name = model.tokenizer, model.decoder, model.name
+            self.eos_token_ids = model.eos_token_ids
 
         def encode_prompt(self, *args, **kwargs):
             return self.model.encode_prompt(*args, **kwargs)
