@@ -6,7 +6,7 @@ distinct weights per matrix so that they stream from memory as a real step's
 do.
 
     python benchmarks/products_ab.py --against HEAD~1 [--positions 1,2,3,4,5,6]
-        [--rounds 6] [--build avx2|dot|amx] [--cflags -DFR_TILE=6]
+        [--rounds 6] [--build avx2|dot|amx|amx-both] [--cflags -DFR_TILE=6]
 
 It builds ``forerun/kernels/avx2_int_products.c`` as it was at
 ``--against`` and as it is in this tree (with the flags forerun builds it
@@ -15,7 +15,11 @@ matrices with random bytes (the layouts differ between revisions, the
 amount of work does not), and times one pass over all of them per number of
 positions, alternating the two builds pass by pass so that a drift of the
 machine touches both alike.  It prints the mean of the rounds after the
-first, in ms, and each build's cost of T positions over one.
+first, in ms, and each build's cost of T positions over one.  ``--build
+amx`` times this tree's AMX tiles against the AVX512-VNNI passes at
+``--against``; ``--build amx-both`` builds both with the tiles (and
+``forerun/kernels/amx_int_products.c`` as it was at ``--against`` and as it
+is here), so a change to the tiles is timed against the tiles before it.
 
 Run it on an idle machine (nothing else running): every figure is a time.
 """
@@ -48,9 +52,9 @@ LAYER = ((2048, 1536, False), (1536, 1536, False), (17920, 1536, False))
 HEAD = (151936, 1536, True)
 
 
-def build(source: bytes, folder: Path, name: str, extra: tuple[str, ...]) -> ctypes.CDLL:
-    lib = build_library(source, folder, name, extra,
-                        (TILES_SOURCE,) if "-DFR_AMX" in extra else ())
+def build(source: bytes, folder: Path, name: str, extra: tuple[str, ...],
+          tiles: Path = TILES_SOURCE) -> ctypes.CDLL:
+    lib = build_library(source, folder, name, extra, (tiles,) if "-DFR_AMX" in extra else ())
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.fr_q4_linear.argtypes = [p, i, i, i, p, p, p, i, p, i]
     lib.fr_q6_linear.argtypes = [p, i, i, i, p, p, p, p, i, p, i]
@@ -99,9 +103,10 @@ def main() -> None:
     p.add_argument("--positions", default="1,2,3,4,5,6")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--build", choices=("avx2", "dot", "amx"), default="avx2",
+    p.add_argument("--build", choices=("avx2", "dot", "amx", "amx-both"), default="avx2",
                    help="avx2: forerun's AVX2 build; dot: this CPU's best vpdpbusd build; "
-                        "amx: AVX512-VNNI at --against, AMX tiles in this tree")
+                        "amx: AVX512-VNNI at --against, AMX tiles in this tree; amx-both: "
+                        "AMX tiles in both")
     p.add_argument("--tile-rows", type=int, default=0,
                    help="--build amx: the positions from which the tiles run (0: the "
                         "build's own)")
@@ -117,18 +122,23 @@ def main() -> None:
         if not builds_here:
             raise SystemExit("this CPU has no vpdpbusd build")
         extra = next(iter(builds_here.values()))
-    elif args.build == "amx":
+    elif args.build in ("amx", "amx-both"):
         if "amx-int8" not in builds_here:
             raise SystemExit("this CPU has no AMX tiles (amx_int8, amx_tile)")
         extra = dict((n, e) for n, _, e in DOT_BUILDS)["avx512-vnni"]
         ours = tuple(f for f in builds_here["amx-int8"] if f not in extra)
+        if args.build == "amx-both":
+            extra, ours = builds_here["amx-int8"], ()
     theirs = source_at(args.against, SOURCE)
     counts = positions_list(args.positions)
     mats = matrices(args.layers)
     x = torch.randn(max(counts), 8960)
     y = torch.empty(max(counts), HEAD[0])
     with tempfile.TemporaryDirectory() as tmp:
-        builds = {f"at {args.against}": build(theirs, Path(tmp), "theirs", extra),
+        their_tiles = Path(tmp) / "their_tiles.c"
+        their_tiles.write_bytes(source_at(args.against, str(TILES_SOURCE.relative_to(ROOT)))
+                                if args.build == "amx-both" else TILES_SOURCE.read_bytes())
+        builds = {f"at {args.against}": build(theirs, Path(tmp), "theirs", extra, their_tiles),
                   "this tree": build((ROOT / SOURCE).read_bytes(), Path(tmp), "ours",
                                      (*extra, *ours, *args.cflags.split()))}
         if args.tile_rows:
