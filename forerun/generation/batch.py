@@ -9,8 +9,11 @@ logits (decoding steps, verifications) in one
 ``feed_batch`` (``batch`` in
 :class:`~forerun.protocol.decoder.Capabilities`), anything else (a
 prompt's prefill blocks, tree forwards) alone, exactly as a generation on
-its own would run it.  A generation joins between two steps (its prefill
-blocks run among the others' steps) and leaves when it ends.
+its own would run it, the shortest first, each generation woken as soon
+as its own is done (8 prompts that arrive together are read one after
+another: the first gets its first token after its own prefill, not after
+all 8).  A generation joins between two steps (its prefill blocks run
+among the others' steps) and leaves when it ends.
 
 ``feed_batch`` gives each sequence what its feed alone would give, bit for
 bit (its forwards hold no more positions than the engine computes
@@ -44,6 +47,8 @@ class _Request:
     decoder: Any
     tokens: Sequence[int] | None = None
     call: Callable[[], Any] | None = None
+    #: positions a call alone computes (its order among a step's calls)
+    size: int = 0
     result: Any = None
     error: BaseException | None = None
     done: bool = field(default=False)
@@ -182,9 +187,16 @@ class SharedForwards:
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         shared = [r for r in taken if r.call is None]
-        alone = [(r, r.call) for r in taken if r.call is not None]
+        # The calls alone (prefills, mostly), the shortest first, each
+        # member woken as soon as its own is done: it takes its token (the
+        # first of an answer: its time to first token) while the others run.
+        alone = sorted(((r, r.call) for r in taken if r.call is not None),
+                       key=lambda rc: rc[0].size)
         for r, call in alone:
             self._run(r, call)
+            with self._cond:
+                r.done = True
+                self._cond.notify_all()
         if len(shared) == 1:
             self._feed_alone(shared[0])
         elif shared:
@@ -201,7 +213,7 @@ class SharedForwards:
                     r.result = out
         self.steps.append((len(shared), len(alone)))
         with self._cond:
-            for r in taken:
+            for r in shared:
                 r.done = True
             self._cond.notify_all()
         return True
@@ -243,7 +255,7 @@ class BatchedDecoder:
         if last_only or return_hidden or hidden_layers:
             return self._forwards._wait(_Request(self, call=lambda: self.inner.feed(
                 tokens, last_only=last_only, return_hidden=return_hidden,
-                hidden_layers=hidden_layers)))
+                hidden_layers=hidden_layers), size=len(tokens)))
         return self._forwards._wait(_Request(self, tokens=tokens))
 
     def forward(self, tokens: Sequence[int], positions: Sequence[int] | torch.Tensor,
@@ -251,7 +263,7 @@ class BatchedDecoder:
                 hidden_layers: Sequence[int] = ()) -> ForwardOutput:
         return self._forwards._wait(_Request(self, call=lambda: self.inner.forward(
             tokens, positions, attention_mask, return_hidden=return_hidden,
-            hidden_layers=hidden_layers)))
+            hidden_layers=hidden_layers), size=len(tokens)))
 
     def keep_slots(self, slots: Sequence[int] | torch.Tensor, start: int) -> None:
         # A copy within the fork's cache: on the engine thread, like every write to it.

@@ -208,6 +208,37 @@ def test_a_step_waits_for_the_slot_a_member_left_before_the_caller_saw_it(model)
     forwards.leave(a)
 
 
+def test_prefills_alone_run_shortest_first_and_wake_their_generation_at_once(model):
+    """Prompts read in one step run the shortest first, and each generation
+    is woken when its own prefill is done, not when the step's last is: the
+    short prompt's generation takes its logits while the long one is read
+    (its time to first token is its own prefill's)."""
+    forwards = SharedForwards(model.decoder)
+    woken = threading.Event()
+    order: list[int] = []
+    waited: list[bool] = []
+
+    def job(member, length: int):
+        feed = member.inner.feed
+
+        def timed_feed(tokens, **kw):
+            order.append(len(tokens))
+            if len(tokens) == 24:       # the long prompt: the short one's generation runs
+                waited.append(woken.wait(30))
+            return feed(tokens, **kw)
+
+        member.inner.feed = timed_feed
+        member.feed(list(range(1, length + 1)), last_only=True)
+        if length == 3:
+            woken.set()
+        return member.length
+
+    jobs = [lambda m: job(m, 24), lambda m: job(m, 3)]
+    assert run_batch(model.decoder, jobs, 2, forwards=forwards) == [24, 3]
+    assert order == [3, 24] and waited == [True]
+    assert forwards.steps == [(0, 2)]
+
+
 def test_prompt_lookup_in_a_batch_takes_the_costs_measured_alone(model, monkeypatch):
     """Its members never time forwards inside the batch (their timings hold
     the others' forwards) and never store what they refine: every measure
