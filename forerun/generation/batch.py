@@ -83,6 +83,7 @@ class SharedForwards:
         self._members = 0
         self._leaves = 0
         self._closed: EngineError | None = None
+        self._stepping: list[_Request] = []     # the calls the step running took
         self.threads = torch.get_num_threads()
         #: Forwards run: (sequences in the shared feed, feeds run alone) per step.
         self.steps: list[tuple[int, int]] = []
@@ -131,9 +132,12 @@ class SharedForwards:
         with self._cond:
             self._closed = EngineError(
                 f"the batch's engine thread stopped ({type(error).__name__}: {error})")
-            for r in self._pending:
-                r.error, r.done = self._closed, True
-            self._pending = []
+            # the waiting calls, and those of a step that an interrupt left
+            # midway (close runs on the engine thread, after it)
+            for r in self._pending + self._stepping:
+                if not r.done:
+                    r.error, r.done = self._closed, True
+            self._pending, self._stepping = [], []
             self._cond.notify_all()
 
     def _wait(self, request: _Request) -> Any:
@@ -184,6 +188,7 @@ class SharedForwards:
                                            and len(self._pending) >= self._members):
                 return False
             taken, self._pending = self._pending, []
+            self._stepping = taken
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         shared = [r for r in taken if r.call is None]
@@ -215,6 +220,7 @@ class SharedForwards:
         with self._cond:
             for r in shared:
                 r.done = True
+            self._stepping = []
             self._cond.notify_all()
         return True
 

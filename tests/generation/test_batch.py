@@ -239,6 +239,44 @@ def test_prefills_alone_run_shortest_first_and_wake_their_generation_at_once(mod
     assert forwards.steps == [(0, 2)]
 
 
+def test_an_interrupt_inside_a_shared_forward_leaves_no_generation_waiting(
+        model, monkeypatch):
+    """Ctrl-C while the engine thread computes a step's shared forward: the
+    members whose feeds that step took (no longer waiting to be taken)
+    end too, with an EngineError, instead of waiting for ever."""
+    from forerun.engines.torch_engine import TorchDecoder
+    from forerun.errors import EngineError
+
+    calls = []
+
+    def interrupted(self, feeds):
+        calls.append(len(feeds))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(TorchDecoder, "feed_batch", interrupted)
+    forwards = SharedForwards(model.decoder)
+    ended: list[BaseException] = []
+
+    def job(member):
+        member.feed([1, 2], last_only=True)
+        try:
+            member.feed([3])
+        except EngineError as e:
+            ended.append(e)
+            raise
+        return member.length
+
+    before = {t for t in threading.enumerate() if t.name.startswith("forerun-batch")}
+    with pytest.raises(KeyboardInterrupt):
+        run_batch(model.decoder, [job] * 3, 3, forwards=forwards)
+    for t in threading.enumerate():
+        if t.name.startswith("forerun-batch") and t not in before:
+            t.join(30)
+            assert not t.is_alive(), t.name
+    assert calls == [3] and len(ended) == 3
+    assert all("engine thread stopped" in str(e) for e in ended)
+
+
 def test_prompt_lookup_in_a_batch_takes_the_costs_measured_alone(model, monkeypatch):
     """Its members never time forwards inside the batch (their timings hold
     the others' forwards) and never store what they refine: every measure
