@@ -187,6 +187,18 @@ def test_members_share_forwards_and_wait_for_each_other(model):
     torch.set_num_threads(torch.get_num_threads())
 
 
+def _batch_threads() -> set[threading.Thread]:
+    """The batch members' threads alive now."""
+    return {t for t in threading.enumerate() if t.name.startswith("forerun-batch")}
+
+
+def _assert_ended(threads: set[threading.Thread]) -> None:
+    """Every one of ``threads`` ends within 30 s: none waits for ever."""
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive(), t.name
+
+
 def test_a_step_waits_for_the_slot_a_member_left_before_the_caller_saw_it(model):
     """A member that left after its caller last looked (``left``: the
     leaves it has seen) makes the step return so the slot is filled, where
@@ -266,13 +278,10 @@ def test_an_interrupt_inside_a_shared_forward_leaves_no_generation_waiting(
             raise
         return member.length
 
-    before = {t for t in threading.enumerate() if t.name.startswith("forerun-batch")}
+    before = _batch_threads()
     with pytest.raises(KeyboardInterrupt):
         run_batch(model.decoder, [job] * 3, 3, forwards=forwards)
-    for t in threading.enumerate():
-        if t.name.startswith("forerun-batch") and t not in before:
-            t.join(30)
-            assert not t.is_alive(), t.name
+    _assert_ended(_batch_threads() - before)
     assert calls == [3] and len(ended) == 3
     assert all("engine thread stopped" in str(e) for e in ended)
 
@@ -313,7 +322,7 @@ def test_an_interrupted_batch_leaves_no_generation_waiting(model):
     next batch exactly."""
     from forerun.errors import EngineError
 
-    before = {t for t in threading.enumerate() if t.name.startswith("forerun-batch")}
+    before = _batch_threads()
     errors = []
 
     def interrupt(n, result):
@@ -334,10 +343,7 @@ def test_an_interrupted_batch_leaves_no_generation_waiting(model):
     finally:
         batch.SharedForwards.close = original
     assert len(errors) == 1 and isinstance(errors[0], KeyboardInterrupt)
-    for t in threading.enumerate():
-        if t.name.startswith("forerun-batch") and t not in before:
-            t.join(30)
-            assert not t.is_alive(), t.name
+    _assert_ended(_batch_threads() - before)
     forwards = SharedForwards(model.decoder)
     forwards.close(RuntimeError("stopped"))
     member = forwards.member()
