@@ -29,7 +29,7 @@ DEFAULT_TEXT_SHARE = 0.25
 #: the options that decide the data, each the DataSettings field of its name
 DATA_OPTIONS = ("seed", "query_temperature", "query_top_p", "max_query_tokens",
                 "answer_temperature", "max_answer_tokens", "seq_len", "text_share",
-                "near_duplicate")
+                "near_duplicate", "text_layout", "max_file_chunks")
 
 
 def add_parser(sub) -> None:
@@ -76,7 +76,17 @@ def _add_data_parser(tsub) -> None:
                            f"{DEFAULT_TEXT_SHARE} with a corpus; 1: text only, no model "
                            f"generation)")
     data.add_argument("--seq-len", type=int, default=None,
-                      help="tokens per text chunk (default 2048)")
+                      help="tokens per text chunk, or per document record with "
+                           "--text-layout chat (default 2048)")
+    data.add_argument("--text-layout", choices=("plain", "chat"), default=None,
+                      help="how --corpus chunks are stored: plain text, the loss on every "
+                           "token (default), or chat: each chunk a document in a user "
+                           "message followed by a request about it, through the chat "
+                           "template up to the assistant's turn (prefill distillation: "
+                           "the target reads it as it would before answering)")
+    data.add_argument("--max-file-chunks", type=int, default=None, metavar="N",
+                      help="take at most the first N chunks of each corpus file (default 0: "
+                           "all), so that a few long files don't make most of the text")
     data.add_argument("--max-query-tokens", type=int, default=None,
                       help="the longest synthesised query; longer ones are dropped "
                            "(default 192)")
@@ -163,7 +173,11 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     args.model = model_arg
     model = load_model(args, progress=not args.quiet)
-    prefix = magpie_prefix(model.tokenizer) if settings.text_share < 1 else None
+    if settings.text_layout == "chat" and model.tokenizer.chat_template is None:
+        raise ForerunError(f"--text-layout chat wraps the corpus in the chat template, and "
+                           f"{model.name} has none; use --text-layout plain")
+    prefix = (magpie_prefix(model.tokenizer)
+              if settings.text_share < 1 or settings.text_layout == "chat" else None)
     engine = {k: v for k, v in model.decoder.settings.key.items()
               if k in ("engine", "device", "weights", "dtype")}
     extra = {"max_tokens": max_tokens, "model_source": model_arg, "model_name": model.name,
@@ -254,6 +268,9 @@ def _settings(args: argparse.Namespace, saved: dict[str, Any]):
     if values.get("text_share", base.text_share) > 0 and not corpus:
         raise ForerunError("--text-share takes text from --corpus; give --corpus PATH, or "
                            "leave --text-share out")
+    if values.get("text_layout") == "chat" and not corpus:
+        raise ForerunError("--text-layout chat wraps the chunks of --corpus; give --corpus "
+                           "PATH, or leave --text-layout out")
     files = corpus_files(corpus) if corpus else []
     exclude = (tuple(str(Path(p).expanduser().resolve()) for p in args.exclude_prompts)
                if args.exclude_prompts else base.exclude_prompts)
@@ -320,14 +337,18 @@ def _print_summary(writer, report, out: Path, model: str, stream) -> None:
     c = writer.counters
     q, a, t = c["queries"], c["answers"], c["text"]
     counts = writer.counts
-    conv, text = counts["conversation"], counts["text"]
+    conv, text, docs = counts["conversation"], counts["text"], counts["document"]
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     lines = [
-        f"manifest: {out} ({model}): {conv['records'] + text['records']} records, "
+        f"manifest: {out} ({model}): "
+        f"{conv['records'] + text['records'] + docs['records']} records, "
         f"{writer.tokens:,} tokens, {size / 1e6:.2f} MB",
         f"  conversations: {conv['records']} ({conv['tokens']:,} tokens, "
         f"{conv['loss_tokens']:,} of them answer tokens in the loss)",
         f"  text chunks: {text['records']} ({text['tokens']:,} tokens)",
+        *([f"  documents: {docs['records']} ({docs['tokens']:,} tokens, "
+           f"{docs['loss_tokens']:,} of them from the document on, in the loss)"]
+          if docs["records"] else []),
         f"queries: made {q['made']}, kept {q['kept']}, dropped "
         f"{sum(q['dropped'].values())}{_reasons(q['dropped'])}",
         f"answers: made {a['made']}, kept {a['kept']} ({a['cut']} of them cut at "

@@ -4,11 +4,14 @@ it; the trainer reads it with :meth:`TokenManifest.open`).
 
 **Records.**  Each record is one training sequence: its token ids, its kind
 (``"conversation"``: a chat rendered with the target's template, prompt and
-answer; ``"text"``: a chunk of a local file), and ``loss_start``, the first
-position whose token is a training target (the answer's first token for a
-conversation, 0 for text: every token).  A conversation also keeps the
-seed it was synthesised from and its user query; a text chunk its source
-(``file#chunk``).
+answer; ``"text"``: a chunk of a local file; ``"document"``: such a chunk
+in a user message followed by a request, rendered by the template up to the
+assistant's turn), and ``loss_start``, the first position whose token is a
+training target (the answer's first token for a conversation, 0 for text:
+every token, the document's first token for a document).  A conversation
+also keeps the seed it was synthesised from and its user query; a text
+chunk its source (``file#chunk``); a document both its source and its
+request (``query``).
 
 **Shards.**  ``shard-NNNNN-<sha256[:16]>.bin``: the records' token ids one
 after the other, little-endian int32 (4 bytes a token: 1M tokens are 4 MB).
@@ -72,7 +75,9 @@ READS = (1, 2)
 #: xz preset of compressed shards (module text): a 4 MB shard in about 1 s
 XZ_PRESET = 3
 MANIFEST = "manifest.json"
-KINDS = ("conversation", "text")
+#: conversations the target made, plain text chunks, documents wrapped in
+#: the chat template (forerun.training.documents)
+KINDS = ("conversation", "text", "document")
 #: tokens a shard holds before the next record starts a new one (4 MB)
 SHARD_TOKENS = 1 << 20
 #: the share of records the default held-out split sets aside
@@ -453,7 +458,9 @@ class ManifestWriter:
         self._pending: list[list[Record]] = []   # shards filled since the last flush
         self.state: dict[str, Any] = data["state"]
         self.counters: dict[str, Any] = data["counters"]
-        self._counts = {k: dict(v) for k, v in data["counts"].items()}
+        # (a manifest made before a kind existed counts none of it)
+        self._counts = {k: {"records": 0, "tokens": 0, "loss_tokens": 0} for k in KINDS}
+        self._counts.update({k: dict(v) for k, v in data["counts"].items()})
 
     @classmethod
     def create(cls, path: str | Path, *, model: str, fingerprint: str, vocab_size: int,

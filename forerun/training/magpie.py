@@ -80,12 +80,21 @@ from forerun.corpus.token_manifest import (
 from forerun.errors import ConfigError, ForerunError, TokenizerError
 from forerun.generation.ordered_pool import OrderedPool
 from forerun.speculation.config import PLAIN, SpeculativeConfig
+from forerun.training.documents import (
+    DocumentTemplate,
+    document_record,
+    document_template,
+    line_chunks,
+    request_for,
+)
 
 #: a user message no template writes by itself: where it lands in the
 #: rendered template is where the user's text begins
 SENTINEL = "FORERUN-MAGPIE-SENTINEL-7f3a9c"
 #: the fewest tokens a text chunk keeps
 MIN_CHUNK = 32
+#: how corpus chunks are stored (DataSettings.text_layout)
+TEXT_LAYOUTS = ("plain", "chat")
 
 
 class Stopped(Exception):
@@ -328,6 +337,13 @@ class DataSettings:
     #: keep an answer cut at max_answer_tokens (module text); manifests made
     #: before this setting existed dropped them (:meth:`from_json`)
     keep_cut_answers: bool = True
+    #: how a corpus chunk is stored: "plain" text (loss on every token), or
+    #: "chat": a document in a user message followed by a request about it,
+    #: as the target reads it before answering (module documents)
+    text_layout: str = "plain"
+    #: the most chunks taken from one corpus file, its first ones (0: all):
+    #: a few long files would otherwise make most of the text
+    max_file_chunks: int = 0
 
     def validate(self) -> None:
         """Raise :class:`~forerun.errors.ConfigError` naming the first bad value."""
@@ -356,6 +372,12 @@ class DataSettings:
                               f"{self.near_duplicate}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ConfigError(f"--seed must be an integer in 0..2**63-1, got {self.seed!r}")
+        if not isinstance(self.max_file_chunks, int) or self.max_file_chunks < 0:
+            raise ConfigError(f"--max-file-chunks must be 0 (no limit) or a positive integer, "
+                              f"got {self.max_file_chunks!r}")
+        if self.text_layout not in TEXT_LAYOUTS:
+            raise ConfigError(f"--text-layout must be one of {', '.join(TEXT_LAYOUTS)}, got "
+                              f"{self.text_layout!r}")
         for topic in self.topics:
             if not isinstance(topic, str) or not topic.strip():
                 raise ConfigError(f"--topic must be a non-empty system message, got {topic!r}")
@@ -622,6 +644,9 @@ class DataBuilder:
         self._magpie: Magpie | None = None
         self._answer_speculative = answer_speculative
         self._chunks: tuple[int, list[list[int]]] | None = None
+        #: the kind of the corpus' records: plain text or chat-wrapped documents
+        self.text_kind = "document" if settings.text_layout == "chat" else "text"
+        self._document_template: DocumentTemplate | None = None
         self.dedup: Dedup = rebuild_dedup(writer.records(), settings.near_duplicate)
         tok = model.tokenizer
         self._bos = ([tok.bos_token_id] if tok.add_bos_token and tok.bos_token_id is not None
@@ -667,7 +692,7 @@ class DataBuilder:
                     break
                 try:
                     if self._wants_text():
-                        if not self._text_step():
+                        if not self._text_step(report):
                             continue
                     elif self.settings.text_share >= 1:
                         report.stopped = "corpus"
@@ -712,14 +737,17 @@ class DataBuilder:
         dropped = sum(sum(v["dropped"].values()) for v in self.counters.values())
         left = ("" if self._deadline is None else
                 f", {max(0.0, self._deadline - time.monotonic()):.0f} s left")
-        return (f"{c['conversation']['records']} conversations, {c['text']['records']} "
-                f"text, {dropped} dropped{left}")
+        text = c["text"]["records"] + c["document"]["records"]
+        return (f"{c['conversation']['records']} conversations, {text} "
+                f"{'documents' if self.text_kind == 'document' else 'text'}, "
+                f"{dropped} dropped{left}")
 
     def _wants_text(self) -> bool:
         if not self.files or self.state["corpus_done"]:
             return False
         share = self.settings.text_share
-        return share >= 1 or self.writer.counts["text"]["tokens"] < share * self.writer.tokens
+        return share >= 1 or (self.writer.counts[self.text_kind]["tokens"]
+                              < share * self.writer.tokens)
 
     # -- conversations ---------------------------------------------------------
 
@@ -844,12 +872,24 @@ class DataBuilder:
         chunks: list[list[int]] = []
         if text is not None and text.strip():
             ids = self.model.tokenizer.encode(text, add_special_tokens=False)
-            step = self.settings.seq_len - len(self._bos)
-            chunks = [self._bos + ids[i:i + step] for i in range(0, len(ids), step)]
+            if self.text_kind == "document":
+                template = self.document_template
+                chunks = line_chunks(ids, template.budget, template.line_ends)
+            else:
+                step = self.settings.seq_len - len(self._bos)
+                chunks = [self._bos + ids[i:i + step] for i in range(0, len(ids), step)]
         self._chunks = (index, chunks)
         return chunks
 
-    def _text_step(self) -> bool:
+    @property
+    def document_template(self) -> DocumentTemplate:
+        """How the chat template wraps a document (text_layout "chat")."""
+        if self._document_template is None:
+            self._document_template = document_template(self.model, self.magpie.prefix.ids,
+                                                         self.settings.seq_len)
+        return self._document_template
+
+    def _text_step(self, report: RunReport) -> bool:
         """Take the next chunk of the corpus (kept or dropped); False once
         the corpus is used up."""
         state, counters = self.state, self.counters["text"]
@@ -858,7 +898,8 @@ class DataBuilder:
             chunks = self._file_chunks(index)
             if state["next_chunk"] == 0:
                 counters["files" if chunks else "skipped_files"] += 1
-            if state["next_chunk"] < len(chunks):
+            most = self.settings.max_file_chunks or len(chunks)
+            if state["next_chunk"] < min(len(chunks), most):
                 break
             state["next_file"], state["next_chunk"] = index + 1, 0
         else:
@@ -879,10 +920,20 @@ class DataBuilder:
                       before + text + after, span=(len(before), len(before) + len(text)))
                   else self.dedup.check(text, near=False, key=key))
         if reason is None:
-            source = f"{self.files[state['next_file']]}#{at}"
-            self.writer.add(Record(np.array(chunk, dtype=np.int32), "text", 0, source=source,
-                                   key=key))
+            path = self.files[state["next_file"]]
+            source = f"{path}#{at}"
+            if self.text_kind == "document":
+                request = request_for(path, self.settings.seed, state["next_file"], at)
+                ids, loss_start = document_record(self.model, self.document_template, text,
+                                                  request)
+                record = Record(np.array(ids, dtype=np.int32), "document", loss_start,
+                                query=request, source=source, key=key)
+            else:
+                record = Record(np.array(chunk, dtype=np.int32), "text", 0, source=source,
+                                key=key)
+            self.writer.add(record)
             self.dedup.add(None, near=False, key=key)
+            report.records += 1
         counters["made"] += 1
         if reason is not None:
             counters["dropped"][reason] += 1

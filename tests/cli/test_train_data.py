@@ -91,6 +91,26 @@ def test_bad_output_folders_are_clear_errors(tmp_path, capsys, corpus):
         assert err.startswith("forerun: error: ") and message in err, err
     assert main(["train", "data", "--out", str(tmp_path / "x"), "--text-share", "0.5"]) == 1
     assert "--text-share takes text from --corpus" in capsys.readouterr().err
+    assert main(["train", "data", "--out", str(tmp_path / "x"), "--text-layout", "chat"]) == 1
+    assert "--text-layout chat wraps the chunks of --corpus" in capsys.readouterr().err
+
+
+def test_documents_in_the_chat_template_are_made_and_a_resume_keeps_their_layout(
+        tmp_path, capsys, model_dir, corpus):
+    out = tmp_path / "documents"
+    chat = ("--text-share", "1", "--text-layout", "chat")
+    # 64 tokens can't hold the template, a request and a document
+    assert main(data_args(model_dir, out, corpus, *chat)) == 1
+    assert "--seq-len 64 leaves" in capsys.readouterr().err
+    out = tmp_path / "documents-256"
+    assert main(data_args(model_dir, out, corpus, *chat, "--seq-len", "256")) == 0
+    printed = capsys.readouterr().out
+    m = TokenManifest.open(out)
+    assert {r.kind for r in m} == {"document"} and m.settings["text_layout"] == "chat"
+    assert m.counts["document"]["records"] == 6           # a chunk of each file
+    assert f"documents: 6 ({m.counts['document']['tokens']:,} tokens" in printed
+    assert main(data_args(model_dir, out, corpus, "--resume", "--text-layout", "plain")) == 1
+    assert "text_layout: 'chat' in the manifest, 'plain' now" in capsys.readouterr().err
 
 
 def test_topics_are_the_manifests_and_a_resume_keeps_them(tmp_path, capsys, model_dir, corpus):

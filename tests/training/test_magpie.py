@@ -323,20 +323,25 @@ def build(model, out: Path, corpus: Path, *, max_tokens: int, stop_at: int | Non
     stop = threading.Event()
     runner = StopAt(model, stop, stop_at) if stop_at else model
     if stop_after_records:
-        add, kept = writer.add, []
-
-        def add_then_stop(record):
-            add(record)
-            kept.append(record)
-            if len(kept) == stop_after_records:
-                stop.set()
-
-        writer.add = add_then_stop
+        stop_after(writer, stop, stop_after_records)
     builder = DataBuilder(runner, writer, SETTINGS, files=corpus_files([corpus]),
                           bench=BenchOverlap([BENCH_SENTENCE]),
                           max_tokens=max_tokens, stop=stop,
                           checkpoint_seconds=checkpoint_seconds, parallel=parallel)
     return builder.run()
+
+
+def stop_after(writer: ManifestWriter, stop: threading.Event, n: int) -> None:
+    """Set ``stop`` as ``writer`` keeps its ``n``-th record."""
+    add, kept = writer.add, []
+
+    def add_then_stop(record):
+        add(record)
+        kept.append(record)
+        if len(kept) == n:
+            stop.set()
+
+    writer.add = add_then_stop
 
 
 def contents(path: Path):
@@ -543,3 +548,81 @@ def test_queries_take_the_topics_in_turn_and_answers_none(chat_model):
     assert model.prompts == wanted and wanted[0] != wanted[1]
     prompt = magpie.prompt("Hello there")
     assert prompt == chat_model.encode_prompt(messages=[{"role": "user", "content": "Hello there"}])
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    """Code and prose with lines, a copy of one (a duplicate) and a file
+    holding a benchmark sentence."""
+    folder = tmp_path_factory.mktemp("documents")
+    words = "the quick brown fox jumps over the lazy dog hello world".split()
+    rng = np.random.default_rng(1)
+
+    def lines(n: int, indent: str = "") -> str:
+        return "".join(indent + " ".join(rng.choice(words, 6)) + "\n" for _ in range(n))
+
+    (folder / "a.py").write_text(lines(60, "    "))
+    (folder / "b.md").write_text(lines(80))
+    (folder / "c.txt").write_text(lines(3) + BENCH_SENTENCE + "\n" + lines(3))
+    (folder / "copy.md").write_text((folder / "b.md").read_text())
+    return folder
+
+
+def test_documents_are_chat_wrapped_with_the_loss_from_the_document_and_resume_alike(
+        chat_model, documents, tmp_path):
+    """``text_layout="chat"``: every chunk of the corpus becomes the
+    conversation the target reads (the chunk, then a request about it, the
+    assistant's turn opened), its lines whole, its loss from its first
+    token of the document; filtered as text chunks are; a run stopped and
+    resumed makes the same records."""
+    from dataclasses import replace
+
+    from forerun.corpus.text_files import corpus_files
+    from forerun.training.documents import CODE_REQUESTS, SEPARATOR, TEXT_REQUESTS
+
+    settings = replace(SETTINGS, text_share=1.0, text_layout="chat", seq_len=320)
+    files = corpus_files([documents])
+    fp = chat_model.tokenizer.fingerprint()
+
+    def run(out: Path, *, resume: bool = False, stop_at_record: int | None = None):
+        writer = (ManifestWriter.resume(out, fingerprint=fp) if resume else
+                  ManifestWriter.create(out, model=chat_model.name, fingerprint=fp,
+                                        vocab_size=chat_model.decoder.vocab_size,
+                                        settings=settings.to_json(), state=new_state(),
+                                        counters=new_counters()))
+        stop = threading.Event()
+        if stop_at_record:
+            stop_after(writer, stop, stop_at_record)
+        return DataBuilder(chat_model, writer, settings, files=files,
+                           bench=BenchOverlap([BENCH_SENTENCE]), max_tokens=10**6,
+                           stop=stop).run()
+
+    assert run(tmp_path / "whole").stopped == "corpus"
+    records, counts, counters, state, _ = contents(tmp_path / "whole")
+    assert {r[1] for r in records} == {"document"} and counts["document"]["records"] > 4
+    assert counters["text"]["dropped"]["duplicate"] > 0
+    assert counters["text"]["dropped"]["bench_overlap"] > 0
+    tok = chat_model.tokenizer
+    prefix = list(magpie_prefix(tok).ids)
+    for tokens, _, loss_start, _, request, source, _ in records:
+        assert len(tokens) <= settings.seq_len
+        assert request in (CODE_REQUESTS if source.split("#")[0].endswith(".py")
+                           else TEXT_REQUESTS)
+        assert tokens[:loss_start] == prefix[:loss_start] and loss_start >= len(prefix) - 1
+        rendered = tok.decode(tokens)
+        document = rendered[len(magpie_prefix(tok).text):rendered.index(SEPARATOR + request)]
+        assert tokens == chat_model.encode_prompt(
+            messages=[{"role": "user", "content": document + SEPARATOR + request}])
+        original = (documents / Path(source.split("#")[0]).name).read_text()
+        assert document.strip() + "\n" in original       # whole lines of the file
+    out = tmp_path / "stopped"
+    assert run(out, stop_at_record=2).stopped == "signal"
+    assert len(contents(out)[0]) == 2
+    assert run(out, resume=True).stopped == "corpus"
+    assert contents(out) == contents(tmp_path / "whole")
+    # at most the first chunk of each file
+    settings = replace(settings, max_file_chunks=1)
+    assert run(tmp_path / "firsts").stopped == "corpus"
+    firsts = contents(tmp_path / "firsts")[0]
+    assert {r[5].split("#")[1] for r in firsts} == {"0"}
+    assert [r for r in records if r[5].endswith("#0")] == firsts
