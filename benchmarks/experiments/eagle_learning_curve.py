@@ -1,21 +1,26 @@
-"""How a new EAGLE-3 head's held-out acceptance grows with its training
-tokens (issue 39's learning curve), so that the next round of data can be
-sized.
+"""How a new EAGLE-3 head's held-out agreement grows with its training
+tokens, per source of data (issue 58's learning curve): so that the next
+round of data can be sized and its source chosen.
 
     python benchmarks/experiments/eagle_learning_curve.py \\
-        [--at 6000,12500,25000,50000] [--out curve.jsonl]
+        --source gpu-h200 --source documents --source gpu-h200+documents \\
+        --tokens 40000 --at 10000,20000 --eval gpu-h200 --eval documents \\
+        [--out curve.jsonl]
 
-One pass over the committed training data
-(``training-data/qwen2.5-coder-1.5b/*``) with ``forerun train eagle``'s
-own trainer and defaults (its features, draft vocabulary, pieces, batches
-and loss), but a constant learning rate after the warm-up, so that a point
-of the curve does not depend on where a schedule would have ended.  The
-head is scored on one fixed held-out set (the manifest records
-``is_held_out`` puts in a 10% split) before training, at each ``--at``
-count of trained tokens and at the end.  Every token is seen once, so each
-point is a head trained on that many tokens: a nested-subset curve from a
-single run.  Features come from the trainer's cache (computed if missing).
-Result: ``benchmarks/results/2026-11-27-eagle-learning-curve.md``.
+Each ``--source`` names manifests under ``training-data/qwen2.5-coder-1.5b/``
+(``a+b``: their training records taken in turn, one of each).  A head is
+trained from the target's own state (``forerun train eagle``'s start, its
+defaults: features, a draft vocabulary chosen from that source's data,
+pieces, batches, loss) on the source's first ``--tokens`` tokens of
+training records (the manifests' own split: their held-out records are
+never trained on), in one pass at a constant learning rate after the
+warm-up, so that a point of the curve does not depend on where a schedule
+would have ended.  Every token is seen once, so each point is a head
+trained on that many tokens: a nested-subset curve from a single run per
+source.  At 0, at each ``--at`` count and at the end the head is scored
+on the held-out split of each ``--eval`` manifest: top-1 agreement with
+the target per chain step and the simulated tokens per verification.
+Features come from the trainer's cache (computed if missing).
 """
 
 from __future__ import annotations
@@ -24,59 +29,96 @@ import argparse
 import itertools
 import json
 import time
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from forerun.api import load
-from forerun.corpus.token_manifest import TokenManifest
-from forerun.training import eagle as E
+from forerun.corpus.token_manifest import Record, TokenManifest
+from forerun.drafters.eagle import training as E
+from forerun.drafters.eagle.features import as_records
 
 DATA = "training-data/qwen2.5-coder-1.5b/"
+
+
+def interleaved(streams: Sequence[Iterator[Record]]) -> Iterator[Record]:
+    """One record of each stream in turn, until every one is used up."""
+    for group in itertools.zip_longest(*streams):
+        yield from (r for r in group if r is not None)
+
+
+def first_tokens(records: Iterator[Record], budget: int) -> list[Record]:
+    out, tokens = [], 0
+    for r in records:
+        if tokens >= budget:
+            break
+        out.append(r)
+        tokens += len(r)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--at", default="6000,12500,25000,50000",
+    ap.add_argument("--source", action="append", required=True,
+                    help="manifest name(s) under training-data/qwen2.5-coder-1.5b, "
+                         "'+'-joined to take their records in turn (repeatable)")
+    ap.add_argument("--tokens", type=int, default=40000, help="training tokens per source")
+    ap.add_argument("--at", default="10000,20000",
                     help="trained-token counts at which to score the head")
-    ap.add_argument("--held-out", type=float, default=0.1)
+    ap.add_argument("--eval", action="append", required=True,
+                    help="a manifest whose held-out split scores the heads (repeatable)")
     ap.add_argument("--out", default=None, help="also write each point as a JSON line here")
     args = ap.parse_args()
     torch.set_num_threads(2)
     marks = sorted(int(x) for x in args.at.split(","))
     model = load("qwen2.5-coder-1.5b", progress=False)
     fp = model.tokenizer.fingerprint()
-    manifests = [TokenManifest.open(DATA + d, fingerprint=fp)
-                 for d in ("conversations", "text", "topics")]
-    records = list(itertools.chain.from_iterable(m.records() for m in manifests))
-    s = E.EagleSettings(held_out=args.held_out)
+    manifests = {name: TokenManifest.open(DATA + name, fingerprint=fp)
+                 for name in {n for s in args.source for n in s.split("+")} | set(args.eval)}
+    evals = {name: as_records(manifests[name].records(split="held_out")) for name in args.eval}
+    sink = open(args.out, "a") if args.out else None
+    for source in args.source:
+        streams = [manifests[n].records(split="train") for n in source.split("+")]
+        curve(model, source, first_tokens(interleaved(streams), args.tokens), evals, marks,
+              sink)
+
+
+def curve(model, source: str, records: list[Record], evals: dict[str, list], marks: list[int],
+          sink) -> None:
+    """Train a new head on ``records`` in one pass, scoring it on each of
+    ``evals`` at 0, at each of ``marks`` trained tokens and at the end."""
+    s = E.EagleSettings()
     tr = E.EagleTrainer(model.decoder, records, model_name=model.name, settings=s,
                         eos_ids=model.eos_token_ids, progress=False, log=print)
-    print(json.dumps(tr.data_counts()), flush=True)
     tr.prepare_features()
+    for held in evals.values():
+        tr.store.prepare(held, progress=False)
     draft_ids = tr.choose_vocabulary()
     local = torch.full((tr.target_config.vocab_size,), -1, dtype=torch.long)
     local[draft_ids] = torch.arange(draft_ids.numel())
     torch.manual_seed(s.seed)
     head = tr.new_model(draft_ids)
-    opt = torch.optim.AdamW(head.parameters(), lr=s.lr, betas=s.betas,
-                            weight_decay=s.weight_decay)
+    opt = E.make_optimizer(head, s)
     pieces = E.record_pieces(tr.train, s.piece_tokens)
     batches = E.epoch_batches(pieces, 0, s)
     warmup = max(1, int(s.warmup * len(batches)))
-    sink = open(args.out, "a") if args.out else None
 
     def score(step: int, tokens: int, seconds: float) -> None:
-        t0 = time.perf_counter()
-        m = E.evaluate(head, (tr.features(r) for r in tr.held_out), s.ttt_steps,
-                       draft_ids, local)
-        row = {"trained_tokens": tokens, "step": step, "train_seconds": round(seconds, 1),
-               "eval_seconds": round(time.perf_counter() - t0, 1), **m.to_json()}
+        row = {"source": source, "trained_tokens": tokens, "step": step,
+               "train_seconds": round(seconds, 1)}
+        for name, held in evals.items():
+            m = E.evaluate(head, (tr.features(r) for r in held), s.ttt_steps, draft_ids,
+                           local)
+            row[name] = m.to_json()
         print(json.dumps(row), flush=True)
         if sink is not None:
             sink.write(json.dumps(row) + "\n")
             sink.flush()
 
+    print(json.dumps({"source": source, **tr.data_counts(),
+                      "eval": {n: sum(len(r) for r in h) for n, h in evals.items()}}),
+          flush=True)
     score(0, 0, 0.0)
     tokens, seconds = 0, 0.0
     for step, batch in enumerate(batches):

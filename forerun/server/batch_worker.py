@@ -17,6 +17,13 @@ every sequence its own feed's logits, bit for bit
 (:mod:`forerun.generation.batch`).  Sampling parameters, stop strings,
 streaming, cancellation (a client that goes away frees its slot within a
 step) and statistics are each request's own.
+
+**Faults.**  A request that can't start (its prefix can't be restored, say)
+is answered with the error, alone.  Should the batching itself fail (an
+error between the steps), the requests in flight end with an
+:class:`~forerun.errors.EngineError` naming it, never waiting for ever, and
+the worker starts again with new slots: the queued requests, and later
+ones, are served.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from forerun.api.busy_threads import ThreadsForLoad
@@ -65,6 +73,34 @@ class BatchWorker(EngineWorker):
 
     # -- the worker (engine) thread ---------------------------------------------
     def _run(self) -> None:
+        while True:
+            try:
+                self._batches()
+                return
+            except Exception as exc:     # a bug: end the requests in flight, start again
+                log.exception("the batch failed; its requests in flight end with an error, "
+                              "and the worker starts again with new slots")
+                self._recover(exc)
+
+    def _recover(self, error: Exception, wait: float = 60.0) -> None:
+        """End the generations in flight with an error naming ``error``
+        (their calls raise it: :meth:`SharedForwards.close`) and wait for
+        their threads to free the slots; the served decoder is reset."""
+        if self._forwards is not None:
+            self._forwards.close(error)
+        deadline = time.monotonic() + wait
+        while self._busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._busy:
+            log.error("%d requests still hold their slots %.0f s after the batch failed",
+                      self._busy, wait)
+        try:
+            self.model.decoder.reset()
+        except Exception:
+            log.exception("could not reset the engine")
+
+    def _batches(self) -> None:
+        """Run the slots until the worker closes."""
         # Made here: the forwards run on this thread's count.
         forwards = self._forwards = SharedForwards(self.model.decoder)
         decoders = [self.model.decoder] + [self.model.decoder.fork()
@@ -93,7 +129,11 @@ class BatchWorker(EngineWorker):
                 return
             block = False
             if self._runs(job):
-                self._start(job)
+                try:
+                    self._start(job)
+                except Exception as exc:   # a bug: this request is answered, the others run
+                    log.exception("a request could not start")
+                    job.post("error", exc)
 
     def _start(self, job: Job) -> None:
         prompt = job.spec.prompt_ids
@@ -112,9 +152,16 @@ class BatchWorker(EngineWorker):
             slot.job = job
             self._busy += 1
         assert self._forwards is not None
-        self._forwards.join(slot.member)
-        threading.Thread(target=self._serve_in, args=(slot, job, reuse), daemon=True,
-                         name="forerun-slot").start()
+        try:
+            self._forwards.join(slot.member)
+            threading.Thread(target=self._serve_in, args=(slot, job, reuse), daemon=True,
+                             name="forerun-slot").start()
+        except BaseException:          # the slot is free again
+            self._forwards.leave(slot.member)
+            with self._slot_lock:
+                slot.job = None
+                self._busy -= 1
+            raise
 
     # -- a slot's thread ---------------------------------------------------------
     def _serve_in(self, slot: _Slot, job: Job, reuse: Reuse) -> None:

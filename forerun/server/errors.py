@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from forerun.errors import ContextLengthError, ForerunError
+from forerun.errors import ContextLengthError, EngineError, ForerunError
 
 
 class APIError(Exception):
@@ -59,6 +59,10 @@ def internal(message: str) -> APIError:
 
 def from_forerun_error(exc: ForerunError) -> APIError:
     """A forerun error caused by the request (bad settings, a prompt that
-    does not fit, an unusable draft): 400 with forerun's message."""
+    does not fit, an unusable draft): 400 with forerun's message; an
+    engine that failed (:class:`~forerun.errors.EngineError`, not the
+    request's doing): 500."""
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), type="server_error", code="engine_error")
     code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
     return bad_request(str(exc), code=code)

@@ -170,3 +170,76 @@ def test_a_request_for_a_drafter_a_batch_does_not_run_is_refused(tmp_path, tiny_
         assert run.returncode != 0, extra
         assert message in run.stderr, (extra, run.stderr[-2000:])
         assert "Traceback" not in run.stderr
+
+
+def test_a_request_that_cant_start_or_a_failed_batch_ends_with_an_error_and_serving_goes_on(
+        tiny_path, reference, monkeypatch):
+    """Fault injection in the batch worker, in process: a request whose
+    start fails is answered with the error and the next one is served; a
+    batch whose step fails ends both requests in flight with an
+    EngineError naming the fault (they never wait for ever), and the
+    worker starts again: the next request gets its answer alone."""
+    import asyncio
+
+    import forerun
+    from forerun.errors import EngineError
+    from forerun.generation.batch import SharedForwards
+    from forerun.server.batch_worker import BatchWorker
+    from forerun.server.prefix_cache import PrefixCache
+    from forerun.server.translate import GenerationSpec
+    from forerun.server.worker import Job
+
+    model = forerun.load(str(tiny_path), weights="q8", context_length=CONTEXT, progress=False)
+    worker = BatchWorker(model, PrefixCache(model.decoder, limit_bytes=1 << 24), max_queue=8,
+                         parallel=2)
+    prompt = model.encode_prompt(PROMPTS[0])
+    alone = reference.generate(prompt_ids=prompt, max_new_tokens=12, ignore_eos=True).tokens
+
+    def spec(n: int) -> GenerationSpec:
+        return GenerationSpec(prompt, {"max_new_tokens": n, "ignore_eos": True})
+
+    async def outcome(n: int):
+        job = Job(spec(n))
+        worker.submit(job)
+        while True:
+            kind, payload = await asyncio.wait_for(job.events.get(), 60)
+            if kind != "delta":
+                return kind, payload
+
+    prepare, starts = worker.prefix_cache.prepare, []
+
+    def failing_prepare(*args, **kwargs):
+        starts.append(1)
+        if len(starts) == 1:
+            raise RuntimeError("injected start fault")
+        return prepare(*args, **kwargs)
+
+    step, steps_failed = SharedForwards.step, []
+
+    def failing_step(self, *args, **kwargs):
+        if not steps_failed and self.members == 2:       # both requests in flight
+            steps_failed.append(1)
+            raise RuntimeError("injected batch fault")
+        return step(self, *args, **kwargs)
+
+    async def run() -> None:
+        monkeypatch.setattr(worker.prefix_cache, "prepare", failing_prepare)
+        kind, error = await outcome(12)
+        assert kind == "error" and "injected start fault" in str(error)
+        kind, done = await outcome(12)
+        assert kind == "done" and list(done.result.tokens) == list(alone)
+        monkeypatch.setattr(SharedForwards, "step", failing_step)
+        both = await asyncio.gather(outcome(400), outcome(400))
+        assert steps_failed
+        for kind, error in both:
+            assert kind == "error" and isinstance(error, EngineError), (kind, error)
+            assert "injected batch fault" in str(error)
+        kind, done = await outcome(12)
+        assert kind == "done" and list(done.result.tokens) == list(alone)
+
+    worker.start()
+    try:
+        asyncio.run(run())
+    finally:
+        worker.join(30)
+    assert not worker._thread.is_alive()
