@@ -92,10 +92,34 @@ def test_a_whole_run_makes_a_manifest_and_a_head_forerun_reads(tiny, tmp_path, g
     sys.path.insert(0, str(GPU))
     import make_corpus
 
-    from forerun.corpus.token_manifest import TokenManifest
+    from forerun.corpus.token_manifest import (
+        ManifestError,
+        ManifestWriter,
+        Record,
+        TokenManifest,
+        is_held_out,
+    )
     from forerun.drafters.eagle.files import load_eagle3
+    from forerun.loading.gguf_file import GGUFFile
+    from forerun.tokenizer.gguf_tokenizer import tokenizer_from_gguf_metadata
 
+    fingerprint = tokenizer_from_gguf_metadata(GGUFFile(tiny).metadata).fingerprint()
+    # a manifest trained on too (--train-also): random documents, two held out
+    writer = ManifestWriter.create(tmp_path / "also", model="tiny", fingerprint=fingerprint,
+                                   vocab_size=256, settings={})
+    rng, held = torch.Generator().manual_seed(3), 0
+    while held < 2:
+        record = Record(torch.randint(0, 256, (80,), generator=rng).numpy(), "document", 5)
+        writer.add(record)
+        held += is_held_out(record.digest)
+    writer.flush()
+    foreign = ManifestWriter.create(tmp_path / "foreign", model="other", fingerprint="f" * 16,
+                                    vocab_size=256, settings={})
+    foreign.flush()
     out = tmp_path / "out"
+    with pytest.raises(ManifestError, match="another tokenizer"):
+        make_corpus.main(["--gguf", str(tiny), "--out", str(out), "--generate-seconds", "1",
+                          "--device", "cpu", "--train-also", str(tmp_path / "foreign")])
     sources = tmp_path / "sources.jsonl.xz"
     with lzma.open(sources, "wt", encoding="utf-8") as f:
         for i in range(40):
@@ -108,14 +132,11 @@ def test_a_whole_run_makes_a_manifest_and_a_head_forerun_reads(tiny, tmp_path, g
         "--work", str(tmp_path / "work"), "--device", "cpu", "--dtype", "float32",
         "--slots", "8", "--max-len", "512", "--generate-seconds", "3",
         "--finish-seconds", "1", "--train-seconds", "8", "--smoke", "--epochs", "1",
-        "--piece-tokens", "64", "--batch-tokens", "128"]) == 0
+        "--piece-tokens", "64", "--batch-tokens", "128",
+        "--train-also", str(tmp_path / "also")]) == 0
     with tarfile.open(out / "manifest.tar.xz") as tar:
         tar.extractall(tmp_path / "unpacked", filter="data")
     folder = next((tmp_path / "unpacked").iterdir())
-    from forerun.loading.gguf_file import GGUFFile
-    from forerun.tokenizer.gguf_tokenizer import tokenizer_from_gguf_metadata
-
-    fingerprint = tokenizer_from_gguf_metadata(GGUFFile(tiny).metadata).fingerprint()
     manifest = TokenManifest.open(folder, fingerprint=fingerprint)
     assert manifest.settings["made_by"] == "training-data/gpu/make_corpus.py"
     assert manifest.data["runs"][0]["generated_tokens"] > 0
@@ -124,3 +145,8 @@ def test_a_whole_run_makes_a_manifest_and_a_head_forerun_reads(tiny, tmp_path, g
     head = load_eagle3(out / "head", target_layers=8)
     assert head.config.aux_layers == (2, 4, 5)
     assert head.info["training"]["steps"] >= 1
+    assert head.info["training"]["data"] == [folder.name, "also"]
+    by_source = head.info["held_out"]["by_source"]
+    assert by_source["also"]["records"] == 2
+    assert head.info["data"]["train_tokens"] + head.info["data"]["held_out_tokens"] >= \
+        writer.tokens + sum(c["tokens"] for c in manifest.counts.values())

@@ -16,8 +16,12 @@ its tests or CI.
    tokenizer's fingerprint of the GGUF) whose ``settings`` say how it was
    made.  It is packed as ``OUT/manifest.tar.xz``.
 3. With ``--train-seconds``, an EAGLE-3 head is trained on the kept
-   records (``train_on_gpu.py``) and saved to ``OUT/head`` in pieces of at
-   most 15 MiB (``head/model.safetensors.part*``; joined by ``cat``).
+   records and on those of every ``--train-also`` manifest (the committed
+   ones, say: ``training-data/qwen2.5-coder-1.5b/*``), with
+   ``train_on_gpu.py``, and saved to ``OUT/head`` in pieces of at most 15
+   MiB (``head/model.safetensors.part*``; joined by ``cat``).  Its info
+   holds the held-out metrics of each manifest's records apart.
+   ``--generate-seconds 0`` trains on the ``--train-also`` manifests alone.
 
 The answers are the dequantized weights' greedy answers computed in
 bfloat16 on the GPU, not token-identical to what forerun's CPU engine
@@ -45,7 +49,7 @@ from conversations import TOPICS, Conversations, Settings  # noqa: E402
 from target_on_gpu import Target  # noqa: E402
 
 from forerun.bench.prompts import DEFAULT_PROMPTS, load_prompts  # noqa: E402
-from forerun.corpus.token_manifest import ManifestWriter  # noqa: E402
+from forerun.corpus.token_manifest import ManifestWriter, TokenManifest  # noqa: E402
 from forerun.loading.gguf_file import GGUFFile  # noqa: E402
 from forerun.tokenizer.gguf_tokenizer import tokenizer_from_gguf_metadata  # noqa: E402
 from forerun.training.magpie import BenchOverlap, magpie_prefix  # noqa: E402
@@ -107,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--train-also", nargs="+", default=[], metavar="MANIFEST",
+                    help="token manifests (forerun train data) whose records are trained "
+                         "on too; refused if made for another tokenizer")
     ap.add_argument("--smoke", action="store_true",
                     help="a check of the machine: train on random token records too "
                          "(a random tiny model's answers rarely end)")
@@ -127,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
     gguf = GGUFFile(args.gguf)
     tok = tokenizer_from_gguf_metadata(gguf.metadata)
+    also = {Path(d).name: TokenManifest.open(d, fingerprint=tok.fingerprint())
+            for d in args.train_also}          # refused here, before the long work
     t0 = time.monotonic()
     target = Target(args.gguf, device=args.device, dtype=dtype, slots=args.slots,
                     max_len=args.max_len)
@@ -200,9 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.train_seconds > 0:
         from train_on_gpu import train_head
 
+        from forerun.drafters.eagle.features import as_records
         from forerun.drafters.eagle.training import EagleSettings
 
         records = list(writer.records())
+        sources = {manifest_dir.name: records}
+        for name, manifest in also.items():
+            sources[name] = list(manifest.records())
+            records += sources[name]
+        log(f"training on {len(records):,} records: " + ", ".join(
+            f"{name} {sum(len(r) for r in rs):,} tokens" for name, rs in sources.items()))
         if args.smoke:
             import numpy as np
 
@@ -220,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         info = train_head(target, records, seconds=args.train_seconds, out=str(head),
                           settings=settings_e, model_name=args.model_name,
                           fingerprint=tok.fingerprint(), eos_ids=sorted(set(eos)),
-                          info={"device": device_name, "data": manifest_dir.name},
+                          info={"device": device_name, "data": list(sources)},
+                          groups={name: {r.key for r in as_records(rs)}
+                                  for name, rs in sources.items()},
                           log=log)
         (out / "head").mkdir(exist_ok=True)
         for f in head.iterdir():

@@ -71,9 +71,12 @@ class GpuFeatures:
 def train_head(target, records: Sequence[Any], *, seconds: float, out: str,
                settings: EagleSettings, model_name: str, fingerprint: str,
                eos_ids: Sequence[int], info: dict[str, Any],
+               groups: dict[str, set[str]] | None = None,
                log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train a head on ``records`` (manifest records) for at most
-    ``seconds`` and save it to ``out``; returns what it measured."""
+    ``seconds`` and save it to ``out``; returns what it measured.
+    ``groups``: record keys by source, whose held-out records are also
+    scored apart at the end."""
     started = time.monotonic()
     s = settings
     device = target.device
@@ -150,6 +153,13 @@ def train_head(target, records: Sequence[Any], *, seconds: float, out: str,
         f"({trained / max(train_seconds, 1e-9):,.0f} tokens/s, "
         f"{1000 * train_seconds / max(step, 1):.0f} ms a step)")
     history.append({"epoch": None, "step": step, "held_out": final.to_json()})
+    by_source = {}
+    for name, keys in (groups or {}).items():
+        mine = [r for r in held if r.key in keys]
+        if mine:
+            m = evaluate(model, (feats.record(r) for r in mine), steps, ids_on, local)
+            by_source[name] = {"records": len(mine), **m.to_json()}
+            log(f"held out, {name} ({len(mine)} records): " + m.line())
 
     def loss_tokens(rs: Sequence[TokenRecord]) -> int:
         return sum(len(r) - max(r.loss_start, 1) for r in rs)
@@ -166,7 +176,7 @@ def train_head(target, records: Sequence[Any], *, seconds: float, out: str,
                          "draft_vocab_size": int(draft_ids.numel()),
                          "feature_seconds": round(feature_seconds, 1), **info},
             "held_out": {"initial": initial.to_json(), "final": final.to_json(),
-                         "history": history}}
+                         "history": history, "by_source": by_source}}
     model = model.cpu()
     save_eagle3(model.to_weights(draft_ids, full), out, dtype=torch.bfloat16, force=True)
     return full
