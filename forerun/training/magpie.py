@@ -43,6 +43,11 @@ corpus files, in a seeded order) are dropped when short, degenerate,
 duplicate or overlapping a benchmark prompt.  Every drop is counted by
 reason.
 
+**Documents** (``text_layout="chat"``).  The corpus' chunks are stored as
+the target reads them pasted into a chat with a request after them
+(:mod:`forerun.training.documents`: prefill distillation, nothing
+generated), filtered as text chunks are.
+
 **Runs** (:class:`DataBuilder`).  Conversations and text chunks alternate
 so that text makes ``text_share`` of the tokens, until the token budget,
 the time budget or a stop request.  Each item's outcome depends only on the
