@@ -8,7 +8,7 @@ round of data can be sized and its source chosen.
         [--out curve.jsonl]
 
 Each ``--source`` names manifests under ``training-data/qwen2.5-coder-1.5b/``
-(``a+b``: their training records taken in turn, one of each).  A head is
+(``a+b``: their training records mixed by tokens, half of each).  A head is
 trained from the target's own state (``forerun train eagle``'s start, its
 defaults: features, a draft vocabulary chosen from that source's data,
 pieces, batches, loss) on the source's first ``--tokens`` tokens of
@@ -26,7 +26,6 @@ Features come from the trainer's cache (computed if missing).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -42,9 +41,18 @@ DATA = "training-data/qwen2.5-coder-1.5b/"
 
 
 def interleaved(streams: Sequence[Iterator[Record]]) -> Iterator[Record]:
-    """One record of each stream in turn, until every one is used up."""
-    for group in itertools.zip_longest(*streams):
-        yield from (r for r in group if r is not None)
+    """The streams' records mixed by tokens: the next record comes from the
+    stream that has given the fewest tokens so far (the first on a tie),
+    until every one is used up."""
+    given = [0] * len(streams)
+    heads: list[Record | None] = [next(s, None) for s in streams]
+    while any(h is not None for h in heads):
+        i = min((n for n, h in enumerate(heads) if h is not None), key=lambda n: given[n])
+        record = heads[i]
+        assert record is not None
+        yield record
+        given[i] += len(record)
+        heads[i] = next(streams[i], None)
 
 
 def first_tokens(records: Iterator[Record], budget: int) -> list[Record]:
@@ -62,7 +70,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", action="append", required=True,
                     help="manifest name(s) under training-data/qwen2.5-coder-1.5b, "
-                         "'+'-joined to take their records in turn (repeatable)")
+                         "'+'-joined to mix their records by tokens (repeatable)")
     ap.add_argument("--tokens", type=int, default=40000, help="training tokens per source")
     ap.add_argument("--at", default="10000,20000",
                     help="trained-token counts at which to score the head")
