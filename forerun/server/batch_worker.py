@@ -38,7 +38,7 @@ from forerun.api.busy_threads import ThreadsForLoad
 from forerun.errors import ForerunError
 from forerun.generation.batch import BatchedDecoder, SharedForwards
 from forerun.server.prefix_cache import PrefixCache, Reuse
-from forerun.server.worker import EngineWorker, Job
+from forerun.server.worker import EngineWorker, Job, reset_engine
 
 log = logging.getLogger("forerun.server")
 
@@ -94,10 +94,7 @@ class BatchWorker(EngineWorker):
         if self._busy:
             log.error("%d requests still hold their slots %.0f s after the batch failed",
                       self._busy, wait)
-        try:
-            self.model.decoder.reset()
-        except Exception:
-            log.exception("could not reset the engine")
+        reset_engine(self.model.decoder)
 
     def _batches(self) -> None:
         """Run the slots until the worker closes."""

@@ -30,6 +30,15 @@ from forerun.server.translate import GenerationSpec
 log = logging.getLogger("forerun.server")
 
 
+def reset_engine(decoder) -> None:
+    """Reset ``decoder`` after a failure, logging (never raising) if even
+    that fails: the worker goes on serving."""
+    try:
+        decoder.reset()
+    except Exception:
+        log.exception("could not reset the engine")
+
+
 class QueueFullError(Exception):
     """The queue holds ``max_queue`` waiting requests already."""
 
@@ -199,8 +208,5 @@ class EngineWorker:
             return ("error", exc)
         except Exception as exc:  # a bug: log it, keep serving from a clean cache
             log.exception("generation failed")
-            try:
-                decoder.reset()
-            except Exception:
-                log.exception("could not reset the engine")
+            reset_engine(decoder)
             return ("error", exc)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from forerun.errors import ConfigError
+from forerun.protocol.token_sequences import common_prefix
 
 #: what separates the document from the request in the user's message
 SEPARATOR = "\n\n"
@@ -56,8 +57,6 @@ TEXT_REQUESTS = (
 #: tokens kept free for the document's ends merging with the template's
 #: text when the whole is tokenised (a record never exceeds ``seq_len``)
 MARGIN = 8
-#: the fewest tokens a document chunk keeps (as a text chunk)
-MIN_DOCUMENT = 32
 
 
 @dataclass(frozen=True)
@@ -73,18 +72,20 @@ class DocumentTemplate:
     line_ends: frozenset[int]
 
 
-def document_template(model: Any, prefix_ids: Sequence[int], seq_len: int
+def document_template(model: Any, prefix_ids: Sequence[int], seq_len: int, min_chunk: int
                       ) -> DocumentTemplate:
     """The template of ``model`` (its ``encode_prompt`` and tokenizer) for
     records of at most ``seq_len`` tokens, whose documents begin after
     ``prefix_ids`` (the Magpie prefix: the template up to the user's
-    text).  Refused when the template leaves too little room."""
+    text).  Refused when the budget is under twice ``min_chunk``, the
+    fewest tokens a chunk keeps: :func:`line_chunks` cuts no chunk but a
+    file's last under half the budget, so none of those is too short."""
     longest = max(len(wrap_ids(model, "", r)) for r in CODE_REQUESTS + TEXT_REQUESTS)
     budget = seq_len - longest - MARGIN
-    if budget < 2 * MIN_DOCUMENT:
+    if budget < 2 * min_chunk:
         raise ConfigError(f"--seq-len {seq_len} leaves {max(budget, 0)} tokens for a document "
                           f"once the chat template and a request take {longest + MARGIN}; "
-                          f"give --seq-len {longest + MARGIN + 2 * MIN_DOCUMENT} or more")
+                          f"give --seq-len {longest + MARGIN + 2 * min_chunk} or more")
     tok = model.tokenizer
     line_ends = frozenset(i for i in range(tok.vocab_size) if tok.decode([i]).endswith("\n"))
     return DocumentTemplate(tuple(prefix_ids), budget, line_ends)
@@ -132,11 +133,7 @@ def document_record(model: Any, template: DocumentTemplate, document: str, reque
     document's first characters, a newline with the indentation after it:
     the merged token is the document's)."""
     ids = wrap_ids(model, document, request)
-    shared = 0
-    for a, b in zip(ids, template.prefix_ids):
-        if a != b:
-            break
-        shared += 1
+    shared = common_prefix(ids, template.prefix_ids)
     if shared == 0:
         raise ConfigError("the chat template's rendering of a document shares no token with "
                           "its user prefix, so where the document begins is unknown; build "

@@ -891,7 +891,7 @@ class DataBuilder:
         """How the chat template wraps a document (text_layout "chat")."""
         if self._document_template is None:
             self._document_template = document_template(self.model, self.magpie.prefix.ids,
-                                                         self.settings.seq_len)
+                                                         self.settings.seq_len, MIN_CHUNK)
         return self._document_template
 
     def _text_step(self, report: RunReport) -> bool:

@@ -60,7 +60,7 @@ def tiny(tmp_path_factory):
 
 def test_a_record_is_the_conversation_the_target_reads_its_loss_from_the_document(tiny):
     prefix = magpie_prefix(tiny.tokenizer).ids
-    template = document_template(tiny, prefix, 256)
+    template = document_template(tiny, prefix, 256, 32)
     tok = tiny.tokenizer
     assert tok.token_to_id("Ċ") in template.line_ends           # "\n"
     assert tok.token_to_id("Ġ") not in template.line_ends
@@ -80,4 +80,4 @@ def test_a_record_is_the_conversation_the_target_reads_its_loss_from_the_documen
 def test_a_sequence_too_short_for_the_template_is_refused(tiny):
     prefix = magpie_prefix(tiny.tokenizer).ids
     with pytest.raises(ConfigError, match="--seq-len 40 leaves"):
-        document_template(tiny, prefix, 40)
+        document_template(tiny, prefix, 40, 32)
