@@ -108,8 +108,8 @@ def main() -> None:
                         "amx: AVX512-VNNI at --against, AMX tiles in this tree; amx-both: "
                         "AMX tiles in both")
     p.add_argument("--tile-rows", type=int, default=0,
-                   help="--build amx: the positions from which the tiles run (0: the "
-                        "build's own)")
+                   help="--build amx: the positions from which this tree's tiles run; "
+                        "amx-both: both builds' (0: the build's own)")
     p.add_argument("--cflags", default="",
                    help="extra compiler flags for this tree's build only, e.g. -DFR_TILE=6")
     args = p.parse_args()
@@ -142,7 +142,9 @@ def main() -> None:
                   "this tree": build((ROOT / SOURCE).read_bytes(), Path(tmp), "ours",
                                      (*extra, *ours, *args.cflags.split()))}
         if args.tile_rows:
-            builds["this tree"].fr_set_amx_rows(args.tile_rows)
+            for name, lib in builds.items():
+                if args.build == "amx-both" or name == "this tree":
+                    lib.fr_set_amx_rows(args.tile_rows)
         passes = interleaved({(name, t): (lambda lib=lib, t=t: one_pass(lib, mats, x, y, t))
                               for t in counts for name, lib in builds.items()}, args.rounds)
         # The first round warms up.

@@ -5,7 +5,7 @@ round of data can be sized and its source chosen.
     python benchmarks/experiments/eagle_learning_curve.py \\
         --source gpu-h200 --source documents --source gpu-h200+documents \\
         --tokens 40000 --at 10000,20000 --eval gpu-h200 --eval documents \\
-        [--out curve.jsonl]
+        [--setting 512/512/1e-3[/SEED] ...] [--out curve.jsonl]
 
 Each ``--source`` names manifests under ``training-data/qwen2.5-coder-1.5b/``
 (``a+b``: their training records mixed by tokens, half of each).  A head is
@@ -20,6 +20,10 @@ trained on that many tokens: a nested-subset curve from a single run per
 source.  At 0, at each ``--at`` count and at the end the head is scored
 on the held-out split of each ``--eval`` manifest: top-1 agreement with
 the target per chain step and the simulated tokens per verification.
+Each ``--setting PIECE/BATCH/LR[/SEED]`` trains every source again with those
+piece tokens, tokens a step and learning rate (how much a head learns per
+token with longer pieces, which train faster); "train_seconds" is the
+time in training steps alone.
 Features come from the trainer's cache (computed if missing).
 """
 
@@ -77,7 +81,14 @@ def main() -> None:
     ap.add_argument("--eval", action="append", required=True,
                     help="a manifest whose held-out split scores the heads (repeatable)")
     ap.add_argument("--out", default=None, help="also write each point as a JSON line here")
+    ap.add_argument("--setting", action="append", default=None,
+                    metavar="PIECE/BATCH/LR[/SEED]",
+                    help="train each source once per setting: piece tokens, tokens a step, "
+                         "learning rate and optionally the seed, e.g. 512/512/1e-3/1 "
+                         "(repeatable; default the trainer's defaults)")
     args = ap.parse_args()
+    defaults = E.EagleSettings()
+    settings = [defaults] if not args.setting else [parse_setting(x) for x in args.setting]
     torch.set_num_threads(2)
     marks = sorted(int(x) for x in args.at.split(","))
     model = load("qwen2.5-coder-1.5b", progress=False)
@@ -87,16 +98,33 @@ def main() -> None:
     evals = {name: as_records(manifests[name].records(split="held_out")) for name in args.eval}
     sink = open(args.out, "a") if args.out else None
     for source in args.source:
-        streams = [manifests[n].records(split="train") for n in source.split("+")]
-        curve(model, source, first_tokens(interleaved(streams), args.tokens), evals, marks,
-              sink)
+        for settings_ in settings:
+            streams = [manifests[n].records(split="train") for n in source.split("+")]
+            curve(model, source, first_tokens(interleaved(streams), args.tokens), evals, marks,
+                  sink, settings_)
+
+
+def parse_setting(text: str) -> E.EagleSettings:
+    """``PIECE/BATCH/LR[/SEED]`` as the trainer's settings (the rest its
+    defaults)."""
+    try:
+        piece, batch, lr, *seed = text.split("/")
+        if len(seed) > 1:
+            raise ValueError(text)
+        s = E.EagleSettings(piece_tokens=int(piece), batch_tokens=int(batch), lr=float(lr),
+                            seed=int(seed[0]) if seed else E.EagleSettings.seed)
+    except ValueError:
+        raise SystemExit(f"--setting {text!r}: expected PIECE/BATCH/LR[/SEED], "
+                         "e.g. 512/512/1e-3/1") from None
+    s.validate()
+    return s
 
 
 def curve(model, source: str, records: list[Record], evals: dict[str, list], marks: list[int],
-          sink) -> None:
-    """Train a new head on ``records`` in one pass, scoring it on each of
-    ``evals`` at 0, at each of ``marks`` trained tokens and at the end."""
-    s = E.EagleSettings()
+          sink, s: E.EagleSettings) -> None:
+    """Train a new head with settings ``s`` on ``records`` in one pass,
+    scoring it on each of ``evals`` at 0, at each of ``marks`` trained
+    tokens and at the end."""
     tr = E.EagleTrainer(model.decoder, records, model_name=model.name, settings=s,
                         eos_ids=model.eos_token_ids, progress=False, log=print)
     tr.prepare_features()
@@ -113,7 +141,9 @@ def curve(model, source: str, records: list[Record], evals: dict[str, list], mar
     warmup = max(1, int(s.warmup * len(batches)))
 
     def score(step: int, tokens: int, seconds: float) -> None:
-        row = {"source": source, "trained_tokens": tokens, "step": step,
+        row = {"source": source, "piece_tokens": s.piece_tokens,
+               "batch_tokens": s.batch_tokens, "lr": s.lr, "seed": s.seed,
+               "trained_tokens": tokens, "step": step,
                "train_seconds": round(seconds, 1)}
         for name, held in evals.items():
             m = E.evaluate(head, (tr.features(r) for r in held), s.ttt_steps, draft_ids,

@@ -23,7 +23,7 @@ CHECKPOINT_SUFFIX = ".checkpoint"
 #: (that module imports torch, which building the parser must not; a test
 #: keeps the two the same)
 DEFAULTS = {"ttt_steps": 2, "intermediate_size": 4096, "draft_vocab": 16384, "lr": 1e-3,
-            "warmup": 0.02, "weight_decay": 0.0, "batch_tokens": 128, "piece_tokens": 128,
+            "warmup": 0.02, "weight_decay": 0.0, "batch_tokens": 512, "piece_tokens": 512,
             "epochs": 1, "seed": 0, "held_out": 0.02}
 
 

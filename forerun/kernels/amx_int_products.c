@@ -59,7 +59,9 @@
  * of the vpdpbusd passes' time at 128 positions, 0.85 to 0.95 at 64 and
  * 0.98 to 1.30 at 32: the unpacking of 16 rows is paid once for all the
  * positions, and the float steps of every group cost what they cost in the
- * passes. */
+ * passes.  With the lanes run one by one (run_tile), over a whole step's
+ * products (28 layers and the LM head, --build amx --tile-rows 1): 0.90 of
+ * the passes' time at 128 positions, 1.03 at 64, 1.09 at 48, 1.24 at 32. */
 static int amx_rows = 64;
 
 int fr_amx_rows(void) { return amx_rows; }
@@ -194,20 +196,27 @@ static void pack_activations(const int8_t *a, const float *sa, const float *sasu
 /* The 8 lanes of acc ([16 rows][8][16 positions]) summed as sum_lanes does
  * (((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))), times scale[row]
  * when scale is given, into y[t * N + n0 + row] for the valid rows and
- * positions. */
+ * positions: 16 rows of a position in one store (a gather across the
+ * rows' sums), not 256 scalar stores 4N bytes apart. */
 static void write_rows(const __m512 *acc, const float *scale, int n0, int rows, int t0,
                        int positions, float *y, int N) {
-    float out[TN] __attribute__((aligned(64)));
-    for (int r = 0; r < rows; r++) {
+    float out[TM * TN] __attribute__((aligned(64)));     /* [row][position] */
+    for (int r = 0; r < TM; r++) {
         const __m512 *l = acc + 8 * r;
         __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l[0], l[4]),
                                                _mm512_add_ps(l[2], l[6])),
                                  _mm512_add_ps(_mm512_add_ps(l[1], l[5]),
                                                _mm512_add_ps(l[3], l[7])));
-        if (scale) s = _mm512_mul_ps(_mm512_set1_ps(scale[n0 + r]), s);
-        _mm512_store_ps(out, s);
-        for (int t = 0; t < positions; t++) y[(size_t)(t0 + t) * N + n0 + r] = out[t];
+        if (scale && r < rows) s = _mm512_mul_ps(_mm512_set1_ps(scale[n0 + r]), s);
+        _mm512_store_ps(out + TN * r, s);
     }
+    /* Position t's 16 rows are column t of out: one gather, one store. */
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(TN));
+    const __mmask16 live = (__mmask16)((1u << rows) - 1);
+    for (int t = 0; t < positions; t++)
+        _mm512_mask_storeu_ps(y + (size_t)(t0 + t) * N + n0, live,
+                              _mm512_i32gather_ps(column, out + t, 4));
 }
 
 /* One thread's buffers: 16 rows' weights unpacked ([ng][16][32]), their
@@ -343,80 +352,99 @@ static void unpack_q6(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, co
 }
 
 /* One unit's float steps (a group's, or a half group's for 6-bit weights)
- * on its sums (16 rows x 16 positions, in memory), into lane L of every
- * row's accumulators: as the vpdpbusd passes run them. */
+ * on its sums (16 rows x 16 positions, in memory), into its lane's
+ * accumulator of every row (acc[row]): as the vpdpbusd passes run them. */
 static inline __attribute__((always_inline)) void q4_steps(
-        const int32_t *sums, const float *scales, __m512 d, __m512 ds, __m512 *acc, int L) {
+        const int32_t *sums, const float *scales, __m512 d, __m512 ds, __m512 *acc) {
+#pragma GCC unroll 16
     for (int row = 0; row < TM; row++) {
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(sums + TN * row)));
-        __m512 a = acc[8 * row + L];
+        __m512 a = acc[row];
         a = _mm512_fmadd_ps(_mm512_mul_ps(dot, d), _mm512_set1_ps(scales[row]), a);
         a = _mm512_fmadd_ps(_mm512_set1_ps(scales[TM + row]), ds, a);
-        acc[8 * row + L] = a;
+        acc[row] = a;
     }
 }
 
 static inline __attribute__((always_inline)) void q8_steps(
-        const int32_t *sums, __m512 d, __m512 *acc, int L) {
+        const int32_t *sums, __m512 d, __m512 *acc) {
+#pragma GCC unroll 16
     for (int row = 0; row < TM; row++) {
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(sums + TN * row)));
-        acc[8 * row + L] = _mm512_fmadd_ps(dot, d, acc[8 * row + L]);
+        acc[row] = _mm512_fmadd_ps(dot, d, acc[row]);
     }
 }
 
 static inline __attribute__((always_inline)) void q6_steps(
-        const int32_t *sums, const float *scales, __m512 d, __m512 *acc, int L) {
+        const int32_t *sums, const float *scales, __m512 d, __m512 *acc) {
+#pragma GCC unroll 16
     for (int row = 0; row < TM; row++) {
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(sums + TN * row)));
-        acc[8 * row + L] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(scales[row])), d,
-                                           acc[8 * row + L]);
+        acc[row] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(scales[row])), d, acc[row]);
     }
 }
 
 /* One tile of 16 positions (tt) against the unpacked rows in m: every
  * unit's tile product (a group's, or for 6-bit weights a half group's),
- * then its float steps.  The products run ahead: unit u + 1's is issued
- * before the float steps of unit u - 1, whose sums were stored an iteration
- * earlier, so the tile unit, the stores and the float steps overlap. */
+ * then its float steps.  The units run lane by lane (groups L, L + 8,
+ * L + 16, ... for L = 0..7), so that one lane's 16 accumulators stay in
+ * registers until the lane ends; each lane still adds its groups in block
+ * order, as the vpdpbusd passes add them, so the results are the same bit
+ * for bit.  The products run ahead: unit i + 1's is issued before the float
+ * steps of unit i - 1, whose sums were stored an iteration earlier, so the
+ * tile unit, the stores and the float steps overlap. */
 static void run_tile(enum kind kind, const buffers *m, const uint8_t *bp, const float *d,
                      const float *ds, int ng, int tt) {
-    __m512 *acc = m->acc;
-    for (int i = 0; i < TM * 8; i++) acc[i] = _mm512_setzero_ps();
     const uint8_t *bt = bp + (size_t)tt * ng * TILE_BYTES;
     const float *dt = d + (size_t)tt * ng * TN, *dst = ds ? ds + (size_t)tt * ng * TN : NULL;
     int32_t *s0 = m->sums, *s1 = m->sums + TM * TN;
-    const int halves = kind == Q6, units = halves ? 2 * ng : ng;
-    /* Unit u: group u (6-bit: group u / 2, half u % 2). */
-#define ISSUE(C, A, B, u)                                                        \
+    const int halves = kind == Q6, units = halves ? 2 * ng : ng, nb = ng / 8;
+    const int per_lane = units / 8;
+    __m512 racc[TM];
+    for (int r = 0; r < TM; r++) racc[r] = _mm512_setzero_ps();
+    /* Unit i of the sequence: lane by lane, block by block within a lane. */
+#define UNIT_OF(i) (halves ? 2 * (8 * (((i) / 2) % nb) + ((i) / 2) / nb) + (i) % 2 \
+                           : 8 * ((i) % nb) + (i) / nb)
+#define ISSUE(C, A, B, i)                                                        \
     do {                                                                         \
-        const int g_ = halves ? (u) / 2 : (u), h_ = halves ? (u) % 2 : 0;        \
+        const int u_ = UNIT_OF(i);                                               \
+        const int g_ = halves ? u_ / 2 : u_, h_ = halves ? u_ % 2 : 0;           \
         _tile_zero(C);                                                           \
         _tile_loadd(A, m->w + (size_t)g_ * TILE_BYTES + 16 * h_, UNIT);         \
         _tile_loadd(B, bt + (size_t)g_ * TILE_BYTES + 256 * h_, 64);            \
         if (kind == Q4) _tile_dpbusd(C, A, B); else _tile_dpbssd(C, A, B);      \
     } while (0)
-#define STEPS(sums, u)                                                           \
+#define STEPS(sums, i)                                                           \
     do {                                                                         \
-        const int g_ = halves ? (u) / 2 : (u);                                   \
+        const int u_ = UNIT_OF(i);                                               \
+        const int g_ = halves ? u_ / 2 : u_;                                     \
         const __m512 dv = _mm512_load_ps(dt + (size_t)g_ * TN);                  \
         if (kind == Q4)                                                          \
             q4_steps(sums, m->scales + (size_t)(2 * g_) * TM, dv,                \
-                     _mm512_load_ps(dst + (size_t)g_ * TN), acc, g_ % 8);        \
+                     _mm512_load_ps(dst + (size_t)g_ * TN), racc);               \
         else if (kind == Q8)                                                     \
-            q8_steps(sums, dv, acc, g_ % 8);                                     \
+            q8_steps(sums, dv, racc);                                            \
         else                                                                     \
-            q6_steps(sums, m->scales + (size_t)(u) * TM, dv, acc, g_ % 8);       \
+            q6_steps(sums, m->scales + (size_t)u_ * TM, dv, racc);               \
+        if (((i) + 1) % per_lane == 0) {                                         \
+            const int L_ = g_ % 8;                                               \
+            for (int r = 0; r < TM; r++) {                                       \
+                m->acc[8 * r + L_] = racc[r];                                    \
+                racc[r] = _mm512_setzero_ps();                                   \
+            }                                                                    \
+        }                                                                        \
     } while (0)
     ISSUE(0, 2, 3, 0);
-    for (int u = 0; u < units; u += 2) {       /* units is even (ng: a multiple of 8) */
+    for (int i = 0; i < units; i += 2) {       /* units is even (ng: a multiple of 8) */
         _tile_stored(0, s0, 64);
-        ISSUE(1, 6, 7, u + 1);
-        if (u > 0) STEPS(s1, u - 1);
+        ISSUE(1, 6, 7, i + 1);
+        if (i > 0) STEPS(s1, i - 1);
         _tile_stored(1, s1, 64);
-        if (u + 2 < units) ISSUE(0, 2, 3, u + 2);
-        STEPS(s0, u);
+        if (i + 2 < units) ISSUE(0, 2, 3, i + 2);
+        STEPS(s0, i);
     }
     STEPS(s1, units - 1);
+#undef UNIT_OF
 #undef ISSUE
 #undef STEPS
 }
