@@ -87,8 +87,7 @@ def main() -> None:
                          "learning rate and optionally the seed, e.g. 512/512/1e-3/1 "
                          "(repeatable; default the trainer's defaults)")
     args = ap.parse_args()
-    defaults = E.EagleSettings()
-    settings = [defaults] if not args.setting else [parse_setting(x) for x in args.setting]
+    settings = [parse_setting(x) for x in args.setting or ()] or [E.EagleSettings()]
     torch.set_num_threads(2)
     marks = sorted(int(x) for x in args.at.split(","))
     model = load("qwen2.5-coder-1.5b", progress=False)
@@ -98,10 +97,10 @@ def main() -> None:
     evals = {name: as_records(manifests[name].records(split="held_out")) for name in args.eval}
     sink = open(args.out, "a") if args.out else None
     for source in args.source:
+        streams = [manifests[n].records(split="train") for n in source.split("+")]
+        records = first_tokens(interleaved(streams), args.tokens)
         for settings_ in settings:
-            streams = [manifests[n].records(split="train") for n in source.split("+")]
-            curve(model, source, first_tokens(interleaved(streams), args.tokens), evals, marks,
-                  sink, settings_)
+            curve(model, source, records, evals, marks, sink, settings_)
 
 
 def parse_setting(text: str) -> E.EagleSettings:
