@@ -10,9 +10,10 @@ It builds ``forerun/kernels/avx2_layer_ops.c`` as it was at ``--against``
 (with the flags forerun builds it with), prefills ``--context`` tokens,
 then times forwards of each number of ``--positions``, switching the
 attention between the two builds step by step so that a drift of the
-machine touches both alike, and prints the median of each in ms.  Both
-must give the same logits to the bit (the kernels promise it); the script
-stops with an error where they differ.
+machine touches both alike, and prints the median of each in ms.  It
+reports whether the two they give the same logits: to the bit where both sum in
+the same order, or else how far apart they are and whether the greedy
+tokens agree.
 
 Run it on an idle machine (nothing else running): every figure is a time.
 """
@@ -95,9 +96,15 @@ def main() -> None:
             rows = times[(name, t)]
             print(f"{t:>9}  {name:16} {median_ms([r[0] for r in rows]):8.2f} "
                   f"{median_ms([r[1] for r in rows]):10.2f}")
-        if not torch.equal(*(logits[(name, t)] for name in builds)):
-            raise SystemExit(f"the two builds' logits differ for {t} positions")
-    print("logits: identical to the bit")
+    for t in counts:
+        ours, theirs = (logits[(name, t)] for name in builds)
+        if torch.equal(ours, theirs):
+            print(f"{t} positions: logits identical to the bit")
+            continue
+        same = torch.equal(ours.argmax(-1), theirs.argmax(-1))
+        print(f"{t} positions: logits differ by at most "
+              f"{(ours - theirs).abs().max().item():.3g} (the builds sum in another order); "
+              f"greedy tokens {'the same' if same else 'DIFFER'}")
 
 
 if __name__ == "__main__":
