@@ -13,9 +13,12 @@ the last answer), p50 and p95 time to first token, p50 gap between streamed
 chunks (inter-token latency), and how many answers equal the same prompt's
 answer with fewer clients (in the first run that had it: at N = 16, the
 first 8 prompts; forerun's must all equal, a batch never changes an
-answer).  Each server runs on 2 threads (``-t 2`` for llama.cpp); llama.cpp
-gets ``N x`` the context so that each of its slots has the context forerun
-gives each request.
+answer).  Before the measured requests each server answers one short
+warm-up request (8 tokens, a prompt of its own), so that a fresh server's
+first-request costs don't weigh on the few-client levels alone.  Each
+server runs on 2 threads (``-t 2`` for llama.cpp); llama.cpp gets ``N x``
+the context so that each of its slots has the context forerun gives each
+request.
 
 ``--llama-server``: a ``llama-server`` binary built from the llama.cpp
 source that llama-cpp-python vendors (``pip download --no-binary :all:
@@ -118,6 +121,18 @@ def one_request(url: str, prompt: str, max_tokens: int, start: threading.Barrier
             "tokens": usage.completion_tokens if usage else len(pieces)}
 
 
+def warm_up(url: str) -> None:
+    """One short request before the measured ones, so that a server's
+    first-request costs (its weights' first reads from the page cache, lazy
+    set-up) are not charged to the first level of clients alone."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
+    client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": "Say hello in one word."}])
+
+
 def load(url: str, prompts: list[str], max_tokens: int) -> dict:
     barrier = threading.Barrier(len(prompts))
     out: list[dict] = [{} for _ in prompts]
@@ -176,6 +191,7 @@ def main() -> int:
         for name, start in servers.items():
             server = start(n)
             try:
+                warm_up(server.url)
                 r = load(server.url, prompts[:n], args.max_tokens)
             finally:
                 server.stop()
