@@ -11,7 +11,7 @@ It builds ``forerun/kernels/avx2_layer_ops.c`` as it was at ``--against``
 then times forwards of each number of ``--positions``, switching the
 attention between the two builds step by step so that a drift of the
 machine touches both alike, and prints the median of each in ms.  It
-reports whether the two they give the same logits: to the bit where both sum in
+reports whether the two give the same logits: to the bit where both sum in
 the same order, or else how far apart they are and whether the greedy
 tokens agree.
 
