@@ -46,6 +46,7 @@ from forerun.loading.load import (
 )
 from forerun.loading.packed_cache import packed_network
 from forerun.machine.calibration import CalibrationStore
+from forerun.machine.omp_pool import release_thread_pool
 from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES, torch_unsupported
 from forerun.speculation.methods import builtin_drafts
 
@@ -140,6 +141,7 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
                 f"{exc} (architecture {config.architecture!r}): this llama.cpp build does "
                 f"not run that architecture, or the file is damaged; forerun's torch engine "
                 f"implements {', '.join(SUPPORTED_ARCHITECTURES)}") from exc
+        release_thread_pool()   # (see below)
         return Model(files.name, llama, files.tokenizer, config, source=_source(files, model),
                      reuse_prompts=reuse_prompts, load_draft=load_draft_model)
 
@@ -167,6 +169,9 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
         raise ConfigError(f"not enough memory on {device} for {files.name} with a context of "
                           f"{context_length} positions: load it with a smaller "
                           f"context_length (--context-length)") from exc
+    # The load computed here (checks, probes): this thread's OpenMP pool goes,
+    # so that a thread generating later holds the only one.
+    release_thread_pool()
     return Model(files.name, decoder, files.tokenizer, config, source=_source(files, model),
                  reuse_prompts=reuse_prompts, load_draft=load_draft_model)
 

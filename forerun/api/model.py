@@ -25,6 +25,7 @@ from forerun.generation.exclusive import GenerationLock, Holds
 from forerun.generation.params import GenerationParams
 from forerun.generation.result import GenerationResult
 from forerun.generation.runner import check_request, run_generation, token_ids
+from forerun.machine.omp_pool import release_thread_pool
 from forerun.protocol.prefix_reuse import PrefixReuse
 from forerun.speculation.config import SpeculativeConfig, resolve
 from forerun.speculation.options import NAMES
@@ -367,7 +368,12 @@ class Model:
              cancel):
         """The generation, holding this model and its draft models."""
         with Holds([self._lock] + [d._lock for d in drafts]):
-            return (yield from self._generation(method, ids, params, cancel))
+            try:
+                return (yield from self._generation(method, ids, params, cancel))
+            finally:
+                # Done computing here: the next generation may run on another
+                # thread, whose OpenMP pool should be the only one.
+                release_thread_pool()
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
         """Generate a completion.

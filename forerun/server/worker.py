@@ -24,6 +24,7 @@ from typing import Any
 from forerun.api.busy_threads import ThreadsForLoad
 from forerun.errors import ForerunError
 from forerun.generation.result import GenerationResult
+from forerun.machine.omp_pool import release_thread_pool
 from forerun.server.prefix_cache import PrefixCache, Reuse
 from forerun.server.translate import GenerationSpec
 
@@ -106,6 +107,12 @@ class EngineWorker:
 
     # -- the event loop's side ------------------------------------------------
     def start(self) -> None:
+        """Start the worker thread.  From here on it does the model's
+        computing, so the calling thread (the one that loaded the model)
+        releases its OpenMP pool: two pools on the same cores make every
+        parallel region of a step wait for a sleeping thread
+        (:mod:`forerun.machine.omp_pool`)."""
+        release_thread_pool()
         if self.threads is not None:
             self.threads.start()
         self._thread.start()

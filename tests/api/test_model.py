@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import math
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -568,3 +572,49 @@ def test_threads_sharing_a_model_get_their_cold_outputs(chat_model):
     for t in threads:
         t.join()
     assert got == expected
+
+
+def test_loading_and_generating_leave_the_thread_without_an_openmp_pool(folders, models):
+    """The thread that loaded a model, and the one that ran a generation,
+    hold no OpenMP pool afterwards, so that a generation on another thread
+    has the only one (forerun.machine.omp_pool)."""
+    code = textwrap.dedent(f"""
+        import json, os, time
+        import torch
+        import forerun
+        from forerun.machine.omp_pool import loaded_libgomps
+
+        def tasks(expect=None):
+            for _ in range(200):
+                n = len(os.listdir("/proc/self/task"))
+                if n == expect:
+                    break
+                time.sleep(0.01)
+            return n
+
+        def pool():          # a parallel region of 2 threads: a pool of 1 worker
+            torch.set_num_threads(2)
+            torch.ones(1 << 22).mul_(2).sum()
+            return tasks()
+
+        if not loaded_libgomps():
+            print(json.dumps(None))
+            raise SystemExit
+        seen = {{"before_load": pool()}}
+        model = forerun.load({str(folders[0])!r}, context_length=128, device="cpu",
+                             dtype=torch.float32, progress=False)
+        seen["loaded"] = tasks(expect=seen["before_load"] - 1)
+        seen["before_generation"] = pool()
+        model.generate("hello", max_new_tokens=3)
+        seen["generated"] = tasks(expect=seen["before_generation"] - 1)
+        print(json.dumps(seen))
+    """)
+    # (in the module's cache, where ``models`` loaded the same folder)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    if seen is None:
+        pytest.skip("this torch does not run on libgomp")
+    assert seen["loaded"] == seen["before_load"] - 1, seen
+    assert seen["generated"] == seen["before_generation"] - 1, seen
