@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import math
-import subprocess
-import sys
-import textwrap
 import threading
 
 import pytest
@@ -25,6 +21,7 @@ from hypothesis import strategies as st
 import forerun
 from forerun.errors import ConfigError, ForerunError, GenerationConfigError
 from forerun.generation.result import GenerationResult
+from thread_counts import run_counting
 from tiny_models import VOCAB, hf_folders
 
 
@@ -578,28 +575,17 @@ def test_loading_and_generating_leave_the_thread_without_an_openmp_pool(folders,
     """The thread that loaded a model, and the one that ran a generation,
     hold no OpenMP pool afterwards, so that a generation on another thread
     has the only one (forerun.machine.omp_pool)."""
-    code = textwrap.dedent(f"""
-        import json, os, time
-        import torch
-        import forerun
-        from forerun.machine.omp_pool import loaded_libgomps
-
-        def tasks(expect=None):
-            for _ in range(200):
-                n = len(os.listdir("/proc/self/task"))
-                if n == expect:
-                    break
-                time.sleep(0.01)
-            return n
-
-        def pool():          # a parallel region of 2 threads: a pool of 1 worker
-            torch.set_num_threads(2)
-            torch.ones(1 << 22).mul_(2).sum()
-            return tasks()
-
+    # In the module's cache, where ``models`` loaded the same folder.
+    seen = run_counting(f"""
         if not loaded_libgomps():
             print(json.dumps(None))
             raise SystemExit
+
+        def pool():          # a pool of 1 worker beside this thread
+            parallel_work()
+            return tasks()
+
+        import forerun
         seen = {{"before_load": pool()}}
         model = forerun.load({str(folders[0])!r}, context_length=128, device="cpu",
                              dtype=torch.float32, progress=False)
@@ -609,11 +595,6 @@ def test_loading_and_generating_leave_the_thread_without_an_openmp_pool(folders,
         seen["generated"] = tasks(expect=seen["before_generation"] - 1)
         print(json.dumps(seen))
     """)
-    # (in the module's cache, where ``models`` loaded the same folder)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
     if seen is None:
         pytest.skip("this torch does not run on libgomp")
     assert seen["loaded"] == seen["before_load"] - 1, seen

@@ -16,35 +16,13 @@ import textwrap
 
 import pytest
 
-# Counts the process's threads around a pool's life: `tasks()` polls until
-# the count settles (a released worker takes a moment to exit).
-PRELUDE = textwrap.dedent("""
-    import json, os, threading, time
-    import torch
-    from forerun.machine.omp_pool import loaded_libgomps, release_thread_pool
-
-    def tasks(expect=None):
-        for _ in range(200):
-            n = len(os.listdir("/proc/self/task"))
-            if expect is None or n == expect:
-                return n
-            time.sleep(0.01)
-        return n
-
-    def parallel_work():
-        torch.set_num_threads(2)
-        torch.ones(1 << 22).mul_(2).sum()     # a parallel region of 2 threads
-
-    parallel_work()
-    with_pool = tasks()
-""")
+from thread_counts import run_counting
 
 
 def run(body: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """``body`` after a parallel region of 2 threads (``with_pool``: the
+    thread count then)."""
+    return run_counting("parallel_work()\nwith_pool = tasks()\n" + textwrap.dedent(body))
 
 
 @functools.cache
