@@ -569,12 +569,18 @@ static inline __attribute__((always_inline)) void q6_group(
         const uint8_t *qb = ql + (size_t)b * 128 * ROWS, *hb = qh + (size_t)b * 64 * ROWS;
         prefetch_ahead(qb, 128 * ROWS, PREFETCH);
         prefetch_ahead(hb, 64 * ROWS, PREFETCH / 2);
+        /* Unrolled, so that p % 2 is known in each copy: left as loops, gcc
+           tested it at run time and q6_chunks' shifts went through a branch
+           and register copies (the 6-bit products of a prompt block ran 1.25
+           to 1.35 times slower on a Zen 3). */
+        #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {          /* first halves, then second halves */
             __m256i hv[ROWS], s32[ROWS][TILE];
             for (int r = 0; r < ROWS; r++) {
                 hv[r] = _mm256_loadu_si256((const __m256i *)(hb + UNIT * (ROWS * h + r)));
                 for (int t = 0; t < TT; t++) s32[r][t] = _mm256_setzero_si256();
             }
+            #pragma GCC unroll 2
             for (int p = 2 * h; p < 2 * h + 2; p++) {
                 __m256i w0[ROWS], w1[ROWS];
                 for (int r = 0; r < ROWS; r++)
@@ -825,7 +831,10 @@ static void q6_matmul(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, co
  * then multiplied.  Returns 0, or -1 when the scratch can't be allocated. */
 static int scratch(int T, int Kp, int8_t **a, float **sa, float **sasum) {
     const size_t groups = (size_t)T * (Kp / GROUP);
-    *a = malloc((size_t)T * Kp);
+    /* On whole cache lines: with malloc's 16 bytes, every other 32-byte load
+       of the activations crossed two lines (a prompt block's 4-bit products
+       ran 1.07 to 1.14 times slower on a Zen 3). */
+    *a = aligned_alloc(64, ((size_t)T * Kp + 63) / 64 * 64);
     *sa = malloc(groups * sizeof(float));
     *sasum = malloc(groups * sizeof(float));
     if (*a && *sa && *sasum) return 0;
