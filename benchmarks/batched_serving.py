@@ -20,6 +20,13 @@ server runs on 2 threads (``-t 2`` for llama.cpp); llama.cpp gets ``N x``
 the context so that each of its slots has the context forerun gives each
 request.
 
+``--rounds R`` runs every (N, server) R times, round by round, the servers
+in alternating order from one round to the next, and the table gives each
+figure's median over the rounds: this VM's speed drifts by up to 1.5x
+within minutes, and one run per server can catch one of them in a slow
+minute (one client's ITL here: 100 and 110 ms in two runs, 70 and 72 ms
+in two others the same hour).
+
 ``--llama-server``: a ``llama-server`` binary built from the llama.cpp
 source that llama-cpp-python vendors (``pip download --no-binary :all:
 llama-cpp-python``, then ``cmake -B build && cmake --build build --target
@@ -157,6 +164,19 @@ def load(url: str, prompts: list[str], max_tokens: int) -> dict:
             "texts": [r["text"] for r in out]}
 
 
+def level_medians(runs: list[dict]) -> dict:
+    """One (clients, server)'s figures over its rounds: the median of each
+    time and rate, and the answers that equal the same prompts' first
+    answers summed over the rounds."""
+    def median(key: str) -> float:
+        return statistics.median(r[key] or 0.0 for r in runs)
+
+    return {"tokens_per_second": median("tokens_per_second"), "ttft_p50": median("ttft_p50"),
+            "ttft_p95": median("ttft_p95"), "itl_p50": median("itl_p50"),
+            "same_as_alone": sum(r["same_as_alone"] for r in runs),
+            "compared": sum(r["compared"] for r in runs)}
+
+
 def preset_gguf(model: str) -> Path:
     """The GGUF file forerun runs for ``model`` (a preset or a path)."""
     from forerun.loading.presets import PRESETS, resolve_preset
@@ -173,8 +193,12 @@ def main() -> int:
     p.add_argument("--context", type=int, default=4096, help="positions per request")
     p.add_argument("--draft", default="none", help="forerun's drafter (none or ngram)")
     p.add_argument("--llama-server", default=None, help="a llama-server binary")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of each (clients, server), the servers' order alternating")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     levels = [int(c) for c in args.clients.split(",")]
     print(machine_line(torch_info=False), flush=True)
     prompts = [q.turns[0] for q in bench_prompts()]
@@ -185,36 +209,48 @@ def main() -> int:
         gguf = preset_gguf(args.model)
         servers["llama.cpp"] = lambda n: llama_server(args.llama_server, gguf, n, args.context)
     report: dict = {"model": args.model, "max_tokens": args.max_tokens, "draft": args.draft,
-                    "runs": {name: [] for name in servers}}
+                    "rounds": args.rounds, "runs": {name: [] for name in servers}}
     alone: dict[str, list[str]] = {}
-    for n in levels:
-        for name, start in servers.items():
-            server = start(n)
-            try:
-                warm_up(server.url)
-                r = load(server.url, prompts[:n], args.max_tokens)
-            finally:
-                server.stop()
-            # Each prompt's answer in the first run it was in (the fewest
-            # clients), against which its later answers are compared.
-            reference = alone.setdefault(name, [])
-            r["compared"] = min(n, len(reference))
-            r["same_as_alone"] = sum(t == reference[i] for i, t in enumerate(r["texts"])
-                                     if i < len(reference))
-            reference.extend(r["texts"][len(reference):])
-            report["runs"][name].append(r)
-            print(f"[{name}] {n:>2} clients: {r['tokens_per_second']:7.2f} tok/s, TTFT p50 "
-                  f"{r['ttft_p50']:.2f} s p95 {r['ttft_p95']:.2f} s, ITL p50 "
-                  f"{(r['itl_p50'] or 0) * 1000:.1f} ms", flush=True)
-    print("\n| server | clients | tok/s | x 1 client | TTFT p50 | TTFT p95 | ITL p50 "
-          "| answers as alone |\n|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, rows in report["runs"].items():
-        for r in rows:
-            print(f"| {name} | {r['clients']} | {r['tokens_per_second']:.1f} | "
-                  f"{r['tokens_per_second'] / rows[0]['tokens_per_second']:.2f} | "
-                  f"{r['ttft_p50']:.2f} s | {r['ttft_p95']:.2f} s | "
-                  f"{(r['itl_p50'] or 0) * 1000:.0f} ms | {r['same_as_alone']}/"
-                  f"{r['compared']} |")
+    for round_ in range(args.rounds):
+        order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
+        for n in levels:
+            for name in order:
+                server = servers[name](n)
+                try:
+                    warm_up(server.url)
+                    r = load(server.url, prompts[:n], args.max_tokens)
+                finally:
+                    server.stop()
+                # Each prompt's answer in the first run it was in (the fewest
+                # clients), against which its later answers are compared.
+                reference = alone.setdefault(name, [])
+                r["round"] = round_
+                r["compared"] = min(n, len(reference))
+                r["same_as_alone"] = sum(t == reference[i] for i, t in enumerate(r["texts"])
+                                         if i < len(reference))
+                reference.extend(r["texts"][len(reference):])
+                report["runs"][name].append(r)
+                print(f"[{name}] round {round_ + 1}, {n:>2} clients: "
+                      f"{r['tokens_per_second']:7.2f} tok/s, TTFT p50 {r['ttft_p50']:.2f} s "
+                      f"p95 {r['ttft_p95']:.2f} s, ITL p50 {(r['itl_p50'] or 0) * 1000:.1f} ms",
+                      flush=True)
+    report["medians"] = medians = {name: {n: level_medians([r for r in rows
+                                                            if r["clients"] == n])
+                                          for n in levels}
+                                   for name, rows in report["runs"].items()}
+    first = next(iter(servers))
+    print(f"\nmedians of {args.rounds} round(s)")
+    print("\n| server | clients | tok/s | x 1 client | x llama.cpp | TTFT p50 | TTFT p95 "
+          "| ITL p50 | answers as alone |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, by_n in medians.items():
+        for n, m in by_n.items():
+            peer = medians.get("llama.cpp", {}).get(n)
+            versus = (f"{m['tokens_per_second'] / peer['tokens_per_second']:.2f}"
+                      if name == first and peer else "")
+            print(f"| {name} | {n} | {m['tokens_per_second']:.1f} | "
+                  f"{m['tokens_per_second'] / by_n[levels[0]]['tokens_per_second']:.2f} | "
+                  f"{versus} | {m['ttft_p50']:.2f} s | {m['ttft_p95']:.2f} s | "
+                  f"{m['itl_p50'] * 1000:.0f} ms | {m['same_as_alone']}/{m['compared']} |")
     if args.out:
         write_result(args.out, report, torch_info=False)
     return 0
