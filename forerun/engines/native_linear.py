@@ -21,9 +21,9 @@ from typing import TypeVar
 
 import torch
 
-from forerun.engines.linear import Int4Groups, Int6Blocks, Int8Rows, Linear
+from forerun.engines.linear import ConcatLinear, Int4Groups, Int6Blocks, Int8Rows, Linear
 from forerun.errors import ConfigError
-from forerun.kernels.binding import NativeKernels
+from forerun.kernels.binding import PRODUCT_PARTS, Matrix, NativeKernels, Product
 from forerun.kernels.layouts import (
     BLOCK,
     GROUP,
@@ -70,6 +70,8 @@ def native_layer(values: Int4Groups | Int6Blocks | Int8Rows, bias: torch.Tensor 
 
 class _NativeLinear(Linear):
     kernel = KERNEL
+    # Its arrays, in the order the kernels take them (Matrix's w0 ..).
+    _arrays: tuple[str, ...]
     # The rows of the row groups its arrays are stored in: the row group of
     # the kernels it was built for (NativeKernels.row_group).
     rows: int
@@ -86,6 +88,15 @@ class _NativeLinear(Linear):
                               f"{self.rows}, the native kernels loaded here read groups of "
                               f"{kernels.row_group} ({kernels.instruction}): build it again")
         return kernels
+
+    def matrix(self) -> tuple[Matrix, tuple[torch.Tensor, ...]]:
+        """The layer's matrix as ``decoder_layer.c`` reads it (its bias
+        aside), and the tensors its addresses point into (to keep alive as
+        long as it is used)."""
+        arrays = tuple(getattr(self, name) for name in self._arrays)
+        pointers = [a.data_ptr() for a in arrays] + [None] * (4 - len(arrays))
+        return (Matrix(int(self.format[1:]), self.out_features, self.in_features,
+                       padded(self.in_features), *pointers), arrays)
 
     def _shape_meta(self) -> dict:
         return {"kind": self.format, "kernel": KERNEL,
@@ -159,6 +170,7 @@ class NativeInt4Linear(_NativeLinear):
 
     format = "q4"
     group = GROUP
+    _arrays = ("q", "scale", "minimum")
     q: torch.Tensor
     scale: torch.Tensor
     minimum: torch.Tensor
@@ -212,6 +224,7 @@ class NativeInt6Linear(_NativeLinear):
     values exactly, in 6.6 bits a weight where int8 rows took 8."""
 
     format = "q6"
+    _arrays = ("low", "high", "scale", "d")
     low: torch.Tensor
     high: torch.Tensor
     scale: torch.Tensor
@@ -266,6 +279,7 @@ class NativeInt8Linear(_NativeLinear):
     kernel."""
 
     format = "q8"
+    _arrays = ("q", "scale")
     q: torch.Tensor
     scale: torch.Tensor
 
@@ -300,6 +314,32 @@ class NativeInt8Linear(_NativeLinear):
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         y = self._kernels().q8_linear(x2, self.q, self.scale, self.out_features)
         return self._add_bias(y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features))
+
+
+def native_product(layer: Linear
+                   ) -> tuple[Product, tuple[torch.Tensor, ...], NativeKernels] | None:
+    """``layer`` as ``decoder_layer.c`` multiplies by it (a native layer,
+    or a :class:`ConcatLinear` of up to :data:`PRODUCT_PARTS` of them), the
+    tensors its addresses point into, and the kernels whose row groups it
+    is stored in (those to run it); None for any other layer."""
+    parts = layer.parts if isinstance(layer, ConcatLinear) else [layer]
+    native = [p for p in parts if isinstance(p, _NativeLinear)]
+    if not (0 < len(native) == len(parts) <= PRODUCT_PARTS
+            and (len(parts) == 1 or all(p.bias is None for p in parts))):
+        return None
+    matrices: list[Matrix] = []
+    held: list[torch.Tensor] = []
+    for p in native:
+        kernels = p._kernels()      # (checks that they read its row groups)
+        matrix, arrays = p.matrix()
+        matrices.append(matrix)
+        held.extend(arrays)
+    bias = None if layer.bias is None else layer.bias.float().contiguous()
+    if bias is not None:
+        held.append(bias)
+    product = Product((Matrix * PRODUCT_PARTS)(*matrices), len(parts), layer.out_features,
+                      None if bias is None else bias.data_ptr())
+    return product, tuple(held), kernels
 
 
 #: the native layer of each stored kind (:func:`~.layer_factory.restore_linear`)

@@ -10,6 +10,7 @@ the :class:`~forerun.protocol.kv_cache.KVCache` it is handed.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +30,12 @@ from forerun.engines.linear import (
     check_kernels,
     quantize_int8,
 )
+from forerun.engines.native_linear import native_product
 from forerun.engines.prefill_kernel import GEMM_ROWS, PREFILL_KERNELS
 from forerun.engines.rope import RotaryEmbedding, apply_rotary
 from forerun.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
 from forerun.kernels import native
+from forerun.kernels.binding import LayerMatrices, NativeKernels, SequenceRows
 from forerun.protocol.kv_cache import KVCache
 from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
@@ -235,6 +238,9 @@ class Transformer:
         # attention in one call each instead of dozens of torch operators.
         self.layer_ops = (native.layer_ops() if self.device.type == "cpu"
                           and self.dtype == torch.float32 else None)
+        # Each layer's arguments to NativeKernels.decoder_layer, or None for a
+        # layer it can't run (made at the first forward that could use them).
+        self._fused: list[tuple[tuple, tuple[NativeKernels, LayerMatrices] | None]] | None = None
         # The rows every short forward runs at (PADDED_ROWS), None on the CPU.
         self.padded_rows = None if self.device.type == "cpu" else PADDED_ROWS
         self.q_size = config.num_heads * config.head_dim
@@ -357,6 +363,13 @@ class Transformer:
         if isinstance(seen, int):
             return _attend(q, keys[:, :seen], values[:, :seen], gqa)
         return _attend(q, keys.index_select(1, seen), values.index_select(1, seen), gqa)
+
+    # Whether a forward computed position by position (one position, or
+    # rowwise) of one sequence runs each layer it can in one native call
+    # (NativeKernels.decoder_layer) rather than operation by operation; the
+    # results are the same to the bit (benchmarks and tests turn it off to
+    # compare).
+    fuse_layers = True
 
     # How prompt blocks multiply torch's int8 layers (forerun.engines.prefill_kernel).
     _prefill_kernel = "int8"
@@ -524,9 +537,26 @@ class Transformer:
                                .to(torch.uint8).contiguous() for s in spans]
             angles = {k: (cos.contiguous(), sin.contiguous()) for k, (cos, sin) in angles.items()}
             eps = c.rms_norm_eps
+            fused_ops, fused = (self.fused_layers() if self.fuse_layers
+                                else (None, [None] * len(self.layers)))
+            fused_spans: dict[bool, ctypes.Array] = {}
+            scratch = None
             for n, layer in enumerate(self.layers):
+                matrices = fused[n]
                 if capture and n in want:
-                    taken[n] = x
+                    # (a fused layer updates x in place)
+                    taken[n] = x if matrices is None else x.clone()
+                if matrices is not None and fused_ops is not None:
+                    if scratch is None:
+                        x, fused_spans = self._fused_input(x, spans, masks, angles)
+                        scratch = fused_ops.decoder_layer_scratch(
+                            t, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                            matrices.gate_up.n // 2)
+                    local = n in self.local_layers
+                    cos, sin = angles[local]
+                    fused_ops.decoder_layer(x, matrices, eps, c.num_heads, c.num_kv_heads,
+                                            cos, sin, n, fused_spans[local], scratch)
+                    continue
                 qkv = self._queries_and_keys(layer.qkv(ops.rms_norm(x, layer.attn_norm, eps)),
                                              layer)
                 local = n in self.local_layers
@@ -575,6 +605,73 @@ class Transformer:
             if logits_rows is not None:
                 logits, hidden = logits[logits_rows], hidden[logits_rows]
         return logits, hidden
+
+    def _fused_input(self, x: torch.Tensor, spans: list[Span],
+                     masks: dict[bool, list[torch.Tensor | None]],
+                     angles: dict[bool, tuple[torch.Tensor, torch.Tensor]]
+                     ) -> tuple[torch.Tensor, dict[bool, ctypes.Array]]:
+        """``x`` as the fused layers update it (a float32 contiguous tensor
+        of this forward's own), and the spans they read (global and local
+        layers' masks), once the caches, masks and angles are checked to be
+        what they read (as :meth:`NativeKernels.attention
+        <forerun.kernels.binding.NativeKernels.attention>` checks its own
+        each call)."""
+        c, t = self.config, x.shape[0]
+        for n, s in enumerate(spans):
+            keys, values, rows = s.cache.keys, s.cache.values, s.end - s.begin
+            if not (keys.dtype == values.dtype == torch.float32 and keys.is_contiguous()
+                    and values.is_contiguous() and keys.shape == values.shape
+                    and keys.shape[:2] == (c.num_layers, c.num_kv_heads)
+                    and keys.shape[3] == c.head_dim and 0 <= s.start <= keys.shape[2] - rows
+                    and all(_mask_fits(m[n], rows, s.start) for m in masks.values())):
+                raise ConfigError(
+                    f"a fused layer needs a float32 contiguous cache [{c.num_layers}, "
+                    f"{c.num_kv_heads}, capacity, {c.head_dim}] with room for {rows} slots at "
+                    f"{s.start} and uint8 masks [{rows}, {s.start + rows}]; got a cache "
+                    f"{tuple(keys.shape)} {keys.dtype}")
+        if not all(cos.shape == sin.shape == (t, c.head_dim) for cos, sin in angles.values()):
+            raise ConfigError(f"a fused layer needs RoPE angles [{t}, {c.head_dim}]")
+        fused_spans = {local: (SequenceRows * len(spans))(*(
+            SequenceRows(s.end - s.begin, s.start, s.cache.keys.shape[2], s.cache.keys.data_ptr(),
+                  s.cache.values.data_ptr(), None if mask is None else mask.data_ptr())
+            for s, mask in zip(spans, rows))) for local, rows in masks.items()}
+        return x.float().contiguous().clone(), fused_spans
+
+    def fused_layers(self) -> tuple[NativeKernels | None, list[LayerMatrices | None]]:
+        """The kernels that run fused layers (those of the native matrix
+        products, whose row groups the matrices are in; None where no
+        layer is fused), and each layer's arguments to their
+        :meth:`~forerun.kernels.binding.NativeKernels.decoder_layer`, or
+        None for a layer it can't run: one whose architecture adds query,
+        key or output norms, a query scale or another activation than SiLU,
+        or whose matrices are not all on the native kernels.  Kept between
+        forwards, and made again for a layer whose parts were replaced
+        since (a test's wrapper, say)."""
+        kept = self._fused
+        if kept is None or len(kept) != len(self.layers):
+            kept = self._fused = [((), None)] * len(self.layers)
+        for n, layer in enumerate(self.layers):
+            parts = (layer, *vars(layer).values())
+            made, _ = kept[n]
+            if len(made) != len(parts) or any(a is not b for a, b in zip(made, parts)):
+                kept[n] = (parts, self._fused_layer(layer))
+        kernels = next((fused[0] for _, fused in kept if fused is not None), None)
+        return kernels, [None if fused is None else fused[1] for _, fused in kept]
+
+    def _fused_layer(self, layer: LayerWeights) -> tuple[NativeKernels, LayerMatrices] | None:
+        h = self.config.hidden_size
+        if (self.layer_ops is None or self.architecture.activation != "silu"
+                or self.query_factor != 1.0
+                or any(getattr(layer, name) is not None for name in EXTRA_NORMS)
+                or not all(n.dtype == torch.float32 and n.is_contiguous() and n.shape == (h,)
+                           for n in (layer.attn_norm, layer.mlp_norm))):
+            return None
+        products = [native_product(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if any(p is None for p in products):
+            return None
+        (qkv, a, kernels), (o, b, _), (gate_up, c, _), (down, d, _) = products  # type: ignore[misc]
+        return kernels, LayerMatrices(layer.attn_norm, layer.mlp_norm, qkv, o, gate_up, down,
+                                      (*a, *b, *c, *d))
 
     def _queries_and_keys(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         """``qkv`` (``[T, (H + 2 KV) D]``, a fresh product) with the query and
@@ -681,6 +778,13 @@ class Transformer:
             visible.append(None)
             attn_masks.append(None if mask is None else mask[None, None])
         return visible, attn_masks
+
+
+def _mask_fits(mask: torch.Tensor | None, rows: int, start: int) -> bool:
+    """Whether ``mask`` is None or what a fused layer reads for ``rows``
+    positions at slot ``start``: uint8, contiguous, ``[rows, start + rows]``."""
+    return mask is None or (mask.dtype == torch.uint8 and mask.is_contiguous()
+                            and mask.shape == (rows, start + rows))
 
 
 @dataclass

@@ -37,6 +37,56 @@ class QuantizedRows:
     scaled_sums: torch.Tensor
 
 
+class Matrix(ctypes.Structure):
+    """A matrix in one of the native layouts as ``decoder_layer.c`` reads it
+    (its ``fr_matrix``): ``format`` 4, 6 or 8, ``n`` rows of ``k`` inputs
+    padded to ``kp``, the arrays' addresses.  It holds addresses only:
+    whoever makes one keeps the tensors alive."""
+
+    _fields_ = [("format", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
+                ("kp", ctypes.c_int32), ("w0", _P), ("w1", _P), ("w2", _P), ("w3", _P)]
+
+
+#: The most matrices a :class:`Product` puts side by side (``FR_PARTS``).
+PRODUCT_PARTS = 4
+
+
+class Product(ctypes.Structure):
+    """A layer's product as ``decoder_layer.c`` reads it (``fr_product``):
+    the outputs of ``parts`` matrices side by side, ``n`` in all, then the
+    float32 ``bias`` (an address, or None)."""
+
+    _fields_ = [("part", Matrix * PRODUCT_PARTS), ("parts", ctypes.c_int32),
+                ("n", ctypes.c_int32), ("bias", _P)]
+
+
+class SequenceRows(ctypes.Structure):
+    """A sequence's rows of a forward as ``decoder_layer.c`` reads them
+    (``fr_span``): ``rows`` positions appended at slot ``start`` of a
+    cache whose keys and values (``[layers, KV, capacity, D]`` float32)
+    are at ``keys`` and ``values``, seeing what the uint8 ``mask`` says (its
+    address, or None: causal)."""
+
+    _fields_ = [("rows", ctypes.c_int32), ("start", ctypes.c_int32),
+                ("capacity", ctypes.c_int32), ("keys", _P), ("values", _P), ("mask", _P)]
+
+
+@dataclass
+class LayerMatrices:
+    """One decoder layer's arguments to :meth:`NativeKernels.decoder_layer`
+    that don't change between calls: its norms' weights (float32 ``[H]``)
+    and its four matrices, with the tensors they point into (kept alive
+    here)."""
+
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    qkv: Product
+    o: Product
+    gate_up: Product
+    down: Product
+    tensors: tuple[torch.Tensor, ...]
+
+
 class NativeKernels:
     """The loaded library.  Every method takes contiguous CPU tensors, and
     the products take matrices in the layouts of :mod:`forerun.kernels.layouts`,
@@ -87,6 +137,14 @@ class NativeKernels:
         self._attention = lib.fr_attention
         self._attention.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _I]
         self._attention.restype = _I
+        self._layer_scratch = lib.fr_decoder_layer_scratch
+        self._layer_scratch.argtypes = [_I] * 6
+        self._layer_scratch.restype = ctypes.c_size_t
+        self._decoder_layer = lib.fr_decoder_layer
+        self._decoder_layer.argtypes = [_P, _I, _I, _P, _P, ctypes.c_float,
+                                        *[ctypes.POINTER(Product)] * 4, _I, _I, _I, _P, _P, _I,
+                                        ctypes.POINTER(SequenceRows), _I, _P, _I]
+        self._decoder_layer.restype = _I
 
     @property
     def tile_rows(self) -> int | None:
@@ -239,3 +297,34 @@ class NativeKernels:
                            torch.get_num_threads()):
             raise MemoryError(f"no memory for the attention scores of {start + t} slots")
         return out
+
+    def decoder_layer_scratch(self, t: int, hidden: int, heads: int, kv: int, d: int,
+                              intermediate: int) -> torch.Tensor:
+        """The scratch :meth:`decoder_layer` needs for ``t`` positions (one
+        for every layer of a forward)."""
+        return torch.empty(self._layer_scratch(t, hidden, heads, kv, d, intermediate))
+
+    def decoder_layer(self, x: torch.Tensor, layer: LayerMatrices, eps: float, heads: int,
+                      kv: int, cos: torch.Tensor, sin: torch.Tensor, index: int,
+                      spans: ctypes.Array, scratch: torch.Tensor) -> None:
+        """Decoder layer ``index``, pre-norm with SiLU gating
+        (``decoder_layer.c``), for the ``T`` positions whose residual stream
+        is ``x`` float32 contiguous ``[T, H]``, updated in place: the same
+        results, to the bit, as :meth:`rms_norm`, the products,
+        :meth:`attention` (per sequence) and :meth:`silu_mul` called one by
+        one, with the residual and bias additions in float32.  ``cos``,
+        ``sin``: ``[T, D]``; ``spans``: a :class:`SequenceRows` array of the
+        sequences whose rows ``x`` holds, in order; ``scratch``:
+        :meth:`decoder_layer_scratch`'s.  The caller checks the caches,
+        angles and masks once a forward, as :meth:`attention` does each
+        call."""
+        t, hidden = x.shape
+        failed = self._decoder_layer(
+            x.data_ptr(), t, hidden, layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), eps,
+            ctypes.byref(layer.qkv), ctypes.byref(layer.o), ctypes.byref(layer.gate_up),
+            ctypes.byref(layer.down), heads, kv, cos.shape[1], cos.data_ptr(), sin.data_ptr(),
+            index, spans, len(spans), scratch.data_ptr(), torch.get_num_threads())
+        if failed == 2:
+            raise ValueError("a decoder layer's matrix has a format the kernels don't know")
+        if failed:
+            raise MemoryError(f"no memory for a decoder layer's scratch at {t} positions")

@@ -58,6 +58,8 @@ SOURCE = Path(__file__).with_name("avx2_int_products.c")
 LAYER_OPS_SOURCE = Path(__file__).with_name("avx2_layer_ops.c")
 # Compiled into every build, empty but in the AMX one (FR_AMX).
 TILES_SOURCE = Path(__file__).with_name("amx_int_products.c")
+# A decoder layer's operations chained in one call (over the two above).
+DECODER_LAYER_SOURCE = Path(__file__).with_name("decoder_layer.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Builds whose products use vpdpbusd (see the C file's FR_DPBUSD), best
 # first: a name, the /proc/cpuinfo flags the CPU needs, the extra compiler
@@ -79,9 +81,9 @@ DOT_BUILDS = (
 STAND_IN_FLAGS = ("-DFR_DPBUSD=0", "-DFR_ROWS=4")
 
 
-def sources() -> tuple[Path, Path, Path]:
+def sources() -> tuple[Path, ...]:
     """The C files the library is built from."""
-    return SOURCE, LAYER_OPS_SOURCE, TILES_SOURCE
+    return SOURCE, LAYER_OPS_SOURCE, TILES_SOURCE, DECODER_LAYER_SOURCE
 
 
 @functools.cache

@@ -67,6 +67,7 @@ from forerun.kernels.build import (
     sources,
 )
 from forerun.kernels.self_check import (
+    check_decoder_layer,
     check_layer_ops,
     check_products,
     check_same_products,
@@ -200,6 +201,7 @@ def _dot_product_library(avx2: NativeKernels, timing: Timing | None) -> NativeKe
             if dot.tile_rows is not None:       # the AMX build: its tiles tried elsewhere first
                 check_tiles_in_a_process(dot)
             check_same_products(dot, avx2)
+            check_decoder_layer(dot, avx2)
         except Unavailable as exc:
             refused.append(f"the {name} build is not used: {exc}")
             continue
@@ -233,6 +235,7 @@ def _load() -> NativeKernels:
         raise Unavailable(f"this CPU lacks {', '.join(missing)}")
     kernels = build_library()
     check_layer_ops(kernels)
+    check_decoder_layer(kernels, kernels)
     return kernels
 
 

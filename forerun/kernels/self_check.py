@@ -1,8 +1,10 @@
 """The checks a built library passes before anything uses it: its products
 of every format against float64 sums of the same quantized values
 (:func:`check_products`), its layer operations against float64 formulas
-(:func:`check_layer_ops`), and a vpdpbusd build's products against the AVX2
-build's, bit for bit (:func:`check_same_products`).  Each raises
+(:func:`check_layer_ops`), its decoder layer in one call against those
+operations run one by one, bit for bit (:func:`check_decoder_layer`), and a
+vpdpbusd build's products against the AVX2 build's, bit for bit
+(:func:`check_same_products`).  Each raises
 :class:`~forerun.kernels.build.Unavailable` naming what it computes wrongly."""
 
 from __future__ import annotations
@@ -10,11 +12,19 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from forerun.kernels.binding import NativeKernels
+from forerun.kernels.binding import (
+    PRODUCT_PARTS,
+    LayerMatrices,
+    Matrix,
+    NativeKernels,
+    Product,
+    SequenceRows,
+)
 from forerun.kernels.build import Unavailable
 from forerun.kernels.layouts import (
     BLOCK,
@@ -158,6 +168,80 @@ def check_layer_ops(kernels: NativeKernels) -> None:
         if not error < 1e-4:
             raise Unavailable(f"the built library computes {name} wrongly "
                               f"(largest error {float(error):.3g})")
+
+
+def check_decoder_layer(kernels: NativeKernels, ops: NativeKernels) -> None:
+    """``kernels``' decoder layer (:meth:`NativeKernels.decoder_layer`)
+    equals, bit for bit, the operations it chains run one by one, the
+    products on ``kernels`` and the norms, attention and gating on ``ops``
+    (the library the engine's layer operations run on: the same one, or
+    the AVX2 build beside a vpdpbusd one): two sequences of 3 and 2 rows,
+    one masked, with a q/k/v of two formats side by side, a bias, and a
+    6-bit and an 8-bit matrix."""
+    gen = torch.Generator().manual_seed(3)
+    hidden, heads, kv, d, inner, eps = 40, 4, 2, 8, 24, 1e-6
+    rows = kernels.row_group
+
+    def matrix(fmt: str, n: int, k: int) -> tuple[Matrix, tuple]:
+        m = check_matrices(gen, n, padded(k))
+        args = {"q4": m.packed4, "q6": m.packed6, "q8": m.packed8}[fmt](rows)
+        arrays = args[:-1]
+        return Matrix(int(fmt[1:]), n, k, padded(k), *(a.data_ptr() for a in arrays),
+                      *[None] * (4 - len(arrays))), args
+
+    def product(parts: list[tuple[Matrix, tuple]], bias: torch.Tensor | None) -> Product:
+        return Product((Matrix * PRODUCT_PARTS)(*(m for m, _ in parts)), len(parts),
+                       sum(m.n for m, _ in parts), None if bias is None else bias.data_ptr())
+
+    q, kvs = matrix("q4", heads * d, hidden), matrix("q8", 2 * kv * d, hidden)
+    o, gate_up = matrix("q6", hidden, heads * d), matrix("q4", 2 * inner, hidden)
+    down = matrix("q8", hidden, inner)
+    bias = torch.randn((heads + 2 * kv) * d, generator=gen)
+    norms = torch.rand(2, hidden, generator=gen) + 0.5
+    layer = LayerMatrices(norms[0].contiguous(), norms[1].contiguous(),
+                          product([q, kvs], bias), product([o], None),
+                          product([gate_up], None), product([down], None), ())
+    run: dict[str, Callable[..., torch.Tensor]] = {
+        "q4": kernels.q4_linear, "q6": kernels.q6_linear, "q8": kernels.q8_linear}
+    one_by_one = {name: (lambda x, m=m, f=f: run[f](x, *m[1]))
+                  for name, m, f in (("q", q, "q4"), ("kv", kvs, "q8"), ("o", o, "q6"),
+                                     ("gate_up", gate_up, "q4"), ("down", down, "q8"))}
+    layers, capacity, starts, counts = 3, 16, (5, 2), (3, 2)
+    caches = [(torch.randn(layers, kv, capacity, d, generator=gen),
+               torch.randn(layers, kv, capacity, d, generator=gen)) for _ in counts]
+    mask = (torch.rand(counts[1], starts[1] + counts[1], generator=gen) < 0.7).to(torch.uint8)
+    mask[:, 0] = 1
+    masks = (None, mask)
+    t = sum(counts)
+    x = torch.randn(t, hidden, generator=gen)
+    angles = torch.rand(t, d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+    # one by one, on copies of the caches
+    mine = [(k.clone(), v.clone()) for k, v in caches]
+    h = ops.rms_norm(x, layer.attn_norm, eps)
+    qkv = torch.cat([one_by_one["q"](h), one_by_one["kv"](h)], -1) + bias
+    parts, row = [], 0
+    for (keys, values), start, count, rows_mask in zip(mine, starts, counts, masks):
+        parts.append(ops.attention(qkv[row:row + count], cos[row:row + count],
+                                   sin[row:row + count], keys[1], values[1], start, rows_mask,
+                                   heads))
+        row += count
+    want = x + one_by_one["o"](torch.cat(parts))
+    h = ops.rms_norm(want, layer.mlp_norm, eps)
+    want = want + one_by_one["down"](ops.silu_mul(one_by_one["gate_up"](h)))
+
+    got = x.clone()
+    spans = (SequenceRows * 2)(*(
+        SequenceRows(count, start, capacity, keys.data_ptr(), values.data_ptr(),
+                     None if m is None else m.data_ptr())
+        for (keys, values), start, count, m in zip(caches, starts, counts, masks)))
+    kernels.decoder_layer(got, layer, eps, heads, kv, cos, sin, 1, spans,
+                          kernels.decoder_layer_scratch(t, hidden, heads, kv, d, inner))
+    if not (torch.equal(got, want) and all(torch.equal(a, b) for pair in zip(caches, mine)
+                                           for a, b in zip(*pair))):
+        raise Unavailable("the built library's decoder layer differs from its operations run "
+                          "one by one")
 
 
 def check_same_products(dot: NativeKernels, avx2: NativeKernels) -> None:
