@@ -364,11 +364,11 @@ class Transformer:
             return _attend(q, keys[:, :seen], values[:, :seen], gqa)
         return _attend(q, keys.index_select(1, seen), values.index_select(1, seen), gqa)
 
-    # Whether a forward computed position by position (one position, or
-    # rowwise) of one sequence runs each layer it can in one native call
-    # (NativeKernels.decoder_layer) rather than operation by operation; the
-    # results are the same to the bit (benchmarks and tests turn it off to
-    # compare).
+    # Whether a forward computed position by position (one position, a
+    # rowwise one, a batch's sequences) runs each layer it can in one native
+    # call (NativeKernels.decoder_layer, fused_layers) rather than operation
+    # by operation; the results are the same to the bit (benchmarks and
+    # tests turn it off to compare).
     fuse_layers = True
 
     # How prompt blocks multiply torch's int8 layers (forerun.engines.prefill_kernel).
@@ -460,8 +460,9 @@ class Transformer:
         One position, or a rowwise forward, runs its norms, gating, RoPE and
         attention in forerun's native layer operations where
         :attr:`layer_ops` has them (every position computed on its own, in
-        a fixed order); anything else, and every other device, in torch's
-        operators.
+        a fixed order), each layer in one native call where
+        :meth:`fused_layers` can run it; anything else, and every other
+        device, in torch's operators.
 
         ``head``: ``(ids, layer)`` of :meth:`head_rows`: the logits are
         computed for those rows only, and are ``-inf`` for every other id.
@@ -551,7 +552,7 @@ class Transformer:
                         x, fused_spans = self._fused_input(x, spans, masks, angles)
                         scratch = fused_ops.decoder_layer_scratch(
                             t, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                            matrices.gate_up.n // 2)
+                            max(m.gate_up.n for m in fused if m is not None) // 2)
                     local = n in self.local_layers
                     cos, sin = angles[local]
                     fused_ops.decoder_layer(x, matrices, eps, c.num_heads, c.num_kv_heads,
@@ -632,8 +633,9 @@ class Transformer:
         if not all(cos.shape == sin.shape == (t, c.head_dim) for cos, sin in angles.values()):
             raise ConfigError(f"a fused layer needs RoPE angles [{t}, {c.head_dim}]")
         fused_spans = {local: (SequenceRows * len(spans))(*(
-            SequenceRows(s.end - s.begin, s.start, s.cache.keys.shape[2], s.cache.keys.data_ptr(),
-                  s.cache.values.data_ptr(), None if mask is None else mask.data_ptr())
+            SequenceRows(s.end - s.begin, s.start, s.cache.keys.shape[2],
+                         s.cache.keys.data_ptr(), s.cache.values.data_ptr(),
+                         None if mask is None else mask.data_ptr())
             for s, mask in zip(spans, rows))) for local, rows in masks.items()}
         return x.float().contiguous().clone(), fused_spans
 
