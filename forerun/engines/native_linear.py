@@ -94,9 +94,8 @@ class _NativeLinear(Linear):
         aside), and the tensors its addresses point into (to keep alive as
         long as it is used)."""
         arrays = tuple(getattr(self, name) for name in self._arrays)
-        pointers = [a.data_ptr() for a in arrays] + [None] * (4 - len(arrays))
-        return (Matrix(int(self.format[1:]), self.out_features, self.in_features,
-                       padded(self.in_features), *pointers), arrays)
+        return Matrix.of(int(self.format[1:]), self.out_features, self.in_features,
+                         arrays), arrays
 
     def _shape_meta(self) -> dict:
         return {"kind": self.format, "kernel": KERNEL,
@@ -337,9 +336,7 @@ def native_product(layer: Linear
     bias = None if layer.bias is None else layer.bias.float().contiguous()
     if bias is not None:
         held.append(bias)
-    product = Product((Matrix * PRODUCT_PARTS)(*matrices), len(parts), layer.out_features,
-                      None if bias is None else bias.data_ptr())
-    return product, tuple(held), kernels
+    return Product.of(matrices, bias), tuple(held), kernels
 
 
 #: the native layer of each stored kind (:func:`~.layer_factory.restore_linear`)

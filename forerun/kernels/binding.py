@@ -7,6 +7,7 @@ library must report to be used."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,14 @@ class Matrix(ctypes.Structure):
     _fields_ = [("format", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("kp", ctypes.c_int32), ("w0", _P), ("w1", _P), ("w2", _P), ("w3", _P)]
 
+    @classmethod
+    def of(cls, bits: int, n: int, k: int, arrays: Sequence[torch.Tensor]) -> Matrix:
+        """The ``bits``-bit matrix of ``n`` rows and ``k`` inputs whose
+        arrays (at most 4) are ``arrays``, in the order the kernels take
+        them."""
+        return cls(bits, n, k, padded(k), *(a.data_ptr() for a in arrays),
+                   *[None] * (4 - len(arrays)))
+
 
 #: The most matrices a :class:`Product` puts side by side (``FR_PARTS``).
 PRODUCT_PARTS = 4
@@ -58,6 +67,13 @@ class Product(ctypes.Structure):
 
     _fields_ = [("part", Matrix * PRODUCT_PARTS), ("parts", ctypes.c_int32),
                 ("n", ctypes.c_int32), ("bias", _P)]
+
+    @classmethod
+    def of(cls, matrices: Sequence[Matrix], bias: torch.Tensor | None) -> Product:
+        """``matrices`` (at most :data:`PRODUCT_PARTS`) side by side, then
+        the float32 contiguous ``bias`` of all their rows, or None."""
+        return cls((Matrix * PRODUCT_PARTS)(*matrices), len(matrices),
+                   sum(m.n for m in matrices), None if bias is None else bias.data_ptr())
 
 
 class SequenceRows(ctypes.Structure):

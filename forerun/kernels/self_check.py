@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from forerun.kernels.binding import (
-    PRODUCT_PARTS,
     LayerMatrices,
     Matrix,
     NativeKernels,
@@ -185,13 +184,10 @@ def check_decoder_layer(kernels: NativeKernels, ops: NativeKernels) -> None:
     def matrix(fmt: str, n: int, k: int) -> tuple[Matrix, tuple]:
         m = check_matrices(gen, n, padded(k))
         args = {"q4": m.packed4, "q6": m.packed6, "q8": m.packed8}[fmt](rows)
-        arrays = args[:-1]
-        return Matrix(int(fmt[1:]), n, k, padded(k), *(a.data_ptr() for a in arrays),
-                      *[None] * (4 - len(arrays))), args
+        return Matrix.of(int(fmt[1:]), n, k, args[:-1]), args
 
     def product(parts: list[tuple[Matrix, tuple]], bias: torch.Tensor | None) -> Product:
-        return Product((Matrix * PRODUCT_PARTS)(*(m for m, _ in parts)), len(parts),
-                       sum(m.n for m, _ in parts), None if bias is None else bias.data_ptr())
+        return Product.of([m for m, _ in parts], bias)
 
     q, kvs = matrix("q4", heads * d, hidden), matrix("q8", 2 * kv * d, hidden)
     o, gate_up = matrix("q6", hidden, heads * d), matrix("q4", 2 * inner, hidden)
