@@ -35,7 +35,13 @@ from forerun.engines.prefill_kernel import GEMM_ROWS, PREFILL_KERNELS
 from forerun.engines.rope import RotaryEmbedding, apply_rotary
 from forerun.errors import ConfigError, ModelFormatError, UnsupportedArchitectureError
 from forerun.kernels import native
-from forerun.kernels.binding import LayerMatrices, NativeKernels, SequenceRows
+from forerun.kernels.binding import (
+    ACTIVATION_CODES,
+    LayerExtras,
+    LayerMatrices,
+    NativeKernels,
+    SequenceRows,
+)
 from forerun.protocol.kv_cache import KVCache
 from forerun.protocol.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
@@ -558,8 +564,8 @@ class Transformer:
                     fused_ops.decoder_layer(x, matrices, eps, c.num_heads, c.num_kv_heads,
                                             cos, sin, n, fused_spans[local], scratch)
                     continue
-                qkv = self._queries_and_keys(layer.qkv(ops.rms_norm(x, layer.attn_norm, eps)),
-                                             layer)
+                qkv = self._native_queries_and_keys(
+                    layer.qkv(ops.rms_norm(x, layer.attn_norm, eps)), layer, ops)
                 local = n in self.local_layers
                 cos, sin = angles[local]
                 parts = [ops.attention(qkv[s.begin:s.end], cos[s.begin:s.end],
@@ -574,7 +580,7 @@ class Transformer:
                 h = ops.rms_norm(x, layer.mlp_norm, eps)
                 gate_up = layer.gate_up(h)
                 out = layer.down(ops.silu_mul(gate_up) if self.architecture.activation == "silu"
-                                 else gelu_tanh_mul(gate_up))
+                                 else ops.gelu_tanh_mul(gate_up))
                 if layer.post_mlp_norm is not None:
                     out = ops.rms_norm(out, layer.post_mlp_norm, eps)
                 x = x + out
@@ -644,9 +650,8 @@ class Transformer:
         products, whose row groups the matrices are in; None where no
         layer is fused), and each layer's arguments to their
         :meth:`~forerun.kernels.binding.NativeKernels.decoder_layer`, or
-        None for a layer it can't run: one whose architecture adds query,
-        key or output norms, a query scale or another activation than SiLU,
-        or whose matrices are not all on the native kernels.  Kept between
+        None for a layer it can't run: one whose matrices are not all on
+        the native kernels, or whose norms are not float32.  Kept between
         forwards, and made again for a layer whose parts were replaced
         since (a test's wrapper, say)."""
         kept = self._fused
@@ -661,19 +666,44 @@ class Transformer:
         return kernels, [None if fused is None else fused[1] for _, fused in kept]
 
     def _fused_layer(self, layer: LayerWeights) -> tuple[NativeKernels, LayerMatrices] | None:
-        h = self.config.hidden_size
-        if (self.layer_ops is None or self.architecture.activation != "silu"
-                or self.query_factor != 1.0
-                or any(getattr(layer, name) is not None for name in EXTRA_NORMS)
-                or not all(n.dtype == torch.float32 and n.is_contiguous() and n.shape == (h,)
-                           for n in (layer.attn_norm, layer.mlp_norm))):
+        c = self.config
+        h, d = c.hidden_size, c.head_dim
+        norms = [(layer.attn_norm, h), (layer.mlp_norm, h), (layer.q_norm, d),
+                 (layer.k_norm, d), (layer.post_attn_norm, h), (layer.post_mlp_norm, h)]
+        if (self.layer_ops is None or (layer.q_norm is None) != (layer.k_norm is None)
+                or not all(n is None or (n.dtype == torch.float32 and n.is_contiguous()
+                                         and n.shape == (size,)) for n, size in norms)):
             return None
         products = [native_product(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if any(p is None for p in products):
             return None
-        (qkv, a, kernels), (o, b, _), (gate_up, c, _), (down, d, _) = products  # type: ignore[misc]
+        (qkv, a, kernels), (o, b, _), (gate_up, g, _), (down, e, _) = products  # type: ignore[misc]
+        extras = None
+        if (self.architecture.activation != "silu" or self.query_factor != 1.0
+                or any(getattr(layer, name) is not None for name in EXTRA_NORMS)):
+            extras = LayerExtras(*(None if n is None else n.data_ptr() for n, _ in norms[2:]),
+                                 self.query_factor,
+                                 ACTIVATION_CODES[self.architecture.activation])
         return kernels, LayerMatrices(layer.attn_norm, layer.mlp_norm, qkv, o, gate_up, down,
-                                      (*a, *b, *c, *d))
+                                      (*a, *b, *g, *e), extras)
+
+    def _native_queries_and_keys(self, qkv: torch.Tensor, layer: LayerWeights,
+                                 ops: NativeKernels) -> torch.Tensor:
+        """:meth:`_queries_and_keys` on the native layer operations, as a
+        fused layer computes it (``decoder_layer.c``): each query and key
+        head through ``ops.rms_norm``, the queries times the float32 factor."""
+        c = self.config
+        if layer.q_norm is not None and layer.k_norm is not None:
+            t = qkv.shape[0]
+            for begin, size, heads, norm in ((0, self.q_size, c.num_heads, layer.q_norm),
+                                             (self.q_size, self.kv_size, c.num_kv_heads,
+                                              layer.k_norm)):
+                part = qkv[:, begin:begin + size]
+                part.copy_(ops.rms_norm(part.reshape(t * heads, c.head_dim), norm,
+                                        c.rms_norm_eps).view(t, size))
+        if self.query_factor != 1.0:
+            qkv[:, :self.q_size] *= torch.tensor(self.query_factor, dtype=torch.float32)
+        return qkv
 
     def _queries_and_keys(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         """``qkv`` (``[T, (H + 2 KV) D]``, a fresh product) with the query and
@@ -832,8 +862,3 @@ def window_mask(span: Span, positions: torch.Tensor, window: int | None,
         near = near | (slots[None, :] >= span.start)
     return base & near
 
-
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeGLU with the tanh GELU on ``[T, 2 I]`` (gate, then up)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up

@@ -87,12 +87,29 @@ class SequenceRows(ctypes.Structure):
                 ("capacity", ctypes.c_int32), ("keys", _P), ("values", _P), ("mask", _P)]
 
 
+#: Activations of a layer's gate (``decoder_layer.c``'s FR_SILU, FR_GELU_TANH).
+ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}
+
+
+class LayerExtras(ctypes.Structure):
+    """What a layer adds to a Qwen2/Llama one, as ``decoder_layer.c`` reads
+    it (``fr_layer_extras``): query and key norms (float32 ``[D]``
+    addresses, both or None), the queries' factor before RoPE (1: none),
+    the attention's and the feed-forward block's output norms (float32
+    ``[H]`` addresses, or None) and the gate's activation
+    (:data:`ACTIVATION_CODES`).  Addresses only, as :class:`Matrix`."""
+
+    _fields_ = [("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P),
+                ("post_mlp_norm", _P), ("query_factor", ctypes.c_float),
+                ("activation", ctypes.c_int32)]
+
+
 @dataclass
 class LayerMatrices:
     """One decoder layer's arguments to :meth:`NativeKernels.decoder_layer`
-    that don't change between calls: its norms' weights (float32 ``[H]``)
-    and its four matrices, with the tensors they point into (kept alive
-    here)."""
+    that don't change between calls: its norms' weights (float32 ``[H]``),
+    its four matrices, what its architecture adds (None: nothing), with the
+    tensors they point into (kept alive here)."""
 
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
@@ -101,6 +118,7 @@ class LayerMatrices:
     gate_up: Product
     down: Product
     tensors: tuple[torch.Tensor, ...]
+    extras: LayerExtras | None = None
 
 
 class NativeKernels:
@@ -150,6 +168,9 @@ class NativeKernels:
         self._silu_mul = lib.fr_silu_mul
         self._silu_mul.argtypes = [_P, _I, _I, _P]
         self._silu_mul.restype = None
+        self._gelu_tanh_mul = lib.fr_gelu_tanh_mul
+        self._gelu_tanh_mul.argtypes = [_P, _I, _I, _P]
+        self._gelu_tanh_mul.restype = None
         self._attention = lib.fr_attention
         self._attention.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _I]
         self._attention.restype = _I
@@ -159,7 +180,8 @@ class NativeKernels:
         self._decoder_layer = lib.fr_decoder_layer
         self._decoder_layer.argtypes = [_P, _I, _I, _P, _P, ctypes.c_float,
                                         *[ctypes.POINTER(Product)] * 4, _I, _I, _I, _P, _P, _I,
-                                        ctypes.POINTER(SequenceRows), _I, _P, _I]
+                                        ctypes.POINTER(SequenceRows), _I,
+                                        ctypes.POINTER(LayerExtras), _P, _I]
         self._decoder_layer.restype = _I
 
     @property
@@ -272,12 +294,21 @@ class NativeKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of ``gate_up = [gate | up]`` ``[T, 2I]``: ``[T, I]``."""
+        return self._gated(self._silu_mul, gate_up, "SiLU")
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate) * up`` with the tanh GELU (Gemma's GeGLU), as
+        :meth:`silu_mul`."""
+        return self._gated(self._gelu_tanh_mul, gate_up, "GELU")
+
+    @staticmethod
+    def _gated(run, gate_up: torch.Tensor, name: str) -> torch.Tensor:
         gate_up = gate_up.float().contiguous()
         t, width = gate_up.shape
         if width % 2:
-            raise ValueError(f"SiLU gating needs [gate | up] of even width, got {width}")
+            raise ValueError(f"{name} gating needs [gate | up] of even width, got {width}")
         y = torch.empty(t, width // 2)
-        self._silu_mul(gate_up.data_ptr(), t, width // 2, y.data_ptr())
+        run(gate_up.data_ptr(), t, width // 2, y.data_ptr())
         return y
 
     def attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -323,12 +354,13 @@ class NativeKernels:
     def decoder_layer(self, x: torch.Tensor, layer: LayerMatrices, eps: float, heads: int,
                       kv: int, cos: torch.Tensor, sin: torch.Tensor, index: int,
                       spans: ctypes.Array, scratch: torch.Tensor) -> None:
-        """Decoder layer ``index``, pre-norm with SiLU gating
-        (``decoder_layer.c``), for the ``T`` positions whose residual stream
-        is ``x`` float32 contiguous ``[T, H]``, updated in place: the same
-        results, to the bit, as :meth:`rms_norm`, the products,
-        :meth:`attention` (per sequence) and :meth:`silu_mul` called one by
-        one, with the residual and bias additions in float32.  ``cos``,
+        """Decoder layer ``index``, pre-norm with SiLU or GELU gating and
+        ``layer.extras`` (``decoder_layer.c``), for the ``T`` positions whose
+        residual stream is ``x`` float32 contiguous ``[T, H]``, updated in
+        place: the same results, to the bit, as :meth:`rms_norm`, the
+        products, :meth:`attention` (per sequence) and :meth:`silu_mul` or
+        :meth:`gelu_tanh_mul` called one by one, with the residual and bias
+        additions and the query factor in float32.  ``cos``,
         ``sin``: ``[T, D]``; ``spans``: a :class:`SequenceRows` array of the
         sequences whose rows ``x`` holds, in order; ``scratch``:
         :meth:`decoder_layer_scratch`'s.  The caller checks the caches,
@@ -339,8 +371,10 @@ class NativeKernels:
             x.data_ptr(), t, hidden, layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), eps,
             ctypes.byref(layer.qkv), ctypes.byref(layer.o), ctypes.byref(layer.gate_up),
             ctypes.byref(layer.down), heads, kv, cos.shape[1], cos.data_ptr(), sin.data_ptr(),
-            index, spans, len(spans), scratch.data_ptr(), torch.get_num_threads())
+            index, spans, len(spans), None if layer.extras is None else ctypes.byref(layer.extras),
+            scratch.data_ptr(), torch.get_num_threads())
         if failed == 2:
-            raise ValueError("a decoder layer's matrix has a format the kernels don't know")
+            raise ValueError("a decoder layer's matrix has a format, or its gate an "
+                             "activation, the kernels don't know")
         if failed:
             raise MemoryError(f"no memory for a decoder layer's scratch at {t} positions")

@@ -1,21 +1,28 @@
-/* One decoder layer of a pre-norm transformer with SiLU gating (Qwen2,
- * Llama) in one call: what the engine's layer loop runs operation by
+/* One decoder layer of a pre-norm transformer (Qwen2, Llama, Qwen3,
+ * Gemma 3) in one call: what the engine's layer loop runs operation by
  * operation for a one-position step or a verification (the layer
  * operations of avx2_layer_ops.c, the products of avx2_int_products.c),
  * chained here without returning to Python between them.
  *
  *     h = rms_norm(x, attn_norm)
- *     qkv = h Wqkv (+ bias)               rotated, the keys and values cached
- *     x += attention(qkv) Wo (+ bias)
+ *     qkv = h Wqkv (+ bias)
+ *     [each query and key head rms_norm'ed (Qwen3, Gemma 3); queries scaled]
+ *     rotated, the keys and values cached, attended
+ *     o = attention Wo (+ bias)     [o = rms_norm(o, post_attn_norm): Gemma 3]
+ *     x += o
  *     h = rms_norm(x, mlp_norm)
- *     x += silu_mul(h Wgate_up (+ bias)) Wdown (+ bias)
+ *     m = act(h Wgate (+ bias)) * (h Wup (+ bias)) Wdown (+ bias)
+ *                                   act: SiLU, or the tanh GELU (Gemma 3)
+ *                                   [m = rms_norm(m, post_mlp_norm): Gemma 3]
+ *     x += m
  *
  * The same functions run on the same values in the same order as the
  * operation-by-operation loop (a bias and a residual are float additions,
- * as torch's are), so the results are the same to the bit; what it saves
- * is the interpreter and the dispatch around them: about 36 operator calls
- * a layer, a one-position step of a 28-layer 1.5B taking 1,019 of them
- * (about 6 ms of a 71 ms step on a 2-core Zen 3).
+ * as torch's are; the query scale a float multiplication, as torch's is),
+ * so the results are the same to the bit; what it saves is the interpreter
+ * and the dispatch around them: about 36 operator calls a layer, a
+ * one-position step of a 28-layer 1.5B taking 1,019 of them (about 6 ms of
+ * a 71 ms step on a 2-core Zen 3).
  */
 
 #include <stddef.h>
@@ -31,6 +38,7 @@ int fr_q8_linear(const float *x, int T, int K, int Kp, const int8_t *q, const fl
                  int N, float *y, int threads);
 void fr_rms_norm(const float *x, int T, int H, const float *w, float eps, float *y);
 void fr_silu_mul(const float *gu, int T, int I, float *y);
+void fr_gelu_tanh_mul(const float *gu, int T, int I, float *y);
 int fr_attention(float *qkv, int T, int H, int KV, int D, const float *cos, const float *sin,
                  float *keys, float *values, int capacity, int start, const uint8_t *mask,
                  float *out, int threads);
@@ -115,28 +123,53 @@ typedef struct {
     const uint8_t *mask;
 } fr_span;
 
+/* What a layer adds to the Qwen2/Llama layer (NULL: nothing): query and
+ * key norms ([D] each, applied to every head, both or neither), a factor
+ * the queries are multiplied by before RoPE (1: none), norms of the
+ * attention's and the feed-forward block's outputs before they join the
+ * residual stream ([H], or NULL), and the gate's activation. */
+enum { FR_SILU = 0, FR_GELU_TANH = 1 };
+typedef struct {
+    const float *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
+    float query_factor;
+    int32_t activation;
+} fr_layer_extras;
+
 /* Layer `layer` for T positions whose residual stream is x [T, H]
  * (updated in place), of the sequences `spans` (their rows in order,
  * adding up to T): each position attends over its own sequence's cache
  * only.  qkv, o, gate_up, down: its products ([heads + 2 kv] D x H,
  * H x heads D, 2I x H, H x I).  cos, sin: [T, D], each position's RoPE
- * angles.  scratch: fr_decoder_layer_scratch floats.  Returns 0, 1 where no
- * memory could be had, 2 for a matrix format it doesn't know (x is then
+ * angles.  extras: what the architecture adds (NULL: nothing).  scratch:
+ * fr_decoder_layer_scratch floats.  Returns 0, 1 where no memory could be
+ * had, 2 for a matrix format or an activation it doesn't know (x is then
  * partly updated: the caller raises). */
 int fr_decoder_layer(float *x, int T, int H, const float *attn_norm, const float *mlp_norm,
                      float eps, const fr_product *qkv, const fr_product *o,
                      const fr_product *gate_up, const fr_product *down, int heads, int kv, int D,
                      const float *cos, const float *sin, int layer, const fr_span *spans,
-                     int nspans, float *scratch, int threads) {
+                     int nspans, const fr_layer_extras *extras, float *scratch, int threads) {
     const int I = gate_up->n / 2, width = (heads + 2 * kv) * D;
     float *h = scratch;                                       /* [T, H] */
     float *q = h + (size_t)T * H;                             /* [T, (heads + 2 kv) D] */
     float *attn = q + (size_t)T * width;                      /* [T, heads D] */
     float *gu = attn + (size_t)T * heads * D;                 /* [T, 2I] */
     float *act = gu + (size_t)T * 2 * I;                      /* [T, I] */
+    const fr_layer_extras none = {NULL, NULL, NULL, NULL, 1.0f, FR_SILU};
+    const fr_layer_extras *e = extras ? extras : &none;
     int failed;
+    if (e->activation != FR_SILU && e->activation != FR_GELU_TANH) return 2;
     fr_rms_norm(x, T, H, attn_norm, eps, h);
     if ((failed = product(qkv, h, T, q, threads))) return failed;
+    for (int t = 0; t < T; t++) {
+        float *row = q + (size_t)t * width;       /* heads queries, then kv keys */
+        if (e->q_norm && e->k_norm) {             /* in place: a row is read, then written */
+            fr_rms_norm(row, heads, D, e->q_norm, eps, row);
+            fr_rms_norm(row + (size_t)heads * D, kv, D, e->k_norm, eps, row + (size_t)heads * D);
+        }
+        if (e->query_factor != 1.0f)
+            for (int i = 0; i < heads * D; i++) row[i] *= e->query_factor;
+    }
     for (int i = 0, row = 0; i < nspans; row += spans[i].rows, i++) {
         const fr_span *s = &spans[i];
         const size_t at = (size_t)layer * kv * s->capacity * D;
@@ -146,11 +179,13 @@ int fr_decoder_layer(float *x, int T, int H, const float *attn_norm, const float
             return 1;
     }
     if ((failed = product(o, attn, T, h, threads))) return failed;
+    if (e->post_attn_norm) fr_rms_norm(h, T, H, e->post_attn_norm, eps, h);
     add_to(x, h, (size_t)T * H);
     fr_rms_norm(x, T, H, mlp_norm, eps, h);
     if ((failed = product(gate_up, h, T, gu, threads))) return failed;
-    fr_silu_mul(gu, T, I, act);
+    (e->activation == FR_SILU ? fr_silu_mul : fr_gelu_tanh_mul)(gu, T, I, act);
     if ((failed = product(down, act, T, h, threads))) return failed;
+    if (e->post_mlp_norm) fr_rms_norm(h, T, H, e->post_mlp_norm, eps, h);
     add_to(x, h, (size_t)T * H);
     return 0;
 }

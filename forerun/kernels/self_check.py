@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from forerun.kernels.binding import (
+    ACTIVATION_CODES,
+    LayerExtras,
     LayerMatrices,
     Matrix,
     NativeKernels,
@@ -120,7 +122,7 @@ def check_products(kernels: NativeKernels) -> None:
 
 def check_layer_ops(kernels: NativeKernels) -> None:
     """The layer operations on random values, against float64 formulas:
-    RMSNorm, SiLU gating, and attention with grouped heads over a cache,
+    RMSNorm, SiLU and GELU gating, and attention with grouped heads over a cache,
     causal and masked."""
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(3, 40, generator=gen), torch.randn(40, generator=gen)
@@ -130,6 +132,9 @@ def check_layer_ops(kernels: NativeKernels) -> None:
     gate, up = gu.chunk(2, dim=-1)
     worst["SiLU gating"] = (kernels.silu_mul(gu.float()).double()
                             - gate * torch.sigmoid(gate) * up).abs().max()
+    u = 0.7978845608028654 * (gate + 0.044715 * gate ** 3)
+    worst["GELU gating"] = (kernels.gelu_tanh_mul(gu.float()).double()
+                            - gate * torch.sigmoid(2 * u) * up).abs().max()
     heads, kv, d, capacity, start, t = 4, 2, 12, 16, 5, 3
     qkv = torch.randn(t, (heads + 2 * kv) * d, generator=gen)
     angles = torch.rand(t, d // 2, generator=gen, dtype=torch.float64) * 6
@@ -176,7 +181,14 @@ def check_decoder_layer(kernels: NativeKernels, ops: NativeKernels) -> None:
     (the library the engine's layer operations run on: the same one, or
     the AVX2 build beside a vpdpbusd one): two sequences of 3 and 2 rows,
     one masked, with a q/k/v of two formats side by side, a bias, and a
-    6-bit and an 8-bit matrix."""
+    6-bit and an 8-bit matrix; once as a Qwen2 layer, once with what Qwen3
+    and Gemma 3 add (query and key norms, a query scale, output norms, the
+    tanh GELU)."""
+    for extras in (False, True):
+        _check_decoder_layer(kernels, ops, extras)
+
+
+def _check_decoder_layer(kernels: NativeKernels, ops: NativeKernels, with_extras: bool) -> None:
     gen = torch.Generator().manual_seed(3)
     hidden, heads, kv, d, inner, eps = 40, 4, 2, 8, 24, 1e-6
     rows = kernels.row_group
@@ -194,9 +206,15 @@ def check_decoder_layer(kernels: NativeKernels, ops: NativeKernels) -> None:
     down = matrix("q8", hidden, inner)
     bias = torch.randn((heads + 2 * kv) * d, generator=gen)
     norms = torch.rand(2, hidden, generator=gen) + 0.5
+    head_norms = torch.rand(2, d, generator=gen) + 0.5
+    out_norms = torch.rand(2, hidden, generator=gen) + 0.5
+    factor = 0.7
+    extras = LayerExtras(head_norms[0].data_ptr(), head_norms[1].data_ptr(),
+                         out_norms[0].data_ptr(), out_norms[1].data_ptr(), factor,
+                         ACTIVATION_CODES["gelu_tanh"]) if with_extras else None
     layer = LayerMatrices(norms[0].contiguous(), norms[1].contiguous(),
                           product([q, kvs], bias), product([o], None),
-                          product([gate_up], None), product([down], None), ())
+                          product([gate_up], None), product([down], None), (), extras)
     run: dict[str, Callable[..., torch.Tensor]] = {
         "q4": kernels.q4_linear, "q6": kernels.q6_linear, "q8": kernels.q8_linear}
     one_by_one = {name: (lambda x, m=m, f=f: run[f](x, *m[1]))
@@ -217,15 +235,23 @@ def check_decoder_layer(kernels: NativeKernels, ops: NativeKernels) -> None:
     mine = [(k.clone(), v.clone()) for k, v in caches]
     h = ops.rms_norm(x, layer.attn_norm, eps)
     qkv = torch.cat([one_by_one["q"](h), one_by_one["kv"](h)], -1) + bias
+    if with_extras:
+        for begin, count, norm in ((0, heads, head_norms[0]), (heads * d, kv, head_norms[1])):
+            part = qkv[:, begin:begin + count * d]
+            part.copy_(ops.rms_norm(part.reshape(t * count, d), norm, eps).view(t, count * d))
+        qkv[:, :heads * d] *= torch.tensor(factor, dtype=torch.float32)
     parts, row = [], 0
     for (keys, values), start, count, rows_mask in zip(mine, starts, counts, masks):
         parts.append(ops.attention(qkv[row:row + count], cos[row:row + count],
                                    sin[row:row + count], keys[1], values[1], start, rows_mask,
                                    heads))
         row += count
-    want = x + one_by_one["o"](torch.cat(parts))
+    out = one_by_one["o"](torch.cat(parts))
+    want = x + (ops.rms_norm(out, out_norms[0], eps) if with_extras else out)
     h = ops.rms_norm(want, layer.mlp_norm, eps)
-    want = want + one_by_one["down"](ops.silu_mul(one_by_one["gate_up"](h)))
+    gated = one_by_one["gate_up"](h)
+    out = one_by_one["down"](ops.gelu_tanh_mul(gated) if with_extras else ops.silu_mul(gated))
+    want = want + (ops.rms_norm(out, out_norms[1], eps) if with_extras else out)
 
     got = x.clone()
     spans = (SequenceRows * 2)(*(
@@ -236,8 +262,10 @@ def check_decoder_layer(kernels: NativeKernels, ops: NativeKernels) -> None:
                           kernels.decoder_layer_scratch(t, hidden, heads, kv, d, inner))
     if not (torch.equal(got, want) and all(torch.equal(a, b) for pair in zip(caches, mine)
                                            for a, b in zip(*pair))):
+        added = (" (with query and key norms, a query scale, output norms and GELU)"
+                 if with_extras else "")
         raise Unavailable("the built library's decoder layer differs from its operations run "
-                          "one by one")
+                          f"one by one{added}")
 
 
 def check_same_products(dot: NativeKernels, avx2: NativeKernels) -> None:

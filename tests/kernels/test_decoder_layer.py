@@ -2,8 +2,9 @@
 computed position by position gives the same logits, hidden states,
 captured states and caches, to the bit, with its layers fused as with them
 run operation by operation (one position, a masked verification, several
-sequences in one forward; q4 with mixed q/k/v formats, q8, biases); the
-layers it can't run go operation by operation; and a library whose fused
+sequences in one forward; q4 with mixed q/k/v formats, q8, biases; Qwen3's
+and Gemma 3's norms, GELU and query scale); float layers go operation by
+operation; and a library whose fused
 layer computes otherwise is refused at load, or, let through, fails the
 forward's comparison."""
 
@@ -105,13 +106,56 @@ def test_with_q_k_v_of_two_formats_and_six_bit_matrices(kernels):
     assert _same(_forwards(net, True), _forwards(net, False))
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
-def test_layers_with_norms_it_lacks_run_operation_by_operation(kernels, arch):
-    """Query and key norms (Qwen3), output norms and GELU (Gemma 3): no
-    layer is fused, and the forward is the operations' own."""
-    net = _network(arch, "q4")
-    assert net.fused_layers() == (None, [None] * net.config.num_layers)
+@pytest.mark.parametrize("arch,weights", [("qwen3", "q4"), ("gemma3", "q4"), ("gemma3", "q8")])
+def test_layers_with_norms_gelu_and_a_query_scale_are_fused_alike(kernels, arch, weights):
+    """Query and key norms (Qwen3, Gemma 3), output norms, the tanh GELU, a
+    query scale and sliding windows (Gemma 3): every layer is fused, with
+    what its architecture adds, and computes what its operations compute."""
+    net = _network(arch, weights)
+    ops, fused = net.fused_layers()
+    assert ops is kernels and all(m is not None and m.extras is not None for m in fused)
+    if arch == "gemma3":
+        assert net.query_factor != 1.0 and net.local_layers
+        assert fused[0].extras.activation == 1 and fused[0].extras.post_mlp_norm
+    assert fused[0].extras.q_norm and fused[0].extras.k_norm
     assert _same(_forwards(net, True), _forwards(net, False))
+
+
+@pytest.mark.parametrize("arch,fault", [("qwen3", "query norm"), ("gemma3", "query norm"),
+                                        ("gemma3", "query scale"), ("gemma3", "output norm")])
+def test_a_fused_layer_that_skips_what_the_architecture_adds_differs(kernels, arch, fault):
+    """The comparison above can fail: the same layers fused without their
+    query and key norms, query scale or feed-forward output norm give
+    other logits."""
+    net = _network(arch, "q4")
+    for m in net.fused_layers()[1]:
+        if fault == "query scale":
+            m.extras.query_factor = 1.0
+        elif fault == "output norm":
+            m.extras.post_mlp_norm = None
+        else:
+            m.extras.q_norm = m.extras.k_norm = None
+    assert not _same(_forwards(net, True)[:2], _forwards(net, False)[:2])
+
+
+def test_native_gelu_gating_matches_torch(kernels):
+    """The tanh GELU of the layer operations (``fr_gelu_tanh_mul``) over the
+    range a gate takes and past it (where e^(-2u) is clamped), a width that
+    leaves a scalar tail: within 1e-5 of the exact value, relatively (in
+    float64, as x sigmoid(2u), which 0.5 x (1 + tanh u) equals but loses
+    to cancellation below -5; far in the negative tail e^(-2u)'s argument,
+    about 30, carries a float32 rounding), and as close to torch's float32
+    GELU as torch is to the exact value."""
+    gate = torch.cat([torch.linspace(-12, 12, 4001), torch.tensor([-1e4, -90.0, 0.0, 1e-30,
+                                                                  90.0, 1e4])])
+    up = torch.rand_like(gate, generator=torch.Generator().manual_seed(1)) + 0.5
+    got = kernels.gelu_tanh_mul(torch.stack([gate, up]).reshape(1, -1))[0].double()
+    g = gate.double()
+    exact = g * torch.sigmoid(2 * 0.7978845608028654 * (g + 0.044715 * g ** 3)) * up.double()
+    assert gate.numel() % 8 != 0 and torch.isfinite(got).all()
+    assert torch.allclose(got, exact, rtol=1e-5, atol=1e-34)
+    torch_gelu = (torch.nn.functional.gelu(gate, approximate="tanh") * up).double()
+    assert (got - torch_gelu).abs().max() <= 2 * (torch_gelu - exact).abs().max()
 
 
 def test_float_layers_are_not_fused(kernels):
@@ -126,6 +170,15 @@ def test_a_library_whose_fused_layer_is_wrong_is_refused(altered_source):
     altered_source("DECODER_LAYER_SOURCE", "    if (p->bias)\n", "    if (p->bias && T == 1)\n")
     assert native.layer_ops() is None and native.native_kernels() is None
     assert "decoder layer differs" in native.unavailable_reason()
+
+
+def test_a_library_whose_fused_layer_skips_an_output_norm_is_refused(altered_source):
+    """The load-time check covers what Qwen3 and Gemma 3 add: a fused
+    layer that leaves out the feed-forward block's output norm is refused."""
+    altered_source("DECODER_LAYER_SOURCE", "    if (e->post_mlp_norm) fr_rms_norm(",
+                   "    if (0) fr_rms_norm(")
+    assert native.native_kernels() is None
+    assert "(with query and key norms" in native.unavailable_reason()
 
 
 def test_that_wrong_fused_layer_let_through_fails_the_comparison(altered_source, monkeypatch):

@@ -1,5 +1,6 @@
 """Fused layers on the real presets (``decoder_layer.c``): every layer of
-the Qwen2.5 and SmolLM2 models runs in one native call, and greedy and
+the Qwen2.5, SmolLM2 and Gemma 3 models (query and key norms, output norms,
+GELU, sliding windows) runs in one native call, and greedy and
 sampled answers, a verification's logits and a batch's are the same to the
 bit as with the layers run operation by operation."""
 
@@ -40,7 +41,7 @@ def _answers(model, net, fuse: bool):
         net.fuse_layers = True
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
 def test_fused_layers_answer_as_the_operations_do(preset_model, name):
     model, net = _fused_model(preset_model, name)
     greedy, sampled, verification, batch = _answers(model, net, True)
