@@ -255,6 +255,32 @@ static inline int sees(const uint8_t *mask, int end, int start, int t, int j) {
     return mask ? mask[(size_t)t * end + j] != 0 : j <= start + t;
 }
 
+/* [*lo, *hi): the slots that rows t0 .. t1-1 see lie in it (causal: 0 ..
+ * start + t1; with a mask, from the first slot any row sees to the last).
+ * A sliding window's mask leaves most of a long cache out of it: its
+ * blocks are neither read nor fetched. */
+static void seen_span(const uint8_t *mask, int end, int start, int t0, int t1, int *lo,
+                      int *hi) {
+    if (!mask) {
+        *lo = 0;
+        *hi = imin(start + t1, end);
+        return;
+    }
+    int a = end, b = 0;
+    for (int t = t0; t < t1; t++) {
+        const uint8_t *row = mask + (size_t)t * end;
+        int first = 0, last = end;
+        while (first < end && !row[first]) first++;
+        while (last > first && !row[last - 1]) last--;
+        if (first < last) {
+            a = imin(a, first);
+            b = last > b ? last : b;
+        }
+    }
+    *lo = a < b ? a : 0;
+    *hi = b;
+}
+
 /* The attention of rows t0 .. t1-1 (at most ROWS) for key head g, whose
  * cache rows are kg and vg: the keys and values each row sees, in slot
  * order, read once for all the rows (so a verification of T positions reads
@@ -266,11 +292,13 @@ static void attend_rows(const float *qkv, int width, int H, int per_kv, int D,
                         const float *kg, const float *vg, int g, int t0, int t1, int start,
                         int end, const uint8_t *mask, float scale, float *scores, int *seen,
                         float *out) {
+    int lo, hi;
+    seen_span(mask, end, start, t0, t1, &lo, &hi);
     for (int t = t0; t < t1; t++) seen[t - t0] = 0;
-    for (int j0 = 0; j0 < end; j0 += QK_SLOTS) {
+    for (int j0 = lo / QK_SLOTS * QK_SLOTS; j0 < hi; j0 += QK_SLOTS) {
         const int m = imin(QK_SLOTS, end - j0);
         const float *k = kg + (size_t)j0 * D;
-        if (j0 + QK_AHEAD + m <= end)       /* keys read later, asked for in order */
+        if (j0 + QK_AHEAD + m <= hi)        /* keys read later, asked for in order */
             for (size_t b = 0; b < sizeof(float) * (size_t)D * m; b += 64)
                 _mm_prefetch((const char *)(k + (size_t)QK_AHEAD * D) + b, _MM_HINT_T0);
         for (int t = t0; t < t1; t++) {
@@ -317,14 +345,15 @@ static void attend_rows(const float *qkv, int width, int H, int per_kv, int D,
     }
     const int wide = t1 - t0 >= WIDE_ROWS, heads = wide ? PV_WIDE_HEADS : PV_HEADS,
               slots = wide ? PV_WIDE_SLOTS : PV_SLOTS;
-    for (int j0 = 0; j0 < end; j0 += slots) {
+    for (int j0 = lo / slots * slots; j0 < hi; j0 += slots) {
         const int m = imin(slots, end - j0);
         const float *v = vg + (size_t)j0 * D;
         /* The next block's values, asked for in order: a block reads its
            rows a piece at a time, an order the hardware prefetcher follows
            poorly. */
         const char *next = (const char *)(v + (size_t)m * D);
-        const size_t ahead = sizeof(float) * (size_t)D * (size_t)imin(slots, end - j0 - m);
+        const int more = imin(slots, hi - j0 - m);
+        const size_t ahead = more > 0 ? sizeof(float) * (size_t)D * (size_t)more : 0;
         for (size_t b = 0; b < ahead; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
         for (int t = t0; t < t1; t++) {
             const float *pt = scores + (size_t)(t - t0) * per_kv * end;
