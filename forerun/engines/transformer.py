@@ -737,16 +737,24 @@ class Transformer:
         # (sliding_window) see through a window mask, gathered for one row
         # as for several (so one-position forwards and rowwise ones compute
         # alike).
-        views = {False: self._visible(spans, rowwise, None)}
+        # A span attended in one call (a prompt's block) reads its cache from
+        # the first slot any of its rows sees: in a local layer, the slots
+        # before its first row's window are left out of the call, not masked
+        # in it (a block at the end of a long prompt reads a window's worth
+        # of keys, not the whole cache).
+        views = {False: (*self._visible(spans, rowwise, None), [0] * len(spans))}
         if self.local_layers:
             windows = [window_mask(s, positions, c.sliding_window, self.device) for s in spans]
-            views[True] = self._visible(spans, rowwise or t == 1, windows)
+            seen, masks = self._visible(spans, rowwise or t == 1, windows)
+            firsts = [0 if m is None else _first_seen(m) for m in masks]
+            views[True] = (seen, [None if m is None else m[..., f:] for m, f in zip(masks, firsts)],
+                           firsts)
         for n, layer in enumerate(self.layers):
             if taken is not None:
                 taken[n] = x
             local = n in self.local_layers
             cos, sin = angles[local]
-            visible, attn_masks = views[local]
+            visible, attn_masks, first_slots = views[local]
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
             qkv = self._queries_and_keys(layer.qkv(h).to(self.dtype)[:t].contiguous(), layer)
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -756,14 +764,15 @@ class Transformer:
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
             parts = []
-            for s, seen_by_row, attn_mask in zip(spans, visible, attn_masks):
+            for s, seen_by_row, attn_mask, first in zip(spans, visible, attn_masks,
+                                                        first_slots):
                 a, b = s.begin, s.end
                 s.cache.write(n, s.start, k[:, a:b], v[:, a:b])
                 keys, values = s.cache.layer(n, s.start + b - a)
                 if seen_by_row is None:
                     parts.append(F.scaled_dot_product_attention(
-                        q[None, :, a:b], keys[None], values[None], attn_mask=attn_mask,
-                        enable_gqa=c.num_heads != c.num_kv_heads))
+                        q[None, :, a:b], keys[None, :, first:], values[None, :, first:],
+                        attn_mask=attn_mask, enable_gqa=c.num_heads != c.num_kv_heads))
                 else:
                     parts.extend(self._attend_one(q[:, i:i + 1], keys, values, seen)
                                  for i, seen in enumerate(seen_by_row, start=a))
@@ -810,6 +819,13 @@ class Transformer:
             visible.append(None)
             attn_masks.append(None if mask is None else mask[None, None])
         return visible, attn_masks
+
+
+def _first_seen(mask: torch.Tensor) -> int:
+    """The first slot (column) that any row of ``mask`` (bool ``[..., rows,
+    slots]``) sees; 0 where none does."""
+    seen = mask.reshape(-1, mask.shape[-1]).any(0).nonzero()
+    return int(seen[0]) if seen.numel() else 0
 
 
 def _mask_fits(mask: torch.Tensor | None, rows: int, start: int) -> bool:
