@@ -32,6 +32,7 @@ from forerun.kernels.layouts import (
     from_chunks,
     from_row_groups,
     half_group_order,
+    input_unit,
     natural_half_order,
     pack_high_bits,
     pack_nibbles,
@@ -95,7 +96,7 @@ class _NativeLinear(Linear):
         long as it is used)."""
         arrays = tuple(getattr(self, name) for name in self._arrays)
         return Matrix.of(int(self.format[1:]), self.out_features, self.in_features,
-                         arrays), arrays
+                         arrays, self._kp), arrays
 
     def _shape_meta(self) -> dict:
         return {"kind": self.format, "kernel": KERNEL,
@@ -104,17 +105,22 @@ class _NativeLinear(Linear):
     @classmethod
     def _empty(cls: type[_Layer], shape: tuple[int, int], rows: int) -> tuple[_Layer, int]:
         """A layer of ``shape`` ``[N, K]`` in row groups of ``rows`` to fill,
-        and the zero columns its input is padded with (to whole blocks of
-        256)."""
+        and the zero columns its input is padded with (:attr:`_kp`)."""
         layer = cls.__new__(cls)
         layer.out_features, layer.in_features = shape
         layer.rows = rows
-        return layer, padded(layer.in_features) - layer.in_features
+        return layer, layer._kp - layer.in_features
+
+    @property
+    def _kp(self) -> int:
+        """Its padded input length: whole blocks of 256, or half blocks for
+        an 8-bit layer in one-row groups (:func:`input_unit`)."""
+        return padded(self.in_features, input_unit(self.format, self.rows))
 
     @property
     def _blocks(self) -> int:
-        """Blocks of 256 input values per row."""
-        return padded(self.in_features) // BLOCK
+        """Blocks of 256 input values per row (4- and 6-bit layers)."""
+        return self._kp // BLOCK
 
     def _pieces(self, v: torch.Tensor, values: bool) -> int:
         """The pieces a row group interleaves a row of ``v`` in: units of
@@ -156,7 +162,7 @@ class _NativeLinear(Linear):
         try:
             if self.rows not in (1, 4):
                 raise ValueError(f"row groups of {self.rows} rows")
-            check_matrix(self.format, self.out_features, padded(self.in_features),
+            check_matrix(self.format, self.out_features, self._kp,
                          {name: getattr(self, name, None) for name in names}, self.rows)
         except ValueError as exc:
             raise ConfigError(f"this {self.format} layer's arrays don't fit its shape "

@@ -15,7 +15,10 @@
  * greedy speculative decoding needs to stay token-identical).
  *
  * Layout.  The input dimension is padded to a multiple of 256 (8 groups);
- * padded weights and activations are zero.  Within each block of 8 groups,
+ * padded weights and activations are zero.  8-bit matrices in a build of
+ * one-row groups (the AVX2 and AVX-VNNI builds) may end in a half block
+ * instead (Kp a multiple of 128: see HALF), so that a hidden size of 640
+ * (Gemma 3 270M) or 896 (Qwen2.5 0.5B) is not read as 768 or 1,024.  Within each block of 8 groups,
  * the 256 values are stored in 8 chunks: chunk i holds, for each group L,
  * its values 4i..4i+3 at bytes 4L..4L+3 of the chunk (32 bytes for int8
  * activations and weights).  So one vpmaddubsw + vpmaddwd sums 4 products
@@ -113,6 +116,12 @@
 /* The bytes of a row's values that sit together in a row group: block b's
  * values of a group's rows go unit by unit, row after row (see Row groups). */
 #define UNIT 32
+/* The inputs an 8-bit matrix may be padded to a multiple of in this build
+ * (fr_k_unit()): half a block where a row group is one row (q8_group reads
+ * a last half block of 4 groups, 128 bytes: chunk i of group L's 4 values
+ * at bytes 16 i + 4 L), a whole block otherwise.  4- and 6-bit matrices are
+ * always padded to whole blocks (a GGUF's K-quants come in blocks of 256). */
+#define HALF (ROWS == 1 ? 128 : BLOCK)
 
 #ifdef FR_DPBUSD
 #if FR_DPBUSD == 512
@@ -159,7 +168,7 @@
 #error "TILE must be 1 to 8 (the passes' cases), ROWS 1 or 4"
 #endif
 
-int fr_abi_version(void) { return 7; }
+int fr_abi_version(void) { return 8; }
 
 #ifdef FR_AMX
 /* The tile products of amx_int_products.c: from fr_amx_rows() positions up,
@@ -182,6 +191,9 @@ int fr_amx_q6_matmul(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, con
 /* The rows of this build's row groups: its layout of every matrix. */
 int fr_row_group(void) { return ROWS; }
 
+/* What an 8-bit matrix's inputs are padded to a multiple of (HALF). */
+int fr_k_unit(void) { return HALF; }
+
 /* How this build sums products: -1 vpmaddubsw (AVX2), 0 the vpdpbusd code
  * with its AVX2 stand-in, 256 AVX-VNNI, 512 AVX512-VNNI, 1024 AMX tiles for
  * many positions with AVX512-VNNI for few. */
@@ -193,7 +205,7 @@ int fr_dot_instruction(void) { return FR_DPBUSD_KIND; }
  * vcvtps2dq rounds half to even, as nearbyintf does).  A group holding a
  * NaN gets a NaN scale, so the products it enters are NaN (and the
  * engine's check of the logits refuses them) instead of a number. */
-static inline void quantize_group(const float *x, int8_t *ab, float *d_out,
+static inline void quantize_group(const float *x, int8_t *ab, int stride, float *d_out,
                                   float *dsum_out) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
@@ -219,7 +231,7 @@ static inline void quantize_group(const float *x, int8_t *ab, float *d_out,
     b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     int32_t quads[8];
     _mm256_storeu_si256((__m256i *)quads, b);
-    for (int c = 0; c < 8; c++) memcpy(ab + 32 * c, &quads[c], 4);
+    for (int c = 0; c < 8; c++) memcpy(ab + stride * c, &quads[c], 4);
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
@@ -229,15 +241,17 @@ static inline void quantize_group(const float *x, int8_t *ab, float *d_out,
 }
 
 /* One row: x [K] float32 -> a [Kp] int8 in the chunk layout, sa and sasum
- * [Kp / 32]. */
+ * [Kp / 32].  A last half block (Kp a multiple of 128 only, see HALF) is in
+ * the half block's chunk layout. */
 static void quantize_row(const float *xr, int K, int Kp, int8_t *ar, float *sar,
                          float *sasumr) {
-    const int ng = Kp / GROUP;
+    const int ng = Kp / GROUP, full = Kp / BLOCK * 8;
     for (int g = 0; g < ng; g++) {
         int8_t *ab = ar + (size_t)(g / 8) * BLOCK + 4 * (g % 8);
+        const int stride = g < full ? 32 : 16;
         const int k0 = g * GROUP;
         if (k0 + GROUP <= K) {
-            quantize_group(xr + k0, ab, sar + g, sasumr + g);
+            quantize_group(xr + k0, ab, stride, sar + g, sasumr + g);
             continue;
         }
         float amax = 0.0f;
@@ -252,7 +266,7 @@ static void quantize_row(const float *xr, int K, int Kp, int8_t *ar, float *sar,
         for (int i = 0; i < GROUP; i++) {
             const float r = k0 + i < K ? nearbyintf(xr[k0 + i] * inv) : 0.0f;
             const int v = isnan(r) ? 0 : (int)r;
-            ab[32 * (i / 4) + i % 4] = (int8_t)v;
+            ab[stride * (i / 4) + i % 4] = (int8_t)v;
             sum += v;
         }
         const float d = nan ? NAN : amax / 127.0f;
@@ -481,7 +495,8 @@ static inline __attribute__((always_inline)) void q8_group(
     for (int r = 0; r < ROWS; r++)
         for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int g0 = 0; g0 < ng; g0 += 8) {
+    int g0 = 0;
+    for (; g0 + 8 <= ng; g0 += 8) {
         const int8_t *qb = q + (size_t)g0 * GROUP * ROWS;         /* ROWS x 256 bytes */
         const int8_t *ab = a + (size_t)g0 * GROUP;
         prefetch_ahead(qb, 256 * ROWS, 2 * PREFETCH);
@@ -509,6 +524,35 @@ static inline __attribute__((always_inline)) void q8_group(
                                             _mm256_loadu_ps(sa + (size_t)t * ng + g0),
                                             acc[r][t]);
     }
+#if ROWS == 1
+    if (g0 < ng) {
+        /* The half block (see HALF): each 32 bytes hold chunks 2i (groups
+           0-3 in lanes 0-3) and 2i + 1 (lanes 4-7); a group's sum is its two
+           lanes' (integers: exact).  Lanes 4-7 then get +0 times a scale of
+           +0, as a whole block's zero-padded groups do, so the results are
+           those of the same matrix padded to 256, bit for bit. */
+        const int8_t *qb = q + (size_t)g0 * GROUP, *ab = a + (size_t)g0 * GROUP;
+        __m256i s32[TILE];
+        for (int t = 0; t < TT; t++) s32[t] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(qb + 32 * i));
+            const __m256i wabs = _mm256_sign_epi8(w, w);
+            for (int t = 0; t < TT; t++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(ab + (size_t)t * Kp
+                                                                       + 32 * i));
+                s32[t] = SUMS1(s32[t], wabs, _mm256_sign_epi8(x, w));
+            }
+        }
+        for (int t = 0; t < TT; t++) {
+            const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(s32[t]),
+                                               _mm256_extracti128_si256(s32[t], 1));
+            const __m256 d = _mm256_insertf128_ps(_mm256_setzero_ps(),
+                                                  _mm_loadu_ps(sa + (size_t)t * ng + g0), 0);
+            acc[0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_inserti128_si256(
+                _mm256_setzero_si256(), half, 0)), d, acc[0][t]);
+        }
+    }
+#endif
     for (int r = 0; r < valid; r++)
         for (int t = 0; t < TT; t++) y[(size_t)t * N + r] = scale[r] * sum_lanes(acc[r][t]);
     (void)ones;
@@ -845,6 +889,7 @@ static int scratch(int T, int Kp, int8_t **a, float **sa, float **sasum) {
 int fr_q4_linear(const float *x, int T, int K, int Kp, const uint8_t *q,
                  const uint16_t *scale, const uint16_t *min, int N, float *y, int threads) {
     int8_t *a; float *sa, *sasum;
+    if (Kp % BLOCK) return -2;
     if (scratch(T, Kp, &a, &sa, &sasum)) return -1;
     quantize_rows(x, T, K, Kp, a, sa, sasum, threads);
     fr_q4_matmul(q, scale, min, N, Kp, a, sa, sasum, T, y, threads);
@@ -855,6 +900,7 @@ int fr_q4_linear(const float *x, int T, int K, int Kp, const uint8_t *q,
 int fr_q8_linear(const float *x, int T, int K, int Kp, const int8_t *q, const float *scale,
                  int N, float *y, int threads) {
     int8_t *a; float *sa, *sasum;
+    if (Kp % HALF) return -2;
     if (scratch(T, Kp, &a, &sa, &sasum)) return -1;
     quantize_rows(x, T, K, Kp, a, sa, sasum, threads);
     fr_q8_matmul(q, scale, N, Kp, a, sa, T, y, threads);
@@ -865,6 +911,7 @@ int fr_q8_linear(const float *x, int T, int K, int Kp, const int8_t *q, const fl
 int fr_q6_linear(const float *x, int T, int K, int Kp, const uint8_t *ql, const uint8_t *qh,
                  const int8_t *sc, const float *d, int N, float *y, int threads) {
     int8_t *a; float *sa, *sasum;
+    if (Kp % BLOCK) return -2;
     if (scratch(T, Kp, &a, &sa, &sasum)) return -1;
     int32_t *hs = malloc((size_t)T * 2 * (Kp / GROUP) * sizeof(int32_t));
     if (!hs) { free(a); free(sa); free(sasum); return -1; }

@@ -21,7 +21,7 @@ INSTRUCTIONS = {-1: "avx2", 0: "avx2 stand-in for vpdpbusd", 256: "avx-vnni",
                 512: "avx512-vnni", 1024: "amx-int8"}
 # Bumped whenever the layouts or the functions' signatures change (the
 # packed-weight cache is keyed by it).
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -48,12 +48,13 @@ class Matrix(ctypes.Structure):
                 ("kp", ctypes.c_int32), ("w0", _P), ("w1", _P), ("w2", _P), ("w3", _P)]
 
     @classmethod
-    def of(cls, bits: int, n: int, k: int, arrays: Sequence[torch.Tensor]) -> Matrix:
-        """The ``bits``-bit matrix of ``n`` rows and ``k`` inputs whose
-        arrays (at most 4) are ``arrays``, in the order the kernels take
-        them."""
-        return cls(bits, n, k, padded(k), *(a.data_ptr() for a in arrays),
-                   *[None] * (4 - len(arrays)))
+    def of(cls, bits: int, n: int, k: int, arrays: Sequence[torch.Tensor],
+           kp: int | None = None) -> Matrix:
+        """The ``bits``-bit matrix of ``n`` rows and ``k`` inputs padded to
+        ``kp`` (default: whole blocks) whose arrays (at most 4) are
+        ``arrays``, in the order the kernels take them."""
+        return cls(bits, n, k, padded(k) if kp is None else kp,
+                   *(a.data_ptr() for a in arrays), *[None] * (4 - len(arrays)))
 
 
 #: The most matrices a :class:`Product` puts side by side (``FR_PARTS``).
@@ -121,6 +122,16 @@ class LayerMatrices:
     extras: LayerExtras | None = None
 
 
+def _linear_done(status: int, kind: str, t: int, k: int, kp: int) -> None:
+    """Raise for a product's nonzero ``status``: -2, padded columns this
+    build's kernels don't read (:func:`~.layouts.input_unit`); else no
+    scratch memory."""
+    if status == -2:
+        raise ValueError(f"the {kind} kernels of this build don't read inputs padded to {kp}")
+    if status:
+        raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
+
+
 class NativeKernels:
     """The loaded library.  Every method takes contiguous CPU tensors, and
     the products take matrices in the layouts of :mod:`forerun.kernels.layouts`,
@@ -144,6 +155,9 @@ class NativeKernels:
         # The rows of its row groups (to_row_groups): the layout of every
         # matrix it multiplies, 4 in the AVX512-VNNI build, 1 in the AVX2 one.
         self.row_group: int = lib.fr_row_group()
+        # What its 8-bit products read inputs padded to a multiple of
+        # (input_unit: 128 in one-row groups, else 256).
+        self.k_unit: int = lib.fr_k_unit()
         self._quantize = lib.fr_quantize_rows
         self._quantize.argtypes = [_P, _I, _I, _I, _P, _P, _P]
         self._quantize.restype = None
@@ -198,11 +212,14 @@ class NativeKernels:
             raise ValueError(f"the {self.instruction} build has no AMX tiles")
         self._set_amx_rows(rows)
 
-    def quantize(self, x: torch.Tensor) -> QuantizedRows:
-        """``x`` float32 ``[T, K]`` quantized to int8 per group of 32."""
+    def quantize(self, x: torch.Tensor, kp: int | None = None) -> QuantizedRows:
+        """``x`` float32 ``[T, K]`` quantized to int8 per group of 32, padded
+        to ``kp`` columns (default: whole blocks; a multiple of 128 ends in a
+        half block, as an 8-bit matrix of :func:`~.layouts.input_unit` reads
+        it)."""
         x = x.float().contiguous()
         t, k = x.shape
-        kp = padded(k)
+        kp = padded(k) if kp is None else kp
         values = torch.empty(t, kp, dtype=torch.int8)
         scale = torch.empty(t, kp // GROUP)
         sums = torch.empty(t, kp // GROUP)
@@ -243,9 +260,9 @@ class NativeKernels:
         t, k = x.shape
         kp = 2 * q.shape[1]
         y = torch.empty(t, n)
-        if self._q4_linear(x.data_ptr(), t, k, kp, q.data_ptr(), scale.data_ptr(),
-                           minimum.data_ptr(), n, y.data_ptr(), torch.get_num_threads()):
-            raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
+        _linear_done(self._q4_linear(x.data_ptr(), t, k, kp, q.data_ptr(), scale.data_ptr(),
+                                     minimum.data_ptr(), n, y.data_ptr(),
+                                     torch.get_num_threads()), "4-bit", t, k, kp)
         return y
 
     def q8_linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -255,9 +272,8 @@ class NativeKernels:
         t, k = x.shape
         kp = q.shape[1]
         y = torch.empty(t, n)
-        if self._q8_linear(x.data_ptr(), t, k, kp, q.data_ptr(), scale.data_ptr(), n,
-                           y.data_ptr(), torch.get_num_threads()):
-            raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
+        _linear_done(self._q8_linear(x.data_ptr(), t, k, kp, q.data_ptr(), scale.data_ptr(), n,
+                                     y.data_ptr(), torch.get_num_threads()), "8-bit", t, k, kp)
         return y
 
     def q6_linear(self, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
@@ -272,10 +288,9 @@ class NativeKernels:
         t, k = x.shape
         kp = 2 * low.shape[1]
         y = torch.empty(t, n)
-        if self._q6_linear(x.data_ptr(), t, k, kp, low.data_ptr(),
-                           high.data_ptr(), scale.data_ptr(), d.data_ptr(), n, y.data_ptr(),
-                           torch.get_num_threads()):
-            raise MemoryError(f"no memory for the int8 activations of {t} x {k}")
+        _linear_done(self._q6_linear(x.data_ptr(), t, k, kp, low.data_ptr(), high.data_ptr(),
+                                     scale.data_ptr(), d.data_ptr(), n, y.data_ptr(),
+                                     torch.get_num_threads()), "6-bit", t, k, kp)
         return y
 
     # -- layer operations (float32, contiguous, CPU) --------------------------------

@@ -61,18 +61,24 @@ typedef struct {
     const float *bias; /* [n], or NULL */
 } fr_product;
 
+/* 0, 1 where no scratch memory could be had, 2 for a matrix it can't read
+   (a format it doesn't know, or padded columns its kernels don't take). */
 static int part_product(const fr_matrix *m, const float *x, int T, float *y, int threads) {
+    int r;
     switch (m->format) {
     case 4:
-        return fr_q4_linear(x, T, m->k, m->kp, m->w0, m->w1, m->w2, m->n, y, threads) ? 1 : 0;
+        r = fr_q4_linear(x, T, m->k, m->kp, m->w0, m->w1, m->w2, m->n, y, threads);
+        break;
     case 6:
-        return fr_q6_linear(x, T, m->k, m->kp, m->w0, m->w1, m->w2, m->w3, m->n, y, threads)
-            ? 1 : 0;
+        r = fr_q6_linear(x, T, m->k, m->kp, m->w0, m->w1, m->w2, m->w3, m->n, y, threads);
+        break;
     case 8:
-        return fr_q8_linear(x, T, m->k, m->kp, m->w0, m->w1, m->n, y, threads) ? 1 : 0;
+        r = fr_q8_linear(x, T, m->k, m->kp, m->w0, m->w1, m->n, y, threads);
+        break;
     default:
         return 2;
     }
+    return r == -2 ? 2 : r ? 1 : 0;
 }
 
 /* y [T, n] = x [T, k] W (+ bias).  Returns 0, 1 where no scratch memory

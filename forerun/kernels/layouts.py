@@ -1,9 +1,9 @@
 """The weight layouts forerun's native kernels read (``avx2_int_products.c``)
 and the functions that make and undo them: inputs padded to whole blocks of
-256 values, chunk order within a block, 4-bit values packed two to a byte,
-the 6-bit values' high bits four to a byte, the 6-bit scales in half-group
-order, and rows in row groups of a build's
-:attr:`~forerun.kernels.binding.NativeKernels.row_group`.
+256 values (an 8-bit matrix in one-row groups: to half blocks), chunk order
+within a block, 4-bit values packed two to a byte, the 6-bit values' high
+bits four to a byte, the 6-bit scales in half-group order, and rows in row
+groups of a build's :attr:`~forerun.kernels.binding.NativeKernels.row_group`.
 :func:`check_matrix` says whether arrays are a matrix the kernels can read."""
 
 from __future__ import annotations
@@ -22,9 +22,25 @@ GROUP = 32
 UNIT = 32
 
 
-def padded(k: int) -> int:
-    """``k`` rounded up to a multiple of :data:`BLOCK`."""
-    return -(-k // BLOCK) * BLOCK
+# What an 8-bit matrix's inputs may be padded to a multiple of where a
+# build's row group is one row (the kernels' HALF): its last block is then
+# half a block, in :func:`to_chunks`'s half-block order.
+HALF_BLOCK = BLOCK // 2
+
+
+def padded(k: int, unit: int = BLOCK) -> int:
+    """``k`` rounded up to a multiple of ``unit`` (:data:`BLOCK`, or
+    :data:`HALF_BLOCK` for an 8-bit matrix in one-row groups:
+    :func:`input_unit`)."""
+    return -(-k // unit) * unit
+
+
+def input_unit(kind: str, rows: int) -> int:
+    """What a ``kind`` matrix's inputs are padded to a multiple of, in row
+    groups of ``rows``: half a block for ``q8`` in groups of one row (the
+    AVX2 and AVX-VNNI builds read a last half block), a whole block
+    otherwise."""
+    return HALF_BLOCK if kind == "q8" and rows == 1 else BLOCK
 
 
 def padded_rows(n: int, rows: int) -> int:
@@ -57,9 +73,10 @@ def check_matrix(kind: str, n: int, kp: int, arrays: Mapping[str, torch.Tensor |
         name: ((rows, kp // per), dtype) for name, (per, dtype) in LAYOUTS[kind].items()}
     if kind == "q8":
         want["scale"] = ((rows,), torch.float32)
-    if n <= 0 or kp <= 0 or kp % BLOCK:
-        raise ValueError(f"a {kind} matrix needs rows and a multiple of {BLOCK} padded "
-                         f"columns, got {n} x {kp}")
+    unit = input_unit(kind, group)
+    if n <= 0 or kp <= 0 or kp % unit:
+        raise ValueError(f"a {kind} matrix in row groups of {group} needs rows and a "
+                         f"multiple of {unit} padded columns, got {n} x {kp}")
     for name, (shape, dtype) in want.items():
         t = arrays.get(name)
         if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.dtype == dtype
@@ -119,17 +136,31 @@ def rows_of_groups(v: torch.Tensor, index: torch.Tensor, blocks: int, rows: int
 
 
 def to_chunks(v: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` values (K a multiple of 256) in the kernels' chunk order:
-    within each block of 8 groups, chunk ``i`` holds values ``4i..4i+3`` of
-    each group in turn."""
-    n, k = v.shape
-    return v.reshape(n, k // BLOCK, 8, 8, 4).transpose(2, 3).reshape(n, k)
+    """``[N, K]`` values (K a multiple of 256, or of 128 for a last half
+    block) in the kernels' chunk order: within each block of 8 groups, chunk
+    ``i`` holds values ``4i..4i+3`` of each group in turn; within a last
+    half block of 4 groups, the same with 4 groups to a chunk (16 bytes)."""
+    return _chunk_order(v, undo=False)
 
 
 def from_chunks(v: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`to_chunks`."""
+    return _chunk_order(v, undo=True)
+
+
+def _chunk_order(v: torch.Tensor, undo: bool) -> torch.Tensor:
     n, k = v.shape
-    return v.reshape(n, k // BLOCK, 8, 8, 4).transpose(2, 3).reshape(n, k)
+    full = k // BLOCK * BLOCK
+    if k % HALF_BLOCK:
+        raise ValueError(f"the chunk order needs a multiple of {HALF_BLOCK} values, got {k}")
+    # (block, group, chunk, value) <-> (block, chunk, group, value)
+    head = v[:, :full].reshape(n, k // BLOCK, 8, 8, 4).transpose(2, 3).reshape(n, full)
+    if full == k:
+        return head
+    # (group, chunk, value) <-> (chunk, group, value) in the half block
+    first, second = (8, 4) if undo else (4, 8)
+    tail = v[:, full:].reshape(n, first, second, 4).transpose(1, 2).reshape(n, k - full)
+    return torch.cat([head, tail], 1)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

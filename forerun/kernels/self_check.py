@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,7 @@ from forerun.kernels.layouts import (
     GROUP,
     from_chunks,
     half_group_order,
+    input_unit,
     pack_high_bits,
     pack_nibbles,
     padded,
@@ -118,6 +119,31 @@ def check_products(kernels: NativeKernels) -> None:
         if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-3 * float(want.abs().max())):
             raise Unavailable(f"the built library computes {name} products wrongly "
                               f"(largest error {float((got.double() - want).abs().max()):.3g})")
+    _check_half_block(kernels, x, m)
+
+
+def _check_half_block(kernels: NativeKernels, x: torch.Tensor, m: CheckMatrices) -> None:
+    """An 8-bit matrix whose inputs end in half a block (where this build
+    reads one: :func:`~forerun.kernels.layouts.input_unit`) gives what the
+    same matrix padded to a whole block gives, bit for bit, for 1 to 7
+    positions (one pass of each height) and as two calls."""
+    unit = input_unit("q8", kernels.row_group)
+    if kernels.k_unit != unit:
+        raise Unavailable(f"the built library pads 8-bit inputs to {kernels.k_unit}, "
+                          f"its layout to {unit}")
+    k = x.shape[1]
+    if padded(k, unit) == padded(k):
+        return
+    half = replace(m, q8=m.q8[:, :padded(k, unit)].contiguous())
+    for t in range(1, x.shape[0] + 3):
+        rows = x[torch.arange(t) % x.shape[0]]
+        whole = kernels.q8_linear(rows, *m.packed8(kernels.row_group))
+        got = kernels.q8_linear(rows, *half.packed8(kernels.row_group))
+        two = kernels.q8_matmul(kernels.quantize(rows, padded(k, unit)),
+                                *half.packed8(kernels.row_group))
+        if not (torch.equal(got, whole) and torch.equal(two, whole)):
+            raise Unavailable("the built library's 8-bit products of a half block differ from "
+                              "the same matrix's padded to a whole block")
 
 
 def check_layer_ops(kernels: NativeKernels) -> None:

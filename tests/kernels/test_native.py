@@ -85,6 +85,56 @@ def test_layouts_round_trip():
     assert torch.equal(layouts.natural_half_order(ordered), scale)
 
 
+def test_a_last_half_block_round_trips():
+    """Inputs of a multiple of 128: whole blocks, then half a block whose
+    chunk i holds values 4i..4i+3 of each of its 4 groups (16 bytes)."""
+    v = torch.arange(3 * 384).reshape(3, 384)
+    chunks = layouts.to_chunks(v)
+    assert torch.equal(chunks[:, :256], layouts.to_chunks(v[:, :256]))
+    assert torch.equal(chunks[0, 256:260], v[0, 256:260])           # chunk 0, group 0
+    assert torch.equal(chunks[0, 260:264], v[0, 288:292])           # chunk 0, group 1
+    assert torch.equal(chunks[0, 272:276], v[0, 260:264])           # chunk 1, group 0
+    assert torch.equal(layouts.from_chunks(chunks), v)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        layouts.to_chunks(v[:, :320])
+    assert [layouts.input_unit(kind, rows) for kind, rows in (
+        ("q8", 1), ("q8", 4), ("q4", 1), ("q6", 1))] == [128, 256, 256, 256]
+
+
+@pytest.mark.parametrize("k", [100, 640, 896])
+def test_an_8bit_layer_reads_a_half_block_as_its_whole_block_padding(kernels, k):
+    """An 8-bit layer in one-row groups holds its inputs padded to 128, not
+    256 (Gemma 3's hidden size of 640 is 640 bytes a row, not 768), and
+    multiplies to what the same values padded to a whole block give, bit
+    for bit, for 1 to 9 positions (passes of each height)."""
+    if kernels.row_group != 1:
+        pytest.skip("this build's row groups read whole blocks")
+    gen = torch.Generator().manual_seed(k)
+    values = quantize_int8(torch.randn(37, k, generator=gen))
+    layer = NativeInt8Linear.build(values, None, kernels.row_group)
+    kp = layouts.padded(k, 128)
+    assert layer.q.shape == (37, kp) and kernels.k_unit == 128
+    natural = layouts.from_chunks(layer.q)
+    assert torch.equal(natural[:, :k], values.q) and not natural[:, k:].any()
+    whole = layouts.to_chunks(torch.nn.functional.pad(natural, (0, layouts.padded(k) - kp)))
+    for t in (1, 2, 3, 5, 6, 7, 9):
+        x = torch.randn(t, k, generator=gen)
+        assert torch.equal(layer(x), kernels.q8_linear(x, whole, layer.scale, 37)), t
+
+
+def test_a_matrix_in_padding_its_kernels_dont_read_is_refused(kernels):
+    """A 4-bit matrix padded to 128 inputs, or an 8-bit one in row groups of
+    4, is refused by the layout check, and by the product itself."""
+    with pytest.raises(ValueError, match="multiple of 256"):
+        layouts.check_matrix("q4", 4, 384, {}, 1)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        layouts.check_matrix("q8", 4, 384, {}, 4)
+    q = torch.zeros(4, 192, dtype=torch.uint8)
+    scale = torch.zeros(4, 12, dtype=torch.float16)
+    with pytest.raises(ValueError, match="padded to 384"):
+        kernels.q4_linear(torch.randn(1, 300), q, scale, scale, 4)
+
+
 def test_row_groups_round_trip_and_read_rows():
     """Row groups: block b of rows 4m..4m+3 in turn, then block b + 1; rows
     are padded with zeros to a multiple of 4, and single rows read back.
@@ -423,6 +473,16 @@ def test_a_library_that_computes_wrongly_is_refused(altered_source):
     altered_source("SOURCE", "_mm256_maddubs_epi16(w0,", "_mm256_maddubs_epi16(w1,")
     assert native.native_kernels() is None
     assert "computes 4-bit products wrongly" in native.unavailable_reason()
+
+
+def test_a_library_whose_half_blocks_are_wrong_is_refused(altered_source):
+    """The self-check compares an 8-bit matrix ending in half a block with
+    the same matrix padded to a whole one: a build that sums the half
+    block's second chunks into the first ones is refused."""
+    altered_source("SOURCE", "_mm256_extracti128_si256(s32[t], 1));",
+                   "_mm256_castsi256_si128(s32[t]));")
+    assert native.native_kernels() is None
+    assert "half block differ" in native.unavailable_reason()
 
 
 def test_two_processes_building_at_once_both_get_a_whole_library(fresh_cache):
