@@ -18,8 +18,9 @@
  * padded weights and activations are zero.  8-bit matrices in a build of
  * one-row groups (the AVX2 and AVX-VNNI builds) may end in a half block
  * instead (Kp a multiple of 128: see HALF), so that a hidden size of 640
- * (Gemma 3 270M) or 896 (Qwen2.5 0.5B) is not read as 768 or 1,024.  Within each block of 8 groups,
- * the 256 values are stored in 8 chunks: chunk i holds, for each group L,
+ * (Gemma 3 270M) or 896 (Qwen2.5 0.5B) is not read as 768 or 1,024.
+ * Within each block of 8 groups, the 256 values are stored in 8 chunks:
+ * chunk i holds, for each group L,
  * its values 4i..4i+3 at bytes 4L..4L+3 of the chunk (32 bytes for int8
  * activations and weights).  So one vpmaddubsw + vpmaddwd sums 4 products
  * of each of 8 groups into an int32 lane per group, and after the 8 chunks
