@@ -564,7 +564,7 @@ class Transformer:
                     fused_ops.decoder_layer(x, matrices, eps, c.num_heads, c.num_kv_heads,
                                             cos, sin, n, fused_spans[local], scratch)
                     continue
-                qkv = self._native_queries_and_keys(
+                qkv = self._queries_and_keys(
                     layer.qkv(ops.rms_norm(x, layer.attn_norm, eps)), layer, ops)
                 local = n in self.local_layers
                 cos, sin = angles[local]
@@ -687,37 +687,22 @@ class Transformer:
         return kernels, LayerMatrices(layer.attn_norm, layer.mlp_norm, qkv, o, gate_up, down,
                                       (*a, *b, *g, *e), extras)
 
-    def _native_queries_and_keys(self, qkv: torch.Tensor, layer: LayerWeights,
-                                 ops: NativeKernels) -> torch.Tensor:
-        """:meth:`_queries_and_keys` on the native layer operations, as a
-        fused layer computes it (``decoder_layer.c``): each query and key
-        head through ``ops.rms_norm``, the queries times the float32 factor."""
-        c = self.config
-        if layer.q_norm is not None and layer.k_norm is not None:
-            t = qkv.shape[0]
-            for begin, size, heads, norm in ((0, self.q_size, c.num_heads, layer.q_norm),
-                                             (self.q_size, self.kv_size, c.num_kv_heads,
-                                              layer.k_norm)):
-                part = qkv[:, begin:begin + size]
-                part.copy_(ops.rms_norm(part.reshape(t * heads, c.head_dim), norm,
-                                        c.rms_norm_eps).view(t, size))
-        if self.query_factor != 1.0:
-            qkv[:, :self.q_size] *= torch.tensor(self.query_factor, dtype=torch.float32)
-        return qkv
-
-    def _queries_and_keys(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+    def _queries_and_keys(self, qkv: torch.Tensor, layer: LayerWeights,
+                          ops: NativeKernels | None = None) -> torch.Tensor:
         """``qkv`` (``[T, (H + 2 KV) D]``, a fresh product) with the query and
         key norms applied to each head and the queries scaled by
         :attr:`query_factor`, in place, before RoPE; as it is where the
-        architecture has neither."""
+        architecture has neither.  ``ops``: the norms on those native layer
+        operations, as a fused layer computes them (``decoder_layer.c``)."""
         c = self.config
         if layer.q_norm is not None and layer.k_norm is not None:
             t = qkv.shape[0]
-            q = qkv[:, :self.q_size].view(t, c.num_heads, c.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, c.num_kv_heads,
-                                                                     c.head_dim)
-            q.copy_(rms_norm(q, layer.q_norm, c.rms_norm_eps))
-            k.copy_(rms_norm(k, layer.k_norm, c.rms_norm_eps))
+            for begin, heads, weight in ((0, c.num_heads, layer.q_norm),
+                                         (self.q_size, c.num_kv_heads, layer.k_norm)):
+                part = qkv[:, begin:begin + heads * c.head_dim].view(t, heads, c.head_dim)
+                part.copy_(rms_norm(part, weight, c.rms_norm_eps) if ops is None else
+                           ops.rms_norm(part.reshape(t * heads, c.head_dim), weight,
+                                        c.rms_norm_eps).view(t, heads, c.head_dim))
         if self.query_factor != 1.0:
             qkv[:, :self.q_size] *= self.query_factor
         return qkv
