@@ -9,8 +9,8 @@ the real models, the two alternating in one process.
 For each model (the 1.5B target in q4, the 0.5B draft in q4-all, as a
 draft runs beside it) it fills ``--context`` positions, then times
 ``Transformer.forward`` of T positions with the last row's logits only,
-``rowwise`` (per position, what ``TorchDecoder.feed`` runs up to
-``PER_POSITION_FEED`` positions) and batched (beyond), each T's two in
+``rowwise`` (per position, what ``TorchDecoder.feed`` runs where the
+native layer operations run) and batched (torch's operators), each T's two in
 turn, rolling the cache back after each, and prints the median ms.
 
 Run it on an idle machine (nothing else running): every figure is a time.
@@ -30,8 +30,6 @@ from harness import (
     timed,
 )
 
-from forerun.engines.torch_engine import PER_POSITION_FEED
-
 MODELS = (("qwen2.5-coder-1.5b", "q4"), ("qwen2.5-coder-0.5b", "q4-all"))
 
 
@@ -43,7 +41,7 @@ def main() -> None:
     args = p.parse_args()
     counts = positions_list(args.positions)
     print(machine_line(f"median of {args.repeats} forwards after {args.context} positions, "
-                       f"ms; the engine runs up to {PER_POSITION_FEED} per position"))
+                       "ms"))
     for name, weights in MODELS:
         model = load_model(model=name, weights=weights)
         decoder, network = model.decoder, model.decoder.model

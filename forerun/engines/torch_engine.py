@@ -29,16 +29,19 @@ from forerun.protocol.prefix_reuse import PrefixPayload
 # reuses most of the previous prompt.
 PREFILL_BLOCK = 128
 
-# The most positions a ``last_only`` feed runs one by one through the native
-# layer operations rather than through torch's batched operators.  Short
-# feeds are a draft model's catch-up on a round's committed tokens (two
-# positions after a fully accepted round) and a prompt's last partial block.
-# On an AMD EPYC (Zen 4, 2 threads) the per-position path took 14.1 ms for
-# two positions of the 0.5B q4-all draft against 19.3 ms batched (the 1.5B
-# in q4: 40.2 against 50.4), and 24.0 against 29.2 ms at eight; from 12 to 32
-# positions the two drew level.  A function of the feed's length alone, so a
-# warm prefill still runs the very forwards a cold one runs.
-PER_POSITION_FEED = 8
+# Where forerun's native layer operations run (Transformer.layer_ops), every
+# ``last_only`` feed (a prompt's blocks, a draft model's catch-up on a
+# round's committed tokens) runs its positions as one-position forwards do,
+# in one native call per layer (Transformer.forward's ``rowwise``), not
+# through torch's operators.  On the native matrix kernels, whose products
+# don't depend on the rows fed, a prompt's cache and logits are then those
+# of feeding its tokens one by one, to the bit.
+# On an AMD EPYC Zen 3 (AVX2, 2 threads; prompts of 128, 512 and 1,536
+# tokens, the two ways alternated in one process, two runs) prompts were
+# read 1.18 to 1.26 times as fast for Gemma 3 270M, 1.03 to 1.13 for the
+# 1.5B at 128 and 512 tokens, 1.01 to 1.65 for the 0.5B and SmolLM2-135M
+# there; at 1,536 tokens 0.92 to 1.05 (torch's attention is faster than the
+# native one at long contexts, its other operators slower).
 
 
 def _check_threads(n) -> None:
@@ -208,8 +211,7 @@ class TorchDecoder(EngineDecoder):
         start = self.length
         positions = torch.arange(start, start + ids.numel(), device=self.device)
         if last_only:
-            per_position = (self.model.layer_ops is not None
-                            and ids.numel() <= PER_POSITION_FEED)
+            per_position = self.model.layer_ops is not None
             states: list[torch.Tensor] = []
             logits, hidden = self.model.forward(ids, positions, self.cache, None,
                                                 logits_rows=slice(-1, None),

@@ -325,10 +325,18 @@ static void attend_rows(const float *qkv, int width, int H, int per_kv, int D,
         const int n = seen[t - t0];
         for (int h = 0; h < per_kv; h++) {
             float *p = scores + ((size_t)(t - t0) * per_kv + h) * end;
-            float top = -INFINITY;
-            for (int j = 0; j < n; j++) top = p[j] > top ? p[j] : top;
-            __m256 acc = _mm256_setzero_ps(), vtop = _mm256_set1_ps(top);
+            /* The largest score, 8 lanes at a time: a maximum is the same
+               whatever the order it is taken in (scores are never NaN). */
+            __m256 most = _mm256_set1_ps(-INFINITY);
             int j = 0;
+            for (; j + 8 <= n; j += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(p + j));
+            __m128 half = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+            half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+            half = _mm_max_ss(half, _mm_movehdup_ps(half));
+            float top = _mm_cvtss_f32(half);
+            for (; j < n; j++) top = p[j] > top ? p[j] : top;
+            __m256 acc = _mm256_setzero_ps(), vtop = _mm256_set1_ps(top);
+            j = 0;
             for (; j + 8 <= n; j += 8) {
                 __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), vtop));
                 _mm256_storeu_ps(p + j, e);

@@ -11,7 +11,7 @@ as is.  The key holds the GGUF's SHA-256, the format, the device type, the
 torch version (the packed layout is torch's), whether forerun's native
 kernels run and in which row groups (their layout is forerun's) and
 :data:`PACKED_VERSION`
-(forerun's layout of the file).  The entry is a
+(forerun's layout of the file and the kernels' ABI).  The entry is a
 :class:`~forerun.loading.cache_entry.CacheEntry`: checked at load, rebuilt
 when damaged, built under a lock and published atomically.  When the cache
 can't be written the network is built from the GGUF, with a warning.
@@ -63,7 +63,18 @@ from forerun.machine.cache_files import notice_rebuild
 from forerun.machine.paths import cache_dir
 from forerun.protocol.model_config import ModelConfig
 
-PACKED_VERSION = "4"
+
+def packed_version(abi: int) -> str:
+    """An entry's version: forerun's layout of the file, and the ABI of the
+    native kernels whose packed layout it holds.  The ABI is also in the
+    entry's key, so a new ABI builds a new entry; with it in the version
+    too, the entries of an older ABI are outdated, and ``forerun cache
+    prune`` deletes them (a torch-layout entry, which no ABI touches, is
+    rebuilt once after a bump: off the CPU only)."""
+    return f"4-abi{abi}"
+
+
+PACKED_VERSION = packed_version(ABI_VERSION)
 FILE_NAME = "network.safetensors"
 #: The digest of the network checked at every load, kept in the manifest's metadata.
 FAST_DIGEST = "xxh3_128"

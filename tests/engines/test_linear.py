@@ -25,7 +25,7 @@ from forerun.engines.linear import (
     quantize_int4,
     quantize_int8,
 )
-from forerun.engines.torch_engine import PER_POSITION_FEED, TorchDecoder
+from forerun.engines.torch_engine import TorchDecoder
 from forerun.engines.transformer import PADDED_ROWS, Transformer
 from forerun.errors import ConfigError, EngineError
 from forerun.kernels import layouts, native
@@ -314,18 +314,19 @@ def test_verification_is_exact_in_the_probed_groups(fmt, arch):
     assert torch.equal(out, one_by_one)
 
 
-@pytest.mark.parametrize("size", [2, 5, PER_POSITION_FEED])
-@pytest.mark.parametrize("fmt", ["q8", "q4"])
-def test_a_short_last_only_feed_is_one_position_forwards(fmt, size):
-    """A ``last_only`` feed of up to PER_POSITION_FEED positions (a draft
-    model's catch-up on a round's committed tokens) runs each position as a
-    one-position forward does, in the native layer operations, which is
-    faster there than torch's batched operators: on the native kernels,
-    whose products don't depend on the rows fed, its logits and its cache
-    are those of feeding the tokens one by one, to the bit."""
+@pytest.mark.parametrize("size", [2, 5, 40])
+@pytest.mark.parametrize(("fmt", "arch"), [("q8", "qwen2"), ("q4", "qwen2"), ("q4", "gemma3")])
+def test_a_last_only_feed_is_one_position_forwards(fmt, arch, size):
+    """A ``last_only`` feed (a draft model's catch-up on a round's committed
+    tokens, a prompt's block) runs each position as a one-position forward
+    does, in the native layer operations, which is faster there than
+    torch's batched operators: on the native kernels, whose products don't
+    depend on the rows fed, its logits and its cache are those of feeding
+    the tokens one by one, to the bit (Gemma 3: through its layers' windows
+    of 8 too)."""
     if native.layer_ops() is None:
         pytest.skip(f"forerun's native library doesn't run here: {native.unavailable_reason()}")
-    decoder = TorchDecoder(_network(fmt), 128)
+    decoder = TorchDecoder(_network(fmt, arch), 128)
     ids = [int(t) for t in torch.randint(3, VOCAB, (40 + size,),
                                          generator=torch.Generator().manual_seed(3))]
     decoder.feed(ids[:40])

