@@ -461,7 +461,9 @@ class Transformer:
         slots it sees, as a one-position forward does (torch's attention
         kernels round differently for one query and for several, by ~1e-7,
         which the layers above can amplify past a near-tie).  What a
-        verification uses; a prefill attends for all positions at once.
+        verification uses, and a prefill where :attr:`layer_ops` runs
+        (``TorchDecoder.feed``); otherwise a prefill attends for all
+        positions at once.
 
         One position, or a rowwise forward, runs its norms, gating, RoPE and
         attention in forerun's native layer operations where

@@ -64,7 +64,9 @@ FEATURE_DIR = "eagle-features"
 #: rows of the full LM head computed at once
 LOGIT_ROWS = 64
 FORMAT = "forerun-eagle3-features"
-VERSION = "1"
+#: 2: the torch engine's prefill runs in its native layer operations where
+#: they run (the states of feeding each record token by token), not torch's
+VERSION = "2"
 _TENSORS = {"aux": torch.bfloat16, "top_ids": torch.int32, "top_logp": torch.float16}
 
 
