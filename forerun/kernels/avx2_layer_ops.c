@@ -254,12 +254,13 @@ static inline __attribute__((always_inline)) void qk_four(
     if (NH == 2) _mm_storeu_ps(s + stride, _mm256_extractf128_ps(sums, 1));
 }
 
-/* The scores of nh heads and QK_SLOTS keys: qk_four where it applies. */
-static void qk_slots(const float *q, const float *k, int D, int nh, float scale, float *s,
-                     int stride) {
-    if (D % 8) {
+/* The scores of nh heads and ns (at most QK_SLOTS) consecutive keys into
+ * s[h * stride + j]: qk_four where it applies, else qk_block. */
+static void qk_slots(const float *q, const float *k, int D, int nh, int ns, float scale,
+                     float *s, int stride) {
+    if (ns != QK_SLOTS || D % 8) {
         for (int h = 0; h < nh; h += QK_HEADS)
-            qk_sums(q + (size_t)h * D, k, D, imin(QK_HEADS, nh - h), QK_SLOTS, scale,
+            qk_sums(q + (size_t)h * D, k, D, imin(QK_HEADS, nh - h), ns, scale,
                     s + (size_t)h * stride, stride);
         return;
     }
@@ -375,20 +376,13 @@ static void attend_rows(const float *qkv, int width, int H, int per_kv, int D,
             float *st = scores + (size_t)(t - t0) * per_kv * end;
             int *n = seen + (t - t0);
             if (sees_all(mask, end, start, t, j0, m)) {
-                if (m == QK_SLOTS)
-                    qk_slots(q, k, D, per_kv, scale, st + *n, end);
-                else
-                    for (int h = 0; h < per_kv; h += QK_HEADS)
-                        qk_sums(q + (size_t)h * D, k, D, imin(QK_HEADS, per_kv - h), m, scale,
-                                st + (size_t)h * end + *n, end);
+                qk_slots(q, k, D, per_kv, m, scale, st + *n, end);
                 *n += m;
                 continue;
             }
             for (int j = 0; j < m; j++) {
                 if (!sees(mask, end, start, t, j0 + j)) continue;
-                for (int h = 0; h < per_kv; h += QK_HEADS)
-                    qk_sums(q + (size_t)h * D, k + (size_t)j * D, D, imin(QK_HEADS, per_kv - h),
-                            1, scale, st + (size_t)h * end + *n, end);
+                qk_slots(q, k + (size_t)j * D, D, per_kv, 1, scale, st + *n, end);
                 ++*n;
             }
         }

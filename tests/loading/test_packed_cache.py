@@ -204,6 +204,7 @@ def test_an_older_abis_entry_is_outdated_and_pruned(gguf_path, cache, capsys):
     a plain ``forerun cache prune`` deletes it; the current one stays."""
     from forerun.cli.main import main
     from forerun.kernels.binding import ABI_VERSION
+    from forerun.loading.cache_entry import MANIFEST_NAME
 
     logits(gguf_path, "q8")
     current = entry(gguf_path, "q8")
@@ -211,7 +212,7 @@ def test_an_older_abis_entry_is_outdated_and_pruned(gguf_path, cache, capsys):
     assert packed_cache.packed_version(ABI_VERSION - 1) != packed_cache.PACKED_VERSION
     logits(gguf_path, "q4")
     older = entry(gguf_path, "q4")
-    manifest = older.path / "manifest.json"
+    manifest = older.path / MANIFEST_NAME
     data = json.loads(manifest.read_text())
     data["version"] = packed_cache.packed_version(ABI_VERSION - 1)
     manifest.write_text(json.dumps(data))
