@@ -71,11 +71,12 @@ def hf_model(arch: str, seed: int = 0, **overrides):
     return model
 
 
-def forerun_decoder(model, context_length: int = 256) -> TorchDecoder:
+def forerun_decoder(model, context_length: int = 256, weights: str = "float32"
+                    ) -> TorchDecoder:
     config = ModelConfig.from_hf(model.config.to_dict())
     hf_weight = ARCHITECTURES[config.architecture].hf_weight   # (as a folder loads)
     state = {k: hf_weight(k, v.detach().clone()) for k, v in model.state_dict().items()}
-    network = Transformer(config, state)
+    network = Transformer(config, state, weights_format=weights)
     return TorchDecoder(network, context_length, config.eos_token_ids)
 
 

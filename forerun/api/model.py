@@ -60,7 +60,10 @@ class Model:
     last sequence, and a generation whose prompt starts with the previous
     prompt (a chat's next turn) computes only what is new: it keeps the
     whole prefill blocks the cache holds for it (128 positions on the torch
-    engine, ``n_batch`` on llama.cpp; :mod:`forerun.protocol.prefix_reuse`).
+    engine, ``n_batch`` on llama.cpp; :mod:`forerun.protocol.prefix_reuse`),
+    or, where the engine's positions are exact (the torch engine on its
+    native CPU kernels), every position it shares with the cache, the
+    previous answer's included.
     Prompts are always prefilled in the same aligned blocks, so the output
     is bit for bit that of a cold prefill, for every decoding method.  The
     result's ``stats.reused_prompt_tokens`` says how many prompt tokens came

@@ -45,8 +45,9 @@ class ForerunMethod(BenchMethod):
         """A prompt's first turn starts from an empty cache; a later turn
         from the cache this method leaves after asking the previous turn
         (asked again here with one new token, untimed), so it reuses that
-        turn's whole prefill blocks as a chat does, whichever method ran
-        last (:attr:`forerun.Model.reuse_prompts`)."""
+        turn's prompt (its whole prefill blocks, where the engine's
+        positions are not exact) as a chat does, whichever method ran last
+        (:attr:`forerun.Model.reuse_prompts`)."""
         if previous_prompt_ids is None:
             ctx.model.reset_cache()
         else:

@@ -113,9 +113,10 @@ NOTES = {
                   "in this run and reused by every method; each turn is its own generate "
                   "call and a prompt's row sums its turns",
     "prompt_reuse": "a prompt's first turn is prefilled whole by every method (its cache "
-                    "emptied first); forerun's methods prefill turn n+1 reusing the whole "
-                    "prefill blocks of turn n's prompt, as a chat does (before each method's "
-                    "turn n+1 its cache is set, untimed, to what asking turn n leaves)",
+                    "emptied first); forerun's methods prefill turn n+1 reusing turn n's "
+                    "prompt (where the engine's positions are not exact, its whole prefill "
+                    "blocks), as a chat does (before each method's turn n+1 its cache is set, "
+                    "untimed, to what asking turn n leaves)",
     "peers": "peers generate exactly as many new tokens as forerun plain decoding did on the "
              "same turn, ignoring end-of-sequence tokens; their models load before anything "
              "is timed. llamacpp-plain and llamacpp-lookup run llama-cpp-python with its own "

@@ -36,7 +36,11 @@ def prefill(target: Decoder, prompt_ids: Sequence[int], *, return_hidden: bool =
     ``reuse_prefixes`` is on) and the rest is fed in
     ``last_only`` feeds of the blocks ``[kB, (k+1)B)``, the last one possibly
     partial; each whole block joins the ledger.  A warm prefill thus runs the
-    very forwards a cold one runs after the kept blocks.  Other decoders get
+    very forwards a cold one runs after the kept blocks.  Where the engine's
+    positions are exact (``exact_positions``), the cache keeps any prefix of
+    its ledger (every position fed in order, a previous answer's included),
+    and the rest is fed in blocks of ``B`` from there: each position is
+    computed as any feed computes it.  Other decoders get
     one ``last_only`` feed of the whole prompt after a reset.
 
     ``stats``: where to record how many prompt positions came from the
@@ -52,7 +56,7 @@ def prefill(target: Decoder, prompt_ids: Sequence[int], *, return_hidden: bool =
         target.commit()
         return out
     block = target.prefill_block
-    keep = (reusable_length(target.prefilled_tokens, prompt, block)
+    keep = (reusable_length(target.prefilled_tokens, prompt, target.reuse_unit)
             if target.reuse_prefixes else 0)
     target.keep_prefix(keep)
     if stats is not None:

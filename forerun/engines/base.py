@@ -64,6 +64,18 @@ class EngineDecoder:
     _ledger_owner: object = None
 
     @property
+    def exact_positions(self) -> bool:
+        """Whether every position is computed alike however it is fed (see
+        :mod:`forerun.protocol.prefix_reuse`): the ledger then holds every
+        position fed in order (:meth:`_record`).  No, unless an engine says
+        otherwise."""
+        return False
+
+    @property
+    def reuse_unit(self) -> int:
+        return 1 if self.exact_positions else self.prefill_block
+
+    @property
     def prefilled_tokens(self) -> tuple[int, ...]:
         # Blocks computed on another thread count (or other settings that
         # decide the numerics) are not what a prefill would compute now.
@@ -72,6 +84,14 @@ class EngineDecoder:
         return self._positions.prefilled
 
     def mark_prefilled(self, tokens: Sequence[int]) -> None:
+        if self.exact_positions:
+            # The feed recorded them (_record).
+            if not (self._ledger_owner == self._prefix_owner()
+                    and self._positions.ends_with(tokens)):
+                raise CacheStateError(f"the last {len(tokens)} positions are not the end of "
+                                      "the recorded prefix: they were not fed in order "
+                                      "after it, or with other engine settings")
+            return
         owner = self._prefix_owner()
         if self._positions.prefilled and owner != self._ledger_owner:
             raise CacheStateError("the recorded prefill blocks were computed with other "
@@ -79,6 +99,23 @@ class EngineDecoder:
                                   "before recording new ones")
         self._positions.mark_prefilled(tokens, self.prefill_block)
         self._ledger_owner = owner
+
+    def can_restore(self, payload) -> bool:
+        return payload.owner == self._prefix_owner()
+
+    def _record(self, tokens: Sequence[int]) -> None:
+        """After a feed of ``tokens`` in order (not a masked forward): where
+        :attr:`exact_positions`, their positions join the ledger if it ends
+        where they start and was computed with the engine's present
+        settings (a feed on another thread count than the ledger's ends the
+        ledger where it is)."""
+        if not self.exact_positions:
+            return
+        owner = self._prefix_owner()
+        if not self._positions.prefilled:
+            self._ledger_owner = owner
+        if owner == self._ledger_owner:
+            self._positions.record(tokens)
 
     def _prefix_owner(self) -> tuple:
         """Whatever decides the numerics of the cached keys and values (the

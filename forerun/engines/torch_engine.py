@@ -217,9 +217,12 @@ class TorchDecoder(EngineDecoder):
                                                 logits_rows=slice(-1, None),
                                                 rowwise=per_position, head=self._head,
                                                 states=states, capture=capture)
-            return ForwardOutput(logits, hidden if return_hidden else None,
-                                 torch.cat(states, dim=-1) if capture else None)
-        return self._in_groups(ids, positions, None, return_hidden, capture)
+            out = ForwardOutput(logits, hidden if return_hidden else None,
+                                torch.cat(states, dim=-1) if capture else None)
+        else:
+            out = self._in_groups(ids, positions, None, return_hidden, capture)
+        self._record(ids.tolist())
+        return out
 
     def _in_groups(self, ids: torch.Tensor, positions: torch.Tensor,
                    mask: torch.Tensor | None, return_hidden: bool,
@@ -293,6 +296,7 @@ class TorchDecoder(EngineDecoder):
             row = 0
             for n, a, b in parts:
                 logits[n].append(out[row:row + b - a])
+                decoders[n]._record(ids[n][a:b].tolist())
                 row += b - a
         return [ForwardOutput(rows[0] if len(rows) == 1 else torch.cat(rows))
                 for rows in logits]
@@ -331,12 +335,27 @@ class TorchDecoder(EngineDecoder):
     # -- exact prefix reuse: forerun.protocol.prefix_reuse.PrefixReuse ----------------
     prefill_block = PREFILL_BLOCK
 
+    @property
+    def exact_positions(self) -> bool:
+        # The network's (Transformer.exact_positions), fixed at load: the
+        # native layer operations and native products for every layer.
+        if self._exact is None:
+            self._exact = self.model.exact_positions
+        return self._exact
+
+    _exact: bool | None = None
+
     def keep_prefix(self, length: int) -> None:
         self.cache.keep_prefix(length)
 
     def _prefix_owner(self) -> tuple:
-        # Whatever decides the numerics of the saved keys and values.
-        return (self.model, self.context_length, self.prefill_block, self.threads)
+        # Whatever decides the numerics of the saved keys and values.  Where
+        # positions are exact, not the thread count: the native kernels
+        # compute every output of a row on one thread, in one order,
+        # whatever the count (a server that follows the machine's load
+        # changes it between requests, and keeps its cache).
+        threads = None if self.exact_positions else self.threads
+        return (self.model, self.context_length, self.prefill_block, threads)
 
     def export_prefix(self):
         tokens = self.prefilled_tokens

@@ -395,6 +395,21 @@ class Transformer:
             p.kernel == "native" for layer in self.layers for part in (layer.qkv, layer.gate_up)
             for p in getattr(part, "parts", [part])) else "torch"
 
+    @property
+    def exact_positions(self) -> bool:
+        """Whether a position's keys and values are the same to the bit
+        however it was fed (a prompt block of any size or alignment, a
+        decoding step, a verification's row, a batch's row): true where the
+        native layer operations run (every position attends on its own, as
+        a one-position forward does) and every layer's products run
+        forerun's native kernels (whose results don't depend on the rows
+        beside them).  torch's float and int8 products round by the number
+        of rows, so a network with any of them is not."""
+        return self.layer_ops is not None and all(
+            getattr(p, "kernel", None) == "native" for layer in self.layers
+            for part in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            for p in getattr(part, "parts", [part]))
+
     def int8_layers(self) -> list[Int8Linear]:
         """The transformer blocks' int8 layers (parts of concatenated
         layers included; not the LM head, which a prefill runs on one row)."""

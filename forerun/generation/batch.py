@@ -252,6 +252,8 @@ class BatchedDecoder:
         self.engine: str = inner.engine
         self.probe_context: int = inner.probe_context
         self.prefill_block: int = inner.prefill_block
+        self.exact_positions: bool = inner.exact_positions
+        self.reuse_unit: int = inner.reuse_unit
         self.group_ceiling: int | None = inner.group_ceiling
 
     # -- computing: through the engine thread ------------------------------------
@@ -350,6 +352,9 @@ class BatchedDecoder:
 
     def export_prefix(self):
         return self.inner.export_prefix()
+
+    def can_restore(self, payload) -> bool:
+        return self.inner.can_restore(payload)
 
     def restore_prefix(self, payload) -> None:
         self.inner.restore_prefix(payload)

@@ -100,6 +100,22 @@ class CachePositions:
                 f"prefix ({len(self._prefilled)})")
         self._prefilled.extend(int(t) for t in tokens)
 
+    def record(self, tokens) -> None:
+        """Add the last ``len(tokens)`` positions to the ledger if it ends
+        where they start (an engine whose every position is computed as a
+        prefill computes it calls this after each feed in order); a ledger
+        that ends before them (a tree's positions came between) stays as
+        it is."""
+        if self._length - len(tokens) == len(self._prefilled):
+            self._prefilled.extend(int(t) for t in tokens)
+
+    def ends_with(self, tokens) -> bool:
+        """Whether the ledger covers every position and its last
+        ``len(tokens)`` are ``tokens``."""
+        n = len(tokens)
+        return (len(self._prefilled) == self._length and n <= self._length
+                and self._prefilled[self._length - n:] == [int(t) for t in tokens])
+
     def keep_prefix(self, length: int) -> None:
         """Forget positions at and after ``length`` and clear the committed
         floor (``0 <= length <= self.length`` or :class:`CacheStateError`)."""

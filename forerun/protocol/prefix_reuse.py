@@ -27,6 +27,16 @@ the same tokens.  The one assumption is the engine's own determinism (the
 same forward on the same inputs and thread count gives the same numbers).
 Saved prefixes (:meth:`PrefixReuse.export_prefix`) carry their ledger and
 restore bit-identical caches into the same engine.
+
+An engine whose positions are computed alike however they are fed
+(:attr:`PrefixReuse.exact_positions`: forerun's PyTorch engine on its native
+CPU kernels) keeps a longer ledger: every position fed in order, by any
+feed (prompt blocks, decoding steps, a verification's rows, a batch's rows),
+until a forward with a mask (a tree) writes one.  A prompt then keeps any
+prefix of it (:attr:`PrefixReuse.reuse_unit` is 1), so a chat's next turn
+reuses the previous answer too, not only the whole blocks of the previous
+prompt: what a cold prefill computes for those positions is what their
+feeds computed.
 """
 
 from __future__ import annotations
@@ -70,9 +80,25 @@ class PrefixReuse(Protocol):
     reuse_prefixes: bool
 
     @property
+    def exact_positions(self) -> bool:
+        """Whether every position's keys and values are the same to the bit
+        however it was fed (a block of any size, a decoding step, a
+        verification's row): then the ledger holds every position fed in
+        order, not only whole prefill blocks."""
+        ...
+
+    @property
+    def reuse_unit(self) -> int:
+        """A prompt keeps a multiple of this many positions of the ledger:
+        1 where :attr:`exact_positions`, else ``prefill_block``."""
+        ...
+
+    @property
     def prefilled_tokens(self) -> tuple[int, ...]:
         """The ledger: tokens of the leading positions of the cache that whole
-        prefill blocks computed (a multiple of ``prefill_block`` of them).
+        prefill blocks computed (a multiple of ``prefill_block`` of them;
+        where :attr:`exact_positions`, every position fed in order by
+        ``feed`` or a batch, up to the first a masked ``forward`` wrote).
         Anything that lowers the length below it (rollback, reset,
         :meth:`keep_prefix`, a restore) shortens it, and it is empty while
         the engine's settings that decide its numerics (its thread count,
@@ -83,7 +109,9 @@ class PrefixReuse(Protocol):
         """Record that the last ``len(tokens)`` positions were just computed
         by one ``last_only`` feed of exactly ``tokens``, a whole block that
         starts where the ledger ends (at a multiple of ``prefill_block``).
-        Anything else raises :class:`~forerun.errors.CacheStateError`."""
+        Anything else raises :class:`~forerun.errors.CacheStateError`.  Where
+        :attr:`exact_positions`, the feed recorded them already: it checks
+        that the ledger ends with them, there."""
         ...
 
     def keep_prefix(self, length: int) -> None:
@@ -97,6 +125,13 @@ class PrefixReuse(Protocol):
         ledger's positions, for :meth:`restore_prefix`."""
         ...
 
+    def can_restore(self, payload: PrefixPayload) -> bool:
+        """Whether :meth:`restore_prefix` takes ``payload``: it was exported
+        from this engine state (the same network and settings that decide
+        the numerics; a thread count that changed since, where it counts,
+        makes it another)."""
+        ...
+
     def restore_prefix(self, payload: PrefixPayload) -> None:
         """Make the cache hold exactly the payload's positions (bit for bit
         what was exported), with its ledger and no committed floor.  A
@@ -105,9 +140,10 @@ class PrefixReuse(Protocol):
         ...
 
 
-def reusable_length(prefilled: Sequence[int], prompt: Sequence[int], block: int) -> int:
+def reusable_length(prefilled: Sequence[int], prompt: Sequence[int], unit: int) -> int:
     """How many leading positions of ``prompt`` a cache whose ledger is
-    ``prefilled`` can keep: the common prefix, rounded down to whole blocks,
-    and short of the prompt's last token (its logits must be computed)."""
+    ``prefilled`` can keep: the common prefix, rounded down to a multiple
+    of ``unit`` (the engine's :attr:`~PrefixReuse.reuse_unit`), and short of
+    the prompt's last token (its logits must be computed)."""
     n = common_prefix(prefilled, prompt[:-1])
-    return n - n % block if block > 0 else 0
+    return n - n % unit if unit > 0 else 0

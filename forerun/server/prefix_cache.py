@@ -4,7 +4,9 @@ Two levels, both exact by construction (:mod:`forerun.protocol.prefix_reuse`):
 
 * the **live** cache: the engine keeps the last request's cache, and the
   next prefill keeps the whole prefill blocks of it that the new prompt
-  starts with (a chat's next turn starts with the previous prompt);
+  starts with (a chat's next turn starts with the previous prompt); where
+  the engine's positions are exact (forerun's engine on its native CPU
+  kernels) it keeps any prefix of it, the previous answer included;
 * **saved** prefixes: before a prefill would drop reusable blocks of the
   live cache (a request from another conversation), they are saved as a
   payload (the keys and values as stored), and a later request that shares
@@ -77,7 +79,7 @@ class PrefixCache:
         decoder = decoder or self.decoder
         if not self.enabled:
             return 0
-        return reusable_length(decoder.prefilled_tokens, prompt_ids, decoder.prefill_block)
+        return reusable_length(decoder.prefilled_tokens, prompt_ids, decoder.reuse_unit)
 
     def prepare(self, prompt_ids: list[int], decoder=None) -> Reuse:
         """Before a generation of ``prompt_ids`` on ``decoder`` (default:
@@ -90,13 +92,15 @@ class PrefixCache:
         if not self.enabled:
             decoder.reset()
             return self._count(Reuse(None, 0))
-        block = decoder.prefill_block
+        block = decoder.reuse_unit
         live_tokens = decoder.prefilled_tokens
         live = reusable_length(live_tokens, prompt_ids, block)
         best_key, best = None, live
-        for key in self._saved:
+        for key, payload in self._saved.items():
             n = reusable_length(key, prompt_ids, block)
-            if n > best:
+            # (A prefix saved on another thread count, where the count
+            # decides the numerics, is not this engine's to restore.)
+            if n > best and decoder.can_restore(payload):
                 best_key, best = key, n
         if best_key is not None:
             with self._lock:

@@ -16,6 +16,7 @@ from forerun.decoding.stats import GenerationStats
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.ngram import NgramDrafter
 from forerun.errors import CacheStateError
+from forerun.kernels import native
 from forerun.protocol.prefix_reuse import PrefixReuse, reusable_length
 from method_runs import FeedLog, run_method
 from tiny_models import forerun_decoder, hf_model
@@ -28,8 +29,8 @@ def hf(request):
     return hf_model(request.param, seed=5)
 
 
-def target_of(hf, context_length=160, reuse=True):
-    decoder = forerun_decoder(hf, context_length=context_length)
+def target_of(hf, context_length=160, reuse=True, weights="float32"):
+    decoder = forerun_decoder(hf, context_length=context_length, weights=weights)
     decoder.prefill_block = BLOCK
     decoder.reuse_prefixes = reuse
     return decoder
@@ -200,37 +201,158 @@ def test_a_saved_prefix_fits_only_its_own_engine(hf):
         other.restore_prefix(payload)
 
 
-def _methods(hf):
+def _methods(hf, weights="float32"):
     """Fresh (target, method) pairs: plain, prompt lookup and tree decoding."""
-    target = target_of(hf)
+    target = target_of(hf, weights=weights)
     yield "plain", PlainDecoding(target)
-    target = target_of(hf)
+    target = target_of(hf, weights=weights)
     yield "ngram", SpeculativeDecoding(target, NgramDrafter(), k=3)
-    target = target_of(hf)
+    target = target_of(hf, weights=weights)
     drafter = OracleTreeDrafter(forerun_decoder(hf, context_length=256), depth=3)
     yield "tree", TreeSpeculativeDecoding(target, drafter, tree=TreeShape.from_counts([2, 2]))
 
 
+@pytest.mark.parametrize("weights", ["float32", "q4"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_every_method_gives_the_same_tokens_warm_and_cold(hf, temperature):
+def test_every_method_gives_the_same_tokens_warm_and_cold(hf, temperature, weights):
     """A three-turn chat: each turn's prompt is the previous prompt, its
     answer and a new message.  Served warm (the cache kept between turns)
     and cold (reset before each turn), every method gives the same tokens,
-    greedy and sampled with a seed."""
+    greedy and sampled with a seed.  On the native kernels (q4) a turn
+    keeps the previous turn's prompt and answer, except where a tree's
+    positions ended the ledger."""
+    if weights == "q4":
+        needs_native()
+
     def sampler():
         return TokenSampler(SamplingParams(temperature=temperature), seed=11)
 
-    for (name, warm), (_, cold) in zip(_methods(hf), _methods(hf)):
+    for (name, warm), (_, cold) in zip(_methods(hf, weights), _methods(hf, weights)):
         history = prompt(13, seed=12)
-        reused = []
+        reused, before = [], []
         for turn in range(3):
-            reused.append(reusable_length(warm.target.prefilled_tokens, history, BLOCK))
-            out_warm = run_method(warm, history, 12, sampler(), GenerationStats())
+            stats = GenerationStats()
+            out_warm = run_method(warm, history, 12, sampler(), stats)
+            reused.append(stats.reused_prompt_tokens)
             cold.target.reset()
             out_cold = run_method(cold, history, 12, sampler(), GenerationStats())
             assert out_warm == out_cold, (name, turn)
+            before.append(len(history))
             history = history + out_warm + prompt(5, seed=20 + turn)
         assert reused[1] > 0 and reused[2] > reused[1], name
+        if weights == "q4" and name != "tree":
+            # The previous prompt and all of its answer that was fed (its
+            # last token never is).
+            assert reused[1] >= before[0] + 11 and reused[2] >= before[1] + 11, (name, reused)
+
+
+# -- exact positions: forerun's engine on its native kernels ------------------------
+
+def needs_native():
+    if native.layer_ops() is None:
+        pytest.skip(f"forerun's native library doesn't run here: {native.unavailable_reason()}")
+
+
+def exact_target(hf, context_length=200):
+    needs_native()
+    target = target_of(hf, context_length=context_length, weights="q4")
+    assert target.exact_positions and target.reuse_unit == 1
+    return target
+
+
+def test_only_native_products_make_positions_exact(hf):
+    float_target = target_of(hf)
+    assert not float_target.exact_positions and float_target.reuse_unit == BLOCK
+    exact_target(hf)
+
+
+def test_every_position_fed_in_order_joins_the_ledger(hf):
+    """Prompt blocks of any length, decoding steps and a verification's
+    rows join it; a rollback shortens it; a tree's positions end it until
+    a rollback goes below them."""
+    target = exact_target(hf)
+    a = prompt(13)
+    prefill(target, a)
+    assert target.prefilled_tokens == tuple(a)          # the partial block too
+    target.feed([5])
+    target.feed([6, 7, 8])                              # a verification's rows
+    assert target.prefilled_tokens == tuple(a + [5, 6, 7, 8])
+    target.rollback(15)
+    assert target.prefilled_tokens == tuple(a + [5, 6])
+    mask = torch.ones(2, 17, dtype=torch.bool)
+    mask[1, 15] = False                                 # two siblings of a tree
+    target.forward([9, 10], [15, 15], mask)
+    target.keep_slots(torch.tensor([16]), 15)
+    target.feed([11])
+    assert target.length == 17 and target.prefilled_tokens == tuple(a + [5, 6])
+    target.rollback(15)
+    target.feed([10, 11])
+    assert target.prefilled_tokens == tuple(a + [5, 6, 10, 11])
+    with pytest.raises(CacheStateError, match="not the end of the recorded prefix"):
+        target.mark_prefilled([1, 2])
+
+
+@pytest.mark.parametrize("shared", [0, 5, 13, 16, 21, 24])
+def test_a_prompt_keeps_any_prefix_of_an_answer_bit_identical(hf, shared):
+    """The next prompt keeps every position it shares with the cache, the
+    previous answer's included (decoding steps, a verification's accepted
+    rows), not only whole blocks: its logits and cache are a cold
+    prefill's, to the bit."""
+    target = exact_target(hf)
+    first = prompt(13)
+    prefill(target, first)
+    answer = prompt(11, seed=3)
+    for t in answer[:4]:
+        target.feed([t])
+    target.feed(answer[4:11] + [1, 2])                  # 7 accepted, 2 rejected
+    target.rollback(24)
+    fed = first + answer
+    second = fed[:shared] + prompt(9, seed=4)
+    stats = GenerationStats()
+    warm = prefill(target, second, stats=stats).logits
+    assert stats.reused_prompt_tokens == shared
+    cold_target = exact_target(hf)
+    cold = prefill(cold_target, second).logits
+    assert torch.equal(warm, cold)
+    for w, c in zip(kv(target), kv(cold_target)):
+        assert torch.equal(w, c)
+
+
+def test_a_batch_rows_join_each_sequence_ledger(hf):
+    target = exact_target(hf)
+    other = target.fork()
+    a, b = prompt(10), prompt(7, seed=1)
+    prefill(target, a)
+    prefill(other, b)
+    target.feed_batch([(target, [3, 4]), (other, [5])])
+    assert target.prefilled_tokens == tuple(a + [3, 4])
+    assert other.prefilled_tokens == tuple(b + [5])
+    second = a + [3, 4] + prompt(6, seed=2)
+    warm = prefill(target, second).logits
+    assert torch.equal(warm, prefill(exact_target(hf), second).logits)
+
+
+def test_exact_positions_keep_their_ledger_on_another_thread_count(hf):
+    """The native kernels compute each output on one thread in one order:
+    a cache computed on one thread is a cache computed on two, so the
+    ledger outlives a change of count (a server following the load)."""
+    a = prompt(30)
+    target = exact_target(hf)
+    own = target.threads
+    other = 1 if own > 1 else 2
+    prefill(target, a)
+    try:
+        target.set_threads(other)
+        assert target.prefilled_tokens == tuple(a)
+        elsewhere = exact_target(hf)
+        prefill(elsewhere, a)
+        target.feed([4, 5])
+        elsewhere.feed([4, 5])
+        assert target.prefilled_tokens == tuple(a + [4, 5])
+    finally:
+        target.set_threads(own)
+    for x, y in zip(kv(target), kv(elsewhere)):
+        assert torch.equal(x, y)
 
 
 # -- llama.cpp ------------------------------------------------------------------------
