@@ -49,6 +49,9 @@ def chat(model, way: str, turns: int, new_tokens: int) -> list[dict]:
     """One conversation, turn by turn: its answers and each prefill's facts."""
     decoder = model.decoder
     decoder._exact = None if way == "exact" else False    # "blocks": not exact
+    if decoder.exact_positions != (way == "exact"):
+        raise SystemExit("chat_turns.py could not set the engine's exact positions "
+                         "(TorchDecoder._exact); fix the script for this version")
     model.reuse_prompts = way != "cold"
     model.reset_cache()
     messages = [{"role": "system", "content": SYSTEM}]

@@ -92,12 +92,12 @@ class PrefixCache:
         if not self.enabled:
             decoder.reset()
             return self._count(Reuse(None, 0))
-        block = decoder.reuse_unit
+        unit = decoder.reuse_unit
         live_tokens = decoder.prefilled_tokens
-        live = reusable_length(live_tokens, prompt_ids, block)
+        live = reusable_length(live_tokens, prompt_ids, unit)
         best_key, best = None, live
         for key, payload in self._saved.items():
-            n = reusable_length(key, prompt_ids, block)
+            n = reusable_length(key, prompt_ids, unit)
             # (A prefix saved on another thread count, where the count
             # decides the numerics, is not this engine's to restore.)
             if n > best and decoder.can_restore(payload):
