@@ -7,7 +7,9 @@ share of it, for one position and for a verification's rowwise forwards.
         [--positions 1,2,4] [--steps 10]
 
 It builds ``forerun/kernels/avx2_layer_ops.c`` as it was at ``--against``
-(with the flags forerun builds it with), prefills ``--context`` tokens,
+(with the flags forerun builds it with), runs the layers operation by
+operation (``Transformer.fuse_layers`` off: a fused layer calls this
+tree's attention from inside its own library), prefills ``--context`` tokens,
 then times forwards of each number of ``--positions``, switching the
 attention between the two builds step by step so that a drift of the
 machine touches both alike, and prints the median of each in ms.  It
@@ -54,6 +56,10 @@ def main() -> None:
     ops = decoder.model.layer_ops
     if ops is None:
         raise SystemExit("forerun's native layer operations do not run here")
+    # Layer by layer, operation by operation: a fused layer (decoder_layer.c)
+    # calls the attention inside its own library, which the switch below
+    # can't reach (both columns would time this tree).
+    decoder.model.fuse_layers = False
     counts = positions_list(args.positions)
     with tempfile.TemporaryDirectory() as tmp:
         theirs = build_library(source_at(args.against, SOURCE), Path(tmp),
