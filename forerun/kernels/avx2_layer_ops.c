@@ -158,11 +158,12 @@ static void rotate(float *x, const float *cos, const float *sin, int D) {
 #define QK_AHEAD 24   /* slots ahead of a block whose keys it asks for */
 /* Where the keys and values read ahead go: the L2 cache (T1), not the L1
  * (T0).  On an AMD EPYC Zen 4 (2 threads, the 28 layers' caches of a 1.5B,
- * one row) T0 read the cache at 10 to 15 GB/s, the attention's arithmetic
- * and its reads taking turns, and T1 at 20 to 23: one row's attention after
- * 1,536 tokens in 0.62 to 0.91 of the time (median 0.66), after 4,000 in
- * 0.65, after 512 in 0.80.  Reading 2 to 5 times further ahead with T0
- * changed nothing. */
+ * one row, alternated) T0 read the cache at 10 to 15 GB/s, the attention's
+ * arithmetic and its reads taking turns, and T1 at 17 to 23: one row's
+ * attention after 1,536 tokens in 0.62 to 0.91 of the time (median 0.66),
+ * after 4,000 in 0.65, after 512 in 0.80; within a whole step of the model
+ * (benchmarks/attention_ab.py) in 0.82, and 8 rows' in 0.91.  Reading 2 to
+ * 5 times further ahead with T0 changed nothing. */
 #define CACHE_AHEAD _MM_HINT_T1
 #define PV_HEADS 2    /* heads whose outputs one block sums */
 #define PV_CHUNKS 4   /* 8-float pieces of each output one block keeps in registers */
