@@ -353,6 +353,23 @@ def matrix_kernels(request, monkeypatch):
 
 
 @pytest.fixture()
+def kernels(monkeypatch):
+    """forerun's native kernels (``FORERUN_NATIVE_KERNELS=1``), whether or
+    not a timing on this machine judges them faster than torch's; the test
+    is skipped where they can't run.  A test about them must not leave them
+    to that timing: the suite takes it while the other worker runs, and in
+    one CI run it gave a worker torch's products."""
+    from forerun.kernels import native
+
+    monkeypatch.setenv(native.SWITCH, "1")
+    native.reset()
+    if native.native_kernels() is None:
+        pytest.skip(f"forerun's native kernels don't run here: {native.unavailable_reason()}")
+    yield native.native_kernels()
+    native.reset()
+
+
+@pytest.fixture()
 def torch_kernels(monkeypatch):
     """Runs a test on torch's quantized kernels (a test of what is torch's
     own: its int8 layer's prefill kernels, its changed-signature check)."""

@@ -16,7 +16,6 @@ from forerun.decoding.stats import GenerationStats
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.ngram import NgramDrafter
 from forerun.errors import CacheStateError
-from forerun.kernels import native
 from forerun.protocol.prefix_reuse import PrefixReuse, reusable_length
 from method_runs import FeedLog, run_method
 from tiny_models import forerun_decoder, hf_model
@@ -222,7 +221,7 @@ def test_every_method_gives_the_same_tokens_warm_and_cold(hf, temperature, weigh
     keeps the previous turn's prompt and answer, except where a tree's
     positions ended the ledger."""
     if weights == "q4":
-        request.getfixturevalue("native_products")
+        request.getfixturevalue("kernels")
 
     def sampler():
         return TokenSampler(SamplingParams(temperature=temperature), seed=11)
@@ -248,35 +247,21 @@ def test_every_method_gives_the_same_tokens_warm_and_cold(hf, temperature, weigh
 
 # -- exact positions: forerun's engine on its native kernels ------------------------
 
-@pytest.fixture()
-def native_products(monkeypatch):
-    """forerun's native kernels for the products, whether or not a timing on
-    this machine judges them faster than torch's (``FORERUN_NATIVE_KERNELS=1``):
-    these tests are about them.  Left to the timing, one CI run's worker had
-    the native layer operations but not the native products (every q4
-    target here said its positions were not exact); runs of the same
-    commit, alone or in the whole quick lane, did not do it again."""
-    monkeypatch.setenv(native.SWITCH, "1")
-    native.reset()
-    if native.layer_ops() is None or native.native_kernels() is None:
-        pytest.skip(f"forerun's native library doesn't run here: {native.unavailable_reason()}")
-    yield
-    native.reset()
-
-
 def exact_target(hf, context_length=200):
+    """A q4 target on forerun's native kernels (the test asks for the
+    ``kernels`` fixture: the products forced on, not left to a timing)."""
     target = target_of(hf, context_length=context_length, weights="q4")
     assert target.exact_positions and target.reuse_unit == 1
     return target
 
 
-def test_only_native_products_make_positions_exact(hf, native_products):
+def test_only_native_products_make_positions_exact(hf, kernels):
     float_target = target_of(hf)
     assert not float_target.exact_positions and float_target.reuse_unit == BLOCK
     exact_target(hf)
 
 
-def test_every_position_fed_in_order_joins_the_ledger(hf, native_products):
+def test_every_position_fed_in_order_joins_the_ledger(hf, kernels):
     """Prompt blocks of any length, decoding steps and a verification's
     rows join it; a rollback shortens it; a tree's positions end it until
     a rollback goes below them."""
@@ -303,7 +288,7 @@ def test_every_position_fed_in_order_joins_the_ledger(hf, native_products):
 
 
 @pytest.mark.parametrize("shared", [0, 5, 13, 16, 21, 24])
-def test_a_prompt_keeps_any_prefix_of_an_answer_bit_identical(hf, shared, native_products):
+def test_a_prompt_keeps_any_prefix_of_an_answer_bit_identical(hf, shared, kernels):
     """The next prompt keeps every position it shares with the cache, the
     previous answer's included (decoding steps, a verification's accepted
     rows), not only whole blocks: its logits and cache are a cold
@@ -328,7 +313,7 @@ def test_a_prompt_keeps_any_prefix_of_an_answer_bit_identical(hf, shared, native
         assert torch.equal(w, c)
 
 
-def test_a_batch_rows_join_each_sequence_ledger(hf, native_products):
+def test_a_batch_rows_join_each_sequence_ledger(hf, kernels):
     target = exact_target(hf)
     other = target.fork()
     a, b = prompt(10), prompt(7, seed=1)
@@ -342,7 +327,7 @@ def test_a_batch_rows_join_each_sequence_ledger(hf, native_products):
     assert torch.equal(warm, prefill(exact_target(hf), second).logits)
 
 
-def test_exact_positions_keep_their_ledger_on_another_thread_count(hf, native_products):
+def test_exact_positions_keep_their_ledger_on_another_thread_count(hf, kernels):
     """The native kernels compute each output on one thread in one order:
     a cache computed on one thread is a cache computed on two, so the
     ledger outlives a change of count (a server following the load)."""

@@ -8,17 +8,6 @@ from forerun.kernels import build, native
 
 
 @pytest.fixture()
-def kernels(monkeypatch):
-    """The native kernels (the test is skipped where they can't run)."""
-    monkeypatch.setenv(native.SWITCH, "1")
-    native.reset()
-    if native.native_kernels() is None:
-        pytest.skip(f"forerun's native kernels don't run here: {native.unavailable_reason()}")
-    yield native.native_kernels()
-    native.reset()
-
-
-@pytest.fixture()
 def fresh_cache(tmp_path, monkeypatch):
     """An empty forerun cache, so the library is built again, and the
     loaded state forgotten before and after."""
