@@ -51,7 +51,11 @@ def main() -> None:
     p.add_argument("--positions", default="1,2,4")
     p.add_argument("--steps", type=int, default=10)
     args = p.parse_args()
-    model = load_model(args)
+    source = source_at(args.against, SOURCE)
+    # A build from before float16 caches (no `half` argument) runs beside
+    # this tree's over a float32 cache.
+    before_half = b"int half" not in source
+    model = load_model(args, **({"kv_cache": "float32"} if before_half else {}))
     decoder = model.decoder
     ops = decoder.model.layer_ops
     if ops is None:
@@ -62,9 +66,15 @@ def main() -> None:
     decoder.model.fuse_layers = False
     counts = positions_list(args.positions)
     with tempfile.TemporaryDirectory() as tmp:
-        theirs = build_library(source_at(args.against, SOURCE), Path(tmp),
-                               "layer_ops").fr_attention
-        theirs.argtypes, theirs.restype = ops._attention.argtypes, ops._attention.restype
+        built = build_library(source, Path(tmp), "layer_ops").fr_attention
+        built.argtypes, built.restype = ops._attention.argtypes, ops._attention.restype
+        if before_half:     # (fr_attention's 10th argument, `half`, dropped)
+            built.argtypes = built.argtypes[:9] + built.argtypes[10:]
+
+        def without_half(*a):
+            return built(*a[:9], *a[10:])
+
+        theirs = without_half if before_half else built
         builds = {"this tree": ops._attention, f"at {args.against}": theirs}
         spent = [0.0]
         attention = ops.attention

@@ -144,9 +144,12 @@ def measured_parallel(model: Model) -> dict:
 
 def slot_bytes(model: Model) -> int:
     """Memory one more sequence of ``model`` holds at its whole context: its
-    keys and values, in float32 (the torch engine's cache)."""
+    keys and values, in its cache's dtype (the torch engine's: float16
+    where forerun's native layers run, else the activations')."""
     c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.decoder.context_length * 4
+    cache = getattr(model.decoder, "cache", None)
+    size = cache.keys.element_size() if cache is not None else 4
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.decoder.context_length * size
 
 
 def available_bytes() -> int | None:

@@ -60,7 +60,7 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
          context_length: int | None = None, device: str | torch.device | None = None,
          dtype: torch.dtype = torch.float32, progress: bool = True,
          engine_options: dict[str, Any] | None = None, weights: str = "auto",
-         reuse_prompts: bool = True) -> Model:
+         reuse_prompts: bool = True, kv_cache: str = "auto") -> Model:
     """Load a model by preset name, ``.gguf`` path or Hugging Face folder.
 
     ``context_length`` sets the KV cache size (default: the model's own limit,
@@ -93,8 +93,17 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
     ``reuse_prompts``: whether a generation reuses the cached prefill of
     the previous prompt it starts with (a chat's next turn reads only what
     is new; the output is bit for bit the same); see :class:`Model`.
+
+    ``kv_cache``: what the torch engine's KV cache holds keys and values
+    in: ``"float16"`` (half the memory and the bytes a step reads; where
+    forerun's native layer operations run: the CPU, float32 activations),
+    ``"float32"``, or ``"auto"`` (float16 where it can, else the
+    activations' dtype).  The llama.cpp engine takes ``engine_options``'
+    ``cache_type_k`` and ``cache_type_v`` instead.
     """
     weights = check_format(weights)
+    if kv_cache not in KV_CACHES:
+        raise ConfigError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     check_reuse_prompts(reuse_prompts)
     check_load_arguments(model, context_length=context_length, dtype=dtype,
                          progress=progress, engine_options=engine_options)
@@ -108,6 +117,10 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
         if weights != "auto":
             raise ConfigError(f"weights={weights!r} applies to the torch engine; the "
                               f"llama.cpp engine runs the GGUF file's own quantization")
+        if kv_cache != "auto":
+            raise ConfigError(f"kv_cache={kv_cache!r} applies to the torch engine; give the "
+                              f"llama.cpp engine engine_options cache_type_k and "
+                              f"cache_type_v instead")
         if device is not None and parse_device(device).type != "cpu":
             raise ConfigError(
                 f"the llama.cpp engine runs on the CPU; device {str(device)!r} is not "
@@ -162,6 +175,7 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
             # prefilled the 1.5B at 66 tok/s in q8 there, against 41-44.)
 
             network.set_prefill_kernel(choose_prefill_kernel(files.name, config, device).kernel)
+        network.kv_dtype = kv_cache_dtype(network, kv_cache)
         decoder = TorchDecoder(network, context_length, config.eos_token_ids)
     except (RuntimeError, MemoryError) as exc:
         if not memory_error(exc):
@@ -174,6 +188,25 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
     release_thread_pool()
     return Model(files.name, decoder, files.tokenizer, config, source=_source(files, model),
                  reuse_prompts=reuse_prompts, load_draft=load_draft_model)
+
+
+#: ``kv_cache`` values of :func:`load`
+KV_CACHES = ("auto", "float16", "float32")
+
+
+def kv_cache_dtype(network: Transformer, kv_cache: str) -> torch.dtype | None:
+    """The dtype ``kv_cache`` (one of :data:`KV_CACHES`) asks of
+    ``network``'s caches (None: ``"auto"``, the network's choice), or
+    :class:`ConfigError` where it can't hold it."""
+    if kv_cache == "auto":
+        return None
+    dtype = {"float16": torch.float16, "float32": torch.float32}[kv_cache]
+    if dtype != network.dtype and network.layer_ops is None:
+        raise ConfigError(
+            f"a {kv_cache} KV cache needs forerun's native layer operations (the CPU, float32 "
+            f"activations); on {network.device} with {network.dtype} activations the cache "
+            f"holds {str(network.dtype).removeprefix('torch.')}: drop kv_cache (--kv-cache)")
+    return dtype
 
 
 def choose_engine(model: str | Path, *, weights: str = "auto",

@@ -54,6 +54,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "matrix 4-bit: smaller, less faithful; what a draft runs in), q8 "
                         "(int8), bfloat16, float32, or auto (default: for a GGUF, the "
                         "fastest on this machine, measured once)")
+    p.add_argument("--kv-cache", choices=("auto", "float16", "float32"), default="auto",
+                   help="the torch engine's KV cache: float16 (half the memory and the bytes "
+                        "a step reads after a long prompt), float32, or auto (default: "
+                        "float16 on the CPU, else the activations' dtype)")
     p.add_argument("--draft", "-d", default=None, help=_DRAFT_HELP)
 
 
@@ -90,7 +94,8 @@ def load_model(args: argparse.Namespace, *, progress: bool) -> Model:
     from forerun.api import load
 
     return load(args.model or DEFAULT_MODEL, engine=args.engine, weights=args.weights,
-                context_length=args.context_length, device=args.device, progress=progress)
+                context_length=args.context_length, device=args.device, progress=progress,
+                kv_cache=getattr(args, "kv_cache", "auto"))
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:

@@ -120,8 +120,8 @@ def _build_service(args: argparse.Namespace):
     config = speculative_config(args)   # before the model loads: a bad option fails at once
     name = args.model or DEFAULT_MODEL
     model = forerun.load(name, engine=args.engine, weights=args.weights,
-                         context_length=args.context_length,
-                         device=args.device, progress=not args.quiet)
+                         context_length=args.context_length, device=args.device,
+                         progress=not args.quiet, kv_cache=args.kv_cache)
     drafts = {}
     if config.uses_draft_model:
         # On the target's engine, with its context (in q4-all beside a quantized target).

@@ -140,7 +140,9 @@ class TorchDecoder(EngineDecoder):
             weights=self.model.weights_format, kernels=kernels,
             instruction=None if native is None else native.instruction,
             dtype=str(self.model.dtype).removeprefix("torch."),
-            prefill=self.model.prefill_kernel, extra=(("torch", torch.__version__),))
+            prefill=self.model.prefill_kernel,
+            extra=(("torch", torch.__version__),
+                   ("kv cache", str(self.cache.keys.dtype).removeprefix("torch."))))
 
     @property
     def output_layer(self) -> _OutputLayer:

@@ -37,6 +37,7 @@ from forerun.errors import ConfigError, ModelFormatError, UnsupportedArchitectur
 from forerun.kernels import native
 from forerun.kernels.binding import (
     ACTIVATION_CODES,
+    CACHE_DTYPES,
     LayerExtras,
     LayerMatrices,
     NativeKernels,
@@ -244,6 +245,9 @@ class Transformer:
         # attention in one call each instead of dozens of torch operators.
         self.layer_ops = (native.layer_ops() if self.device.type == "cpu"
                           and self.dtype == torch.float32 else None)
+        # What new caches hold their keys and values in (new_cache): None
+        # for cache_dtype's choice, or a dtype set before a decoder is made.
+        self.kv_dtype: torch.dtype | None = None
         # Each layer's arguments to NativeKernels.decoder_layer, or None for a
         # layer it can't run (made at the first forward that could use them).
         self._fused: list[tuple[tuple, tuple[NativeKernels, LayerMatrices] | None]] | None = None
@@ -451,13 +455,28 @@ class Transformer:
             return int8_layer(quantize_int8(rows.float()), None, self.device)
         return DenseLinear(rows, None, self.dtype, self.device)
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What :meth:`new_cache` holds keys and values in: :attr:`kv_dtype`
+        where set, else, where the native layer operations run, float16, as
+        llama.cpp's caches are by default (a decoding step reads half the
+        bytes of a long context, a slot takes half the memory, and the
+        attention's arithmetic stays float32: a float16 converts exactly),
+        and elsewhere the activations' dtype."""
+        if self.kv_dtype is not None:
+            return self.kv_dtype
+        return torch.float16 if self.layer_ops is not None else self.dtype
+
     def new_cache(self, capacity: int) -> KVCache:
         """A cache of ``capacity`` positions matching this model."""
         if capacity <= 0:
             raise ConfigError(f"context_length must be positive, got {capacity}")
-        c = self.config
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity,
-                       dtype=self.dtype, device=self.device)
+        c, dtype = self.config, self.cache_dtype
+        if dtype != self.dtype and (self.layer_ops is None or dtype not in CACHE_DTYPES):
+            raise ConfigError(f"a {dtype} KV cache needs forerun's native layer operations; "
+                              f"this network runs {self.dtype} in torch's")
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, dtype=dtype,
+                       device=self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -643,13 +662,15 @@ class Transformer:
         c, t = self.config, x.shape[0]
         for n, s in enumerate(spans):
             keys, values, rows = s.cache.keys, s.cache.values, s.end - s.begin
-            if not (keys.dtype == values.dtype == torch.float32 and keys.is_contiguous()
+            if not (keys.dtype == values.dtype and keys.dtype in CACHE_DTYPES
+                    and keys.is_contiguous()
                     and values.is_contiguous() and keys.shape == values.shape
                     and keys.shape[:2] == (c.num_layers, c.num_kv_heads)
                     and keys.shape[3] == c.head_dim and 0 <= s.start <= keys.shape[2] - rows
                     and all(_mask_fits(m[n], rows, s.start) for m in masks.values())):
                 raise ConfigError(
-                    f"a fused layer needs a float32 contiguous cache [{c.num_layers}, "
+                    f"a fused layer needs a float32 or float16 contiguous cache "
+                    f"[{c.num_layers}, "
                     f"{c.num_kv_heads}, capacity, {c.head_dim}] with room for {rows} slots at "
                     f"{s.start} and uint8 masks [{rows}, {s.start + rows}]; got a cache "
                     f"{tuple(keys.shape)} {keys.dtype}")
@@ -658,7 +679,8 @@ class Transformer:
         fused_spans = {local: (SequenceRows * len(spans))(*(
             SequenceRows(s.end - s.begin, s.start, s.cache.keys.shape[2],
                          s.cache.keys.data_ptr(), s.cache.values.data_ptr(),
-                         None if mask is None else mask.data_ptr())
+                         None if mask is None else mask.data_ptr(),
+                         CACHE_DTYPES[s.cache.keys.dtype])
             for s, mask in zip(spans, rows))) for local, rows in masks.items()}
         return x.float().contiguous().clone(), fused_spans
 
@@ -771,6 +793,9 @@ class Transformer:
                 a, b = s.begin, s.end
                 s.cache.write(n, s.start, k[:, a:b], v[:, a:b])
                 keys, values = s.cache.layer(n, s.start + b - a)
+                # (a float16 cache of the native layers, read here by a
+                # forward of several positions at once)
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
                 if seen_by_row is None:
                     parts.append(F.scaled_dot_product_attention(
                         q[None, :, a:b], keys[None, :, first:], values[None, :, first:],

@@ -169,7 +169,7 @@
 #error "TILE must be 1 to 8 (the passes' cases), ROWS 1 or 4"
 #endif
 
-int fr_abi_version(void) { return 8; }
+int fr_abi_version(void) { return 9; }
 
 #ifdef FR_AMX
 /* The tile products of amx_int_products.c: from fr_amx_rows() positions up,

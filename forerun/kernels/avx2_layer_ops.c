@@ -184,18 +184,49 @@ static void rotate(float *x, const float *cos, const float *sin, int D) {
 
 static inline int imin(int a, int b) { return a < b ? a : b; }
 
+/* The cache holds float32 keys and values, or float16 ones (half != 0):
+ * half the bytes for a step to read, each converted to float32 exactly as
+ * it is read (a float16 is a float32 too), so the arithmetic is the same
+ * whichever it holds.  A compile-time constant in every inlined caller:
+ * each of fr_attention's two paths is compiled for its own. */
+#define ALWAYS static inline __attribute__((always_inline))
+ALWAYS __m256 load8(const void *p, size_t i, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+ALWAYS float load1(const void *p, size_t i, int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+/* Element i of a cache row's keys or values. */
+ALWAYS const void *at(const void *p, size_t i, int half) {
+    return (const char *)p + (half ? 2 : 4) * i;
+}
+/* n floats of src into a cache: copied, or rounded to the nearest float16
+ * (ties to even, as torch's conversion rounds). */
+static void store(void *dst, const float *src, int n, int half) {
+    if (!half) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *h = dst;
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) h[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 /* s[h * stride + j] = (q_h . k_j) * scale for NH heads q_h = q + h D and
  * NS consecutive cache rows k_j = k + j D. */
-static inline __attribute__((always_inline)) void qk_block(
-        const float *q, const float *k, int D, int NH, int NS, float scale, float *s,
-        int stride) {
+ALWAYS void qk_block(const float *q, const void *k, int D, int NH, int NS, float scale,
+                     float *s, int stride, int half) {
     __m256 acc[QK_HEADS][QK_SLOTS];
     for (int h = 0; h < NH; h++)
         for (int j = 0; j < NS; j++) acc[h][j] = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= D; i += 8) {
         __m256 kv[QK_SLOTS];
-        for (int j = 0; j < NS; j++) kv[j] = _mm256_loadu_ps(k + (size_t)j * D + i);
+        for (int j = 0; j < NS; j++) kv[j] = load8(k, (size_t)j * D + i, half);
         for (int h = 0; h < NH; h++) {
             const __m256 qv = _mm256_loadu_ps(q + (size_t)h * D + i);
             for (int j = 0; j < NS; j++) acc[h][j] = _mm256_fmadd_ps(qv, kv[j], acc[h][j]);
@@ -204,14 +235,15 @@ static inline __attribute__((always_inline)) void qk_block(
     for (int h = 0; h < NH; h++)
         for (int j = 0; j < NS; j++) {
             float sum = hsum8(acc[h][j]);
-            for (int r = i; r < D; r++) sum += q[(size_t)h * D + r] * k[(size_t)j * D + r];
+            for (int r = i; r < D; r++)   /* (an fma in either cache's code) */
+                sum = fmaf(q[(size_t)h * D + r], load1(k, (size_t)j * D + r, half), sum);
             s[(size_t)h * stride + j] = sum * scale;
         }
 }
 
-static void qk_sums(const float *q, const float *k, int D, int nh, int ns, float scale,
-                    float *s, int stride) {
-#define QK(NH, NS) case NH * 8 + NS: qk_block(q, k, D, NH, NS, scale, s, stride); break;
+ALWAYS void qk_sums(const float *q, const void *k, int D, int nh, int ns, float scale, float *s,
+                   int stride, int half) {
+#define QK(NH, NS) case NH * 8 + NS: qk_block(q, k, D, NH, NS, scale, s, stride, half); break;
     switch (nh * 8 + ns) {
         QK(1, 1) QK(1, 2) QK(1, 3) QK(1, 4) QK(2, 1) QK(2, 2) QK(2, 3) QK(2, 4)
         QK(3, 1) QK(3, 2) QK(3, 3) QK(3, 4)
@@ -242,14 +274,14 @@ static inline __m256 hsum8x8(const __m256 r[8]) {
 /* qk_block for NH (1 or 2) heads and 4 keys, D a multiple of 8: each
  * score's products summed into its register as qk_block sums them, then
  * all the sums at once (hsum8x8), the same floats to the bit. */
-static inline __attribute__((always_inline)) void qk_four(
-        const float *q, const float *k, int D, int NH, float scale, float *s, int stride) {
+ALWAYS void qk_four(const float *q, const void *k, int D, int NH, float scale, float *s,
+                   int stride, int half) {
     __m256 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
     for (int i = 0; i < D; i += 8) {
-        const __m256 k0 = _mm256_loadu_ps(k + i), k1 = _mm256_loadu_ps(k + (size_t)D + i),
-                     k2 = _mm256_loadu_ps(k + 2 * (size_t)D + i),
-                     k3 = _mm256_loadu_ps(k + 3 * (size_t)D + i);
+        const __m256 k0 = load8(k, i, half), k1 = load8(k, (size_t)D + i, half),
+                     k2 = load8(k, 2 * (size_t)D + i, half),
+                     k3 = load8(k, 3 * (size_t)D + i, half);
         for (int h = 0; h < NH; h++) {
             const __m256 qv = _mm256_loadu_ps(q + (size_t)h * D + i);
             acc[4 * h] = _mm256_fmadd_ps(qv, k0, acc[4 * h]);
@@ -265,31 +297,30 @@ static inline __attribute__((always_inline)) void qk_four(
 
 /* The scores of nh heads and ns (at most QK_SLOTS) consecutive keys into
  * s[h * stride + j]: qk_four where it applies, else qk_block. */
-static void qk_slots(const float *q, const float *k, int D, int nh, int ns, float scale,
-                     float *s, int stride) {
+ALWAYS void qk_slots(const float *q, const void *k, int D, int nh, int ns, float scale,
+                    float *s, int stride, int half) {
     if (ns != QK_SLOTS || D % 8) {
         for (int h = 0; h < nh; h += QK_HEADS)
             qk_sums(q + (size_t)h * D, k, D, imin(QK_HEADS, nh - h), ns, scale,
-                    s + (size_t)h * stride, stride);
+                    s + (size_t)h * stride, stride, half);
         return;
     }
     int h = 0;
     for (; h + 2 <= nh; h += 2)
-        qk_four(q + (size_t)h * D, k, D, 2, scale, s + (size_t)h * stride, stride);
-    if (h < nh) qk_four(q + (size_t)h * D, k, D, 1, scale, s + (size_t)h * stride, stride);
+        qk_four(q + (size_t)h * D, k, D, 2, scale, s + (size_t)h * stride, stride, half);
+    if (h < nh) qk_four(q + (size_t)h * D, k, D, 1, scale, s + (size_t)h * stride, stride, half);
 }
 
 /* o_h[d0 + c] += sum over the m slots j, in order, of p[h * stride + j] v_j[d0 + c]
  * for NH heads (o_h = o + h D) and the NC 8-float pieces c from d0, v_j = v + j D. */
-static inline __attribute__((always_inline)) void pv_block(
-        const float *p, int stride, const float *v, int m, int D, int d0, int NH, int NC,
-        float *o) {
+ALWAYS void pv_block(const float *p, int stride, const void *v, int m, int D, int d0, int NH,
+                   int NC, float *o, int half) {
     __m256 acc[PV_WIDE_HEADS][PV_CHUNKS];
     for (int h = 0; h < NH; h++)
         for (int c = 0; c < NC; c++) acc[h][c] = _mm256_loadu_ps(o + (size_t)h * D + d0 + 8 * c);
     for (int j = 0; j < m; j++) {
         __m256 vv[PV_CHUNKS];
-        for (int c = 0; c < NC; c++) vv[c] = _mm256_loadu_ps(v + (size_t)j * D + d0 + 8 * c);
+        for (int c = 0; c < NC; c++) vv[c] = load8(v, (size_t)j * D + d0 + 8 * c, half);
         for (int h = 0; h < NH; h++) {
             const __m256 w = _mm256_broadcast_ss(p + (size_t)h * stride + j);
             for (int c = 0; c < NC; c++) acc[h][c] = _mm256_fmadd_ps(w, vv[c], acc[h][c]);
@@ -301,11 +332,11 @@ static inline __attribute__((always_inline)) void pv_block(
 
 /* pv_block over a whole output of nh heads (every piece, then a tail of
  * D % 8 values one at a time). */
-static void pv_sums(const float *p, int stride, const float *v, int m, int D, int nh,
-                    float *o, int wide) {
+ALWAYS void pv_sums(const float *p, int stride, const void *v, int m, int D, int nh, float *o,
+                   int wide, int half) {
     for (int d0 = 0; d0 + 8 <= D;) {
         const int nc = imin(wide ? PV_WIDE_CHUNKS : PV_CHUNKS, (D - d0) / 8);
-#define PV(NH, NC) case NH * 8 + NC: pv_block(p, stride, v, m, D, d0, NH, NC, o); break;
+#define PV(NH, NC) case NH * 8 + NC: pv_block(p, stride, v, m, D, d0, NH, NC, o, half); break;
         switch (nh * 8 + nc) {
             PV(1, 1) PV(1, 2) PV(1, 3) PV(1, 4) PV(2, 1) PV(2, 2) PV(2, 3) PV(2, 4)
             PV(3, 1) PV(3, 2) PV(4, 1) PV(4, 2) PV(5, 1) PV(5, 2) PV(6, 1) PV(6, 2)
@@ -316,7 +347,8 @@ static void pv_sums(const float *p, int stride, const float *v, int m, int D, in
     for (int d = D / 8 * 8; d < D; d++)
         for (int h = 0; h < nh; h++) {
             float sum = o[(size_t)h * D + d];
-            for (int j = 0; j < m; j++) sum += p[(size_t)h * stride + j] * v[(size_t)j * D + d];
+            for (int j = 0; j < m; j++)
+                sum = fmaf(p[(size_t)h * stride + j], load1(v, (size_t)j * D + d, half), sum);
             o[(size_t)h * D + d] = sum;
         }
 }
@@ -367,31 +399,32 @@ static void seen_span(const uint8_t *mask, int end, int start, int t0, int t1, i
  * (or PV_WIDE_SLOTS) slots; a block that a row sees only in part goes slot
  * by slot.  scores: scratch of ROWS * per_kv * end floats, seen: of ROWS
  * ints. */
-static void attend_rows(const float *qkv, int width, int H, int per_kv, int D,
-                        const float *kg, const float *vg, int g, int t0, int t1, int start,
-                        int end, const uint8_t *mask, float scale, float *scores, int *seen,
-                        float *out) {
+ALWAYS void attend_rows(const float *qkv, int width, int H, int per_kv, int D, const void *kg,
+                       const void *vg, int g, int t0, int t1, int start, int end,
+                       const uint8_t *mask, float scale, float *scores, int *seen, float *out,
+                       int half) {
+    const size_t bytes = half ? 2 : 4;     /* an element's */
     int lo, hi;
     seen_span(mask, end, start, t0, t1, &lo, &hi);
     for (int t = t0; t < t1; t++) seen[t - t0] = 0;
     for (int j0 = lo / QK_SLOTS * QK_SLOTS; j0 < hi; j0 += QK_SLOTS) {
         const int m = imin(QK_SLOTS, end - j0);
-        const float *k = kg + (size_t)j0 * D;
+        const void *k = at(kg, (size_t)j0 * D, half);
         if (j0 + QK_AHEAD + m <= hi)        /* keys read later, asked for in order */
-            for (size_t b = 0; b < sizeof(float) * (size_t)D * m; b += 64)
-                _mm_prefetch((const char *)(k + (size_t)QK_AHEAD * D) + b, CACHE_AHEAD);
+            for (size_t b = 0; b < bytes * (size_t)D * m; b += 64)
+                _mm_prefetch((const char *)at(k, (size_t)QK_AHEAD * D, half) + b, CACHE_AHEAD);
         for (int t = t0; t < t1; t++) {
             const float *q = qkv + (size_t)t * width + (size_t)g * per_kv * D;
             float *st = scores + (size_t)(t - t0) * per_kv * end;
             int *n = seen + (t - t0);
             if (sees_all(mask, end, start, t, j0, m)) {
-                qk_slots(q, k, D, per_kv, m, scale, st + *n, end);
+                qk_slots(q, k, D, per_kv, m, scale, st + *n, end, half);
                 *n += m;
                 continue;
             }
             for (int j = 0; j < m; j++) {
                 if (!sees(mask, end, start, t, j0 + j)) continue;
-                qk_slots(q, k + (size_t)j * D, D, per_kv, 1, scale, st + *n, end);
+                qk_slots(q, at(k, (size_t)j * D, half), D, per_kv, 1, scale, st + *n, end, half);
                 ++*n;
             }
         }
@@ -430,13 +463,13 @@ static void attend_rows(const float *qkv, int width, int H, int per_kv, int D,
               slots = wide ? PV_WIDE_SLOTS : PV_SLOTS;
     for (int j0 = lo / slots * slots; j0 < hi; j0 += slots) {
         const int m = imin(slots, end - j0);
-        const float *v = vg + (size_t)j0 * D;
+        const void *v = at(vg, (size_t)j0 * D, half);
         /* The next block's values, asked for in order: a block reads its
            rows a piece at a time, an order the hardware prefetcher follows
            poorly. */
-        const char *next = (const char *)(v + (size_t)m * D);
+        const char *next = at(v, (size_t)m * D, half);
         const int more = imin(slots, hi - j0 - m);
-        const size_t ahead = more > 0 ? sizeof(float) * (size_t)D * (size_t)more : 0;
+        const size_t ahead = more > 0 ? bytes * (size_t)D * (size_t)more : 0;
         for (size_t b = 0; b < ahead; b += 64) _mm_prefetch(next + b, CACHE_AHEAD);
         for (int t = t0; t < t1; t++) {
             const float *pt = scores + (size_t)(t - t0) * per_kv * end;
@@ -445,15 +478,15 @@ static void attend_rows(const float *qkv, int width, int H, int per_kv, int D,
             if (sees_all(mask, end, start, t, j0, m)) {
                 for (int h = 0; h < per_kv; h += heads)
                     pv_sums(pt + (size_t)h * end + *n, end, v, m, D, imin(heads, per_kv - h),
-                            o + (size_t)h * D, wide);
+                            o + (size_t)h * D, wide, half);
                 *n += m;
                 continue;
             }
             for (int j = 0; j < m; j++) {
                 if (!sees(mask, end, start, t, j0 + j)) continue;
                 for (int h = 0; h < per_kv; h += heads)
-                    pv_sums(pt + (size_t)h * end + *n, end, v + (size_t)j * D, 1, D,
-                            imin(heads, per_kv - h), o + (size_t)h * D, wide);
+                    pv_sums(pt + (size_t)h * end + *n, end, at(v, (size_t)j * D, half), 1, D,
+                            imin(heads, per_kv - h), o + (size_t)h * D, wide, half);
                 ++*n;
             }
         }
@@ -466,26 +499,27 @@ static void attend_rows(const float *qkv, int width, int H, int per_kv, int D,
  * qkv:    [T, (H + 2 KV) D], the fused projection's output (bias added);
  *         its query and key parts are rotated in place.
  * cos, sin: [T, D], the angles of each position.
- * keys, values: the layer's cache, [KV, capacity, D]; the rotated keys and
- *         the values of the fed positions are written to their slots.
+ * keys, values: the layer's cache, [KV, capacity, D] float32, or float16
+ *         where half is nonzero; the rotated keys and the values of the fed
+ *         positions are written to their slots (rounded to float16 there).
  * mask:   NULL (position t sees slots 0 .. start+t) or [T, start+T] bytes,
  *         nonzero where position t sees the slot.
  * out:    [T, H D], softmax(q k / sqrt(D)) v per head; query head h reads
  *         key head h / (H / KV).
  * Returns 1 where no scratch memory could be had, else 0. */
 int fr_attention(float *qkv, int T, int H, int KV, int D, const float *cos, const float *sin,
-                 float *keys, float *values, int capacity, int start, const uint8_t *mask,
-                 float *out, int threads) {
+                 void *keys, void *values, int half, int capacity, int start,
+                 const uint8_t *mask, float *out, int threads) {
     const int width = (H + 2 * KV) * D, end = start + T, per_kv = H / KV;
     for (int t = 0; t < T; t++) {
         float *row = qkv + (size_t)t * width;
         for (int h = 0; h < H + KV; h++)
             rotate(row + (size_t)h * D, cos + (size_t)t * D, sin + (size_t)t * D, D);
         for (int g = 0; g < KV; g++) {
-            memcpy(keys + ((size_t)g * capacity + start + t) * D, row + (size_t)(H + g) * D,
-                   sizeof(float) * D);
-            memcpy(values + ((size_t)g * capacity + start + t) * D,
-                   row + (size_t)(H + KV + g) * D, sizeof(float) * D);
+            const size_t slot = ((size_t)g * capacity + start + t) * D;
+            store((char *)keys + (half ? 2 : 4) * slot, row + (size_t)(H + g) * D, D, half);
+            store((char *)values + (half ? 2 : 4) * slot, row + (size_t)(H + KV + g) * D, D,
+                  half);
         }
     }
     const float scale = 1.0f / sqrtf((float)D);
@@ -508,10 +542,18 @@ int fr_attention(float *qkv, int T, int H, int KV, int D, const float *cos, cons
             if (!scores || !seen) continue;
             const int g = task / parts, part = task % parts;
             const int t0 = (int)((long)T * part / parts), t1 = (int)((long)T * (part + 1) / parts);
-            for (int c = t0; c < t1; c += ROWS)
-                attend_rows(qkv, width, H, per_kv, D, keys + (size_t)g * capacity * D,
-                            values + (size_t)g * capacity * D, g, c, imin(c + ROWS, t1), start,
-                            end, mask, scale, scores, seen, out);
+            const size_t first = (size_t)g * capacity * D;
+            for (int c = t0; c < t1; c += ROWS) {
+                const int c1 = imin(c + ROWS, t1);
+                if (half)
+                    attend_rows(qkv, width, H, per_kv, D, at(keys, first, 1),
+                                at(values, first, 1), g, c, c1, start, end, mask, scale, scores,
+                                seen, out, 1);
+                else
+                    attend_rows(qkv, width, H, per_kv, D, at(keys, first, 0),
+                                at(values, first, 0), g, c, c1, start, end, mask, scale, scores,
+                                seen, out, 0);
+            }
         }
         free(scores);
         free(seen);

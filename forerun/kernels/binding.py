@@ -21,7 +21,10 @@ INSTRUCTIONS = {-1: "avx2", 0: "avx2 stand-in for vpdpbusd", 256: "avx-vnni",
                 512: "avx512-vnni", 1024: "amx-int8"}
 # Bumped whenever the layouts or the functions' signatures change (the
 # packed-weight cache is keyed by it).
-ABI_VERSION = 8
+ABI_VERSION = 9
+# What a KV cache's keys and values may be, with the ``half`` flag the
+# attention takes for each (fr_attention, fr_span).
+CACHE_DTYPES = {torch.float32: 0, torch.float16: 1}
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -80,12 +83,13 @@ class Product(ctypes.Structure):
 class SequenceRows(ctypes.Structure):
     """A sequence's rows of a forward as ``decoder_layer.c`` reads them
     (``fr_span``): ``rows`` positions appended at slot ``start`` of a
-    cache whose keys and values (``[layers, KV, capacity, D]`` float32)
-    are at ``keys`` and ``values``, seeing what the uint8 ``mask`` says (its
-    address, or None: causal)."""
+    cache whose keys and values (``[layers, KV, capacity, D]``, float32,
+    or float16 where ``half`` is 1) are at ``keys`` and ``values``, seeing
+    what the uint8 ``mask`` says (its address, or None: causal)."""
 
     _fields_ = [("rows", ctypes.c_int32), ("start", ctypes.c_int32),
-                ("capacity", ctypes.c_int32), ("keys", _P), ("values", _P), ("mask", _P)]
+                ("capacity", ctypes.c_int32), ("keys", _P), ("values", _P), ("mask", _P),
+                ("half", ctypes.c_int32)]
 
 
 #: Activations of a layer's gate (``decoder_layer.c``'s FR_SILU, FR_GELU_TANH).
@@ -186,7 +190,7 @@ class NativeKernels:
         self._gelu_tanh_mul.argtypes = [_P, _I, _I, _P]
         self._gelu_tanh_mul.restype = None
         self._attention = lib.fr_attention
-        self._attention.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _I]
+        self._attention.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I]
         self._attention.restype = _I
         self._layer_scratch = lib.fr_decoder_layer_scratch
         self._layer_scratch.argtypes = [_I] * 6
@@ -333,20 +337,23 @@ class NativeKernels:
         projections are ``qkv`` ``[T, (heads + 2 KV) D]``, at cache slots
         ``start ..``: rotates their queries and keys by ``cos``/``sin``
         ``[T, D]`` (in place, in ``qkv``), writes their keys and values into
-        the layer's cache ``keys``/``values`` ``[KV, capacity, D]``, and
-        returns ``[T, heads D]``.  ``mask``: None (causal) or uint8
-        ``[T, start + T]``, nonzero where a position sees a slot."""
+        the layer's cache ``keys``/``values`` ``[KV, capacity, D]`` (float32,
+        or float16: written rounded to the nearest, read as the float32 they
+        are), and returns ``[T, heads D]``.  ``mask``: None (causal) or
+        uint8 ``[T, start + T]``, nonzero where a position sees a slot."""
         qkv = qkv.float().contiguous()
         t = qkv.shape[0]
         kv, capacity, d = keys.shape
-        if not (keys.dtype == values.dtype == torch.float32 and keys.is_contiguous()
+        if not (keys.dtype == values.dtype and keys.dtype in CACHE_DTYPES
+                and keys.is_contiguous()
                 and values.shape == keys.shape and values.is_contiguous()
                 and qkv.shape[1] == (heads + 2 * kv) * d and heads % kv == 0
                 and cos.shape == sin.shape == (t, d) and 0 <= start <= capacity - t
                 and (mask is None or (mask.dtype == torch.uint8 and mask.is_contiguous()
                                       and mask.shape == (t, start + t)))):
             raise ValueError(
-                "attention needs float32 contiguous caches [KV, capacity, D] with room for "
+                "attention needs float32 or float16 contiguous caches [KV, capacity, D] with "
+                "room for "
                 "T slots at start, q/k/v [T, (heads + 2 KV) D], angles [T, D] and a uint8 "
                 f"mask [T, start + T]; got q/k/v {tuple(qkv.shape)}, caches "
                 f"{tuple(keys.shape)} {keys.dtype}, start {start}, angles {tuple(cos.shape)}, "
@@ -354,7 +361,8 @@ class NativeKernels:
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         out = torch.empty(t, heads * d)
         if self._attention(qkv.data_ptr(), t, heads, kv, d, cos.data_ptr(), sin.data_ptr(),
-                           keys.data_ptr(), values.data_ptr(), capacity, start,
+                           keys.data_ptr(), values.data_ptr(), CACHE_DTYPES[keys.dtype],
+                           capacity, start,
                            None if mask is None else mask.data_ptr(), out.data_ptr(),
                            torch.get_num_threads()):
             raise MemoryError(f"no memory for the attention scores of {start + t} slots")

@@ -40,8 +40,8 @@ void fr_rms_norm(const float *x, int T, int H, const float *w, float eps, float 
 void fr_silu_mul(const float *gu, int T, int I, float *y);
 void fr_gelu_tanh_mul(const float *gu, int T, int I, float *y);
 int fr_attention(float *qkv, int T, int H, int KV, int D, const float *cos, const float *sin,
-                 float *keys, float *values, int capacity, int start, const uint8_t *mask,
-                 float *out, int threads);
+                 void *keys, void *values, int half, int capacity, int start,
+                 const uint8_t *mask, float *out, int threads);
 
 /* A matrix in one of the native layouts (forerun/engines/native_linear.py):
  * format 4 (w0..w2: values, scale, minimum), 6 (w0..w3: low, high, scale,
@@ -121,12 +121,14 @@ size_t fr_decoder_layer_scratch(int T, int H, int heads, int kv, int D, int I) {
 }
 
 /* A sequence's rows of a forward: the next `rows` positions, appended at
- * slot `start` of its cache (keys and values [layers, kv, capacity, D]),
- * seeing the slots its mask says (NULL: causal, as fr_attention takes it). */
+ * slot `start` of its cache (keys and values [layers, kv, capacity, D],
+ * float32, or float16 where `half` is nonzero), seeing the slots its mask
+ * says (NULL: causal, as fr_attention takes it). */
 typedef struct {
     int32_t rows, start, capacity;
-    float *keys, *values;
+    void *keys, *values;
     const uint8_t *mask;
+    int32_t half;
 } fr_span;
 
 /* What a layer adds to the Qwen2/Llama layer (NULL: nothing): query and
@@ -178,10 +180,11 @@ int fr_decoder_layer(float *x, int T, int H, const float *attn_norm, const float
     }
     for (int i = 0, row = 0; i < nspans; row += spans[i].rows, i++) {
         const fr_span *s = &spans[i];
-        const size_t at = (size_t)layer * kv * s->capacity * D;
+        const size_t at = (s->half ? 2 : 4) * (size_t)layer * kv * s->capacity * D;
         if (fr_attention(q + (size_t)row * width, s->rows, heads, kv, D, cos + (size_t)row * D,
-                         sin + (size_t)row * D, s->keys + at, s->values + at, s->capacity,
-                         s->start, s->mask, attn + (size_t)row * heads * D, threads))
+                         sin + (size_t)row * D, (char *)s->keys + at, (char *)s->values + at,
+                         s->half, s->capacity, s->start, s->mask,
+                         attn + (size_t)row * heads * D, threads))
             return 1;
     }
     if ((failed = product(o, attn, T, h, threads))) return failed;

@@ -198,6 +198,29 @@ def check_layer_ops(kernels: NativeKernels) -> None:
         if not error < 1e-4:
             raise Unavailable(f"the built library computes {name} wrongly "
                               f"(largest error {float(error):.3g})")
+    check_half_cache(kernels, qkv, cos.float(), sin.float(), heads, start, gen)
+
+
+def check_half_cache(kernels: NativeKernels, qkv: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, heads: int, start: int, gen: torch.Generator) -> None:
+    """Attention over a float16 cache is attention over a float32 cache
+    holding the same values, to the bit, and writes its new keys and values
+    as torch rounds them to float16.  (The rows see the earlier slots only,
+    so that neither cache's new slots, rounded in one and not in the other,
+    are read.)"""
+    t = qkv.shape[0]
+    kv, d = (qkv.shape[1] // cos.shape[1] - heads) // 2, cos.shape[1]
+    sees = torch.rand(t, start + t, generator=gen) < 0.7
+    sees[:, 0], sees[:, start:] = True, False
+    mask = sees.to(torch.uint8)
+    halves = [torch.randn(kv, start + t, d, generator=gen).half() for _ in range(2)]
+    floats = [h.float() for h in halves]
+    got = kernels.attention(qkv.clone(), cos, sin, halves[0], halves[1], start, mask, heads)
+    want = kernels.attention(qkv.clone(), cos, sin, floats[0], floats[1], start, mask, heads)
+    if not (torch.equal(got, want) and all(torch.equal(h[:, start:], f[:, start:].half())
+                                           for h, f in zip(halves, floats))):
+        raise Unavailable("the built library's attention over a float16 cache differs "
+                          "from its attention over the same values in float32")
 
 
 def check_decoder_layer(kernels: NativeKernels, ops: NativeKernels) -> None:

@@ -227,6 +227,7 @@ LOAD_ARGS = {
     "engine_options": (st.sampled_from([{}, None]),
                        st.sampled_from([{"n_threads": 1}, {"bogus": 1}, "x"])),
     "reuse_prompts": (st.booleans(), st.sampled_from([0, 1, "yes", None])),
+    "kv_cache": (st.just("auto"), st.sampled_from(["float64", "f16", "", None, 16])),
 }
 # The weight format, where load() takes one: always given ("auto" measures
 # every format once per cache, seconds per call here).
@@ -316,6 +317,34 @@ def test_wrong_types_are_refused_not_truncated(models, kwargs, message):
     call = {k: v for k, v in call.items() if v is not None}
     with pytest.raises(GenerationConfigError, match=message):
         target.generate(**call)
+
+
+def test_the_kv_cache_holds_what_kv_cache_asks(folders, tmp_path, monkeypatch):
+    """On the CPU with forerun's native layer operations the KV cache is
+    float16 unless ``kv_cache="float32"`` asks otherwise, and greedy
+    decoding with it is what plain one-by-one feeding gives; where they
+    don't run (bfloat16 activations), float16 is refused, saying why."""
+    from forerun.kernels import native
+
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    if native.layer_ops() is None:
+        pytest.skip("forerun's native layer operations don't run here")
+    half = forerun.load(folders[0], context_length=64, progress=False, **FLOAT32)
+    full = forerun.load(folders[0], context_length=64, progress=False, kv_cache="float32",
+                        **FLOAT32)
+    assert half.decoder.cache.keys.dtype == torch.float16
+    assert full.decoder.cache.keys.dtype == torch.float32
+    assert ("kv cache", "float16") in half.decoder.settings.extra
+    for model in (half, full):
+        result = model.generate(prompt_ids=[1, 2, 3], max_new_tokens=12, draft="ngram")
+        plain = model.generate(prompt_ids=[1, 2, 3], max_new_tokens=12, draft="none")
+        assert result.tokens == plain.tokens
+    with pytest.raises(ConfigError, match="float16 KV cache needs forerun's native layer"):
+        forerun.load(folders[0], context_length=64, progress=False, dtype=torch.bfloat16,
+                     weights="bfloat16", kv_cache="float16")
+    with pytest.raises(ConfigError, match="kv_cache must be one of auto, float16, float32"):
+        forerun.load(folders[0], context_length=64, progress=False, kv_cache="f16",
+                     **FLOAT32)
 
 
 @pytest.mark.parametrize("kwargs, message", [

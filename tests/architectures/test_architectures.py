@@ -16,6 +16,7 @@ from tiny_gguf import MODEL_ARCHITECTURES, write_tiny_gguf
 from tiny_models import VOCAB, hf_config, hf_model, tiny_tokenizer_json
 
 TOL = 1e-4
+TOL_HALF = 2e-3
 PROMPT = torch.Generator().manual_seed(5)
 
 
@@ -39,7 +40,9 @@ def check(model, loaded):
     ids = prompt()
     loaded.decoder.reset()
     ours = loaded.decoder.feed(ids).logits
-    assert (ours - reference(model, ids)).abs().max().item() < TOL
+    # (over a float16 cache, keys and values rounded to 11 significant bits)
+    tol = TOL_HALF if loaded.decoder.cache.keys.dtype == torch.float16 else TOL
+    assert (ours - reference(model, ids)).abs().max().item() < tol
     out = loaded.generate(prompt_ids=ids, max_new_tokens=12, ignore_eos=True, draft="none")
     assert out.tokens == reference_greedy(model, ids, 12)
 

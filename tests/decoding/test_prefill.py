@@ -181,7 +181,8 @@ def test_saved_prefix_restores_bit_identical(hf):
     target.feed(prompt(4, seed=7))
     payload = target.export_prefix()
     assert payload.tokens == tuple(a[:24]) and target.length == 24
-    assert payload.nbytes == 2 * target.cache.keys[:, :, :24].numel() * 4
+    keys = target.cache.keys[:, :, :24]
+    assert payload.nbytes == 2 * keys.numel() * keys.element_size()
     prefill(target, prompt(33, seed=8))             # another conversation overwrites it
     target.restore_prefix(payload)
     assert target.length == 24 and target.prefilled_tokens == tuple(a[:24])

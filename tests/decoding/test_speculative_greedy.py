@@ -93,7 +93,11 @@ def check_settled_target(arch: str, target, sequence: list[int]) -> None:
     if target.length == len(sequence):
         target.rollback(target.length - 1)
     logits = target.feed(sequence[target.length:], last_only=True).logits[-1]
-    torch.testing.assert_close(logits, fresh_next_logits(arch, sequence), atol=1e-4, rtol=1e-4)
+    # (torch's float32 products round by the rows fed, and a float16 cache
+    # turns a last-bit difference of a key into one of its 11 significant
+    # bits: 1e-4 apart over a float32 cache, up to about 1e-3 over float16)
+    tol = 2e-3 if target.cache.keys.dtype == torch.float16 else 1e-4
+    torch.testing.assert_close(logits, fresh_next_logits(arch, sequence), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8, None], ids=lambda k: f"k={k}")

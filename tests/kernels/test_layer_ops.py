@@ -163,6 +163,51 @@ def test_a_position_is_the_same_alone_or_among_others(kernels, heads, kv, d):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("heads,kv,d,start,t", [(12, 2, 128, 40, 1), (12, 2, 128, 40, 17),
+                                                (9, 3, 64, 0, 5), (4, 2, 12, 7, 3)])
+def test_a_half_cache_gives_the_float32_attention_of_its_values(kernels, heads, kv, d, start,
+                                                                  t):
+    """A float16 cache is read as the float32 values it holds: where the
+    cache and the fed keys and values are values float16 holds exactly (no
+    rotation), its results and its slots equal a float32 cache's to the
+    bit, causal and masked, one row or more than share a read (17), with
+    head sizes that are whole registers or not (12)."""
+    qkv, _, _, keys, values = _case(heads, kv, d, start, t, capacity=start + t + 3, seed=3)
+    qkv = qkv.half().float()
+    cos, sin = torch.ones(t, d), torch.zeros(t, d)
+    mask = torch.rand(t, start + t, generator=torch.Generator().manual_seed(4)) < 0.6
+    mask[torch.arange(t), start + torch.arange(t)] = True
+    for rows in (None, mask.to(torch.uint8)):
+        halves = keys.half(), values.half()
+        floats = halves[0].float(), halves[1].float()
+        got = kernels.attention(qkv.clone(), cos, sin, *halves, start, rows, heads)
+        want = kernels.attention(qkv.clone(), cos, sin, *floats, start, rows, heads)
+        assert torch.equal(got, want)
+        assert all(torch.equal(h.float(), f) for h, f in zip(halves, floats))
+
+
+def test_a_half_cache_holds_its_keys_and_values_rounded_as_torch_rounds_them(kernels):
+    """Rotated keys and fed values go into a float16 cache rounded to the
+    nearest (ties to even: torch's ``.half()``), and the slots outside the
+    fed ones are left as they were."""
+    heads, kv, d, start, t = 6, 2, 64, 30, 9
+    qkv, cos, sin, keys, values = _case(heads, kv, d, start, t, capacity=50, seed=6)
+    first_value = (heads + kv) * d
+    # ties, overflow, subnormals
+    qkv[0, first_value:first_value + 8] = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, 7e4,
+                                                        -1e-8, 3e-5, 2 ** -24, 65519.0, 65520.0])
+    halves = keys.half(), values.half()
+    before = halves[0].clone(), halves[1].clone()
+    floats = keys.clone(), values.clone()
+    kernels.attention(qkv.clone(), cos, sin, *halves, start, None, heads)
+    kernels.attention(qkv.clone(), cos, sin, *floats, start, None, heads)
+    fed = slice(start, start + t)
+    for h, f, b in zip(halves, floats, before):
+        assert torch.equal(h[:, fed], f[:, fed].half())
+        assert torch.equal(h[:, :start], b[:, :start]) and torch.equal(h[:, fed.stop:],
+                                                                       b[:, fed.stop:])
+
+
 def test_bad_arguments_are_refused_before_any_write(kernels):
     """Shapes that would make the library write past the cache or read
     past the mask raise, and leave the cache as it was."""
@@ -175,7 +220,8 @@ def test_bad_arguments_are_refused_before_any_write(kernels):
         "a negative start": dict(start=-1),
         "a mask of the wrong shape": dict(start=8 - 3, mask=torch.ones(3, 4, dtype=torch.uint8)),
         "a bool mask": dict(start=8, mask=mask.bool()),
-        "a half cache": dict(keys=keys.half()),
+        "float16 keys beside float32 values": dict(keys=keys.half()),
+        "a bfloat16 cache": dict(keys=keys.bfloat16(), values=values.bfloat16()),
         "a cache view": dict(keys=keys[:, ::2]),
         "too few heads' values": dict(heads=3),
         "angles of the wrong size": dict(cos=cos[:, :8]),
@@ -204,6 +250,20 @@ def test_a_library_whose_attention_is_wrong_is_refused(altered_source):
     altered_source("LAYER_OPS_SOURCE", "1.0f / sqrtf((float)D)", "1.0f / (float)D")
     assert native.layer_ops() is None and native.native_kernels() is None
     assert "computes attention wrongly" in native.unavailable_reason()
+
+
+@pytest.mark.parametrize("old,new", [
+    # written rounded toward zero instead of to the nearest
+    ("_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT",
+     "_mm256_loadu_ps(src + i), _MM_FROUND_TO_ZERO"),
+    # read one element off
+    ("((const uint16_t *)p + i)", "((const uint16_t *)p + i + 1)"),
+], ids=["rounding", "reading"])
+def test_a_library_whose_float16_cache_is_wrong_is_refused(altered_source, old, new):
+    """The load-time check catches a float16 cache written or read wrongly."""
+    altered_source("LAYER_OPS_SOURCE", old, new)
+    assert native.layer_ops() is None and native.native_kernels() is None
+    assert "attention over a float16 cache differs" in native.unavailable_reason()
 
 
 def test_they_run_where_torchs_matrix_kernels_won(fresh_cache, monkeypatch):

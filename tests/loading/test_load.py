@@ -30,7 +30,7 @@ def hf_folder(request, tmp_path_factory):
 
 def test_hf_folder_loads_and_matches(hf_folder):
     ref, folder = hf_folder
-    model = forerun.load(folder, context_length=128, device="cpu")
+    model = forerun.load(folder, context_length=128, device="cpu", kv_cache="float32")
     ids = model.tokenizer.encode("hello world, the lazy fox")
     assert ids and max(ids) < VOCAB
     logits = model.decoder.feed(ids).logits
