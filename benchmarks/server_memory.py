@@ -5,6 +5,7 @@ once (forerun's docs, cut at a different place per client) and ask for
 
     python benchmarks/server_memory.py [-m qwen2.5-coder-1.5b] [--parallel 8]
         [--context-length 4096] [--prompt-tokens 3800] [--max-tokens 64]
+        [--kv-cache auto|float16|float32]
 
 It reports the server process's peak RSS (``VmHWM`` from ``/proc``, read
 just before it is stopped), its RSS with the model loaded and idle, and
@@ -35,6 +36,7 @@ def main() -> None:
     p.add_argument("--context-length", type=int, default=4096)
     p.add_argument("--prompt-tokens", type=int, default=3800)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--kv-cache", default="auto", help="the server's --kv-cache")
     args = p.parse_args()
     print(machine_line())
     text = "\n\n".join(f.read_text() for f in sorted((ROOT / "docs").glob("*.md")))
@@ -44,7 +46,7 @@ def main() -> None:
     prompts = [text[i * 997:i * 997 + size] for i in range(args.parallel)]
     srv = Process([sys.executable, "-m", "forerun.cli.main", "serve", "-m", args.model,
                    "--port", "0", "-q", "--parallel", str(args.parallel), "--draft", "none",
-                   "--context-length", str(args.context_length)],
+                   "--context-length", str(args.context_length), "--kv-cache", args.kv_cache],
                   r"serving .* at (http://\S+)")
     pid = srv.proc.pid
     try:
@@ -67,8 +69,8 @@ def main() -> None:
         srv.stop()
     tokens = sum(r["tokens"] for r in results)
     print(f"{args.model}, --parallel {args.parallel}, --context-length {args.context_length}, "
-          f"{len(results)} requests of about {args.prompt_tokens} prompt tokens, {tokens} "
-          f"generated")
+          f"--kv-cache {args.kv_cache}, {len(results)} requests of about "
+          f"{args.prompt_tokens} prompt tokens, {tokens} generated")
     print(f"RSS loaded and idle: {idle:.0f} MiB; after the requests: {now:.0f} MiB; "
           f"peak: {peak:.0f} MiB")
 

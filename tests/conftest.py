@@ -171,9 +171,10 @@ def preset_model():
 
     def get(name: str, context_length: int = 1024, weights: str = "float32"):
         """float32 by default: the reference format, which transformers'
-        parity tests compare with; ``weights="q4"`` is what users run (and
-        verifies in exact groups, where float32 on some CPUs verifies one
-        position per forward, several times slower)."""
+        parity tests compare with (its KV cache float32 too); ``weights="q4"``
+        is what users run (and verifies in exact groups, where float32 on
+        some CPUs verifies one position per forward, several times slower),
+        with the KV cache they run (float16 on the CPU)."""
         key = (name, context_length, weights)
         if key not in _MODELS:
             require_preset(name)
@@ -181,8 +182,9 @@ def preset_model():
             # the real pair together, beside transformers' reference, would
             # pass the machine's 24 GB.
             _release_models(lambda k: k[2] != weights)
-            _MODELS[key] = forerun.load(name, context_length=context_length, progress=False,
-                                        weights=weights)
+            _MODELS[key] = forerun.load(
+                name, context_length=context_length, progress=False, weights=weights,
+                kv_cache="float32" if weights == "float32" else "auto")
         return _MODELS[key]
 
     return get

@@ -22,7 +22,7 @@ def test_qwen_1_5b_matches_transformers(preset_gguf, release_preset_models):
     # with transformers' GGUF loading, which holds about 1.5 times the float32
     # model while it dequantizes, they passed 20 GB).
     ours = forerun.load("qwen2.5-coder-1.5b", context_length=1024, progress=False,
-                        weights="float32")
+                        weights="float32", kv_cache="float32")
     ids = ours.tokenizer.encode(PROMPTS[0])
     ours.decoder.reset()
     logits = ours.decoder.feed(ids).logits.clone()
