@@ -13,7 +13,11 @@ format) in nats, and the largest logit difference, with each sequence's
 first position (which starts without a BOS token) apart.
 
     python benchmarks/fidelity.py [--model qwen2.5-coder-1.5b] [--positions 2048]
-        [--formats q4,q8,bfloat16] [--no-llama-cpp] [--json out.json]
+        [--formats q4,q4:float32,q8,bfloat16] [--no-llama-cpp] [--json out.json]
+
+A format runs with the KV cache it runs with by default (float16 where
+forerun's native layer operations run), or with the one after a colon
+(``q4:float32``); the reference keeps a float32 cache.
 
 Not a timing: it can run beside other work, but it holds the float32 model
 (about 4 bytes per parameter) in memory.
@@ -102,11 +106,14 @@ def main() -> None:
     args = p.parse_args()
 
     context = args.length + 8
-    reference = load_model(args, weights="float32", context_length=context)
+    reference = load_model(args, weights="float32", context_length=context,
+                           kv_cache="float32")
     seqs = sequences(reference, args.positions, args.length)
     logits = {"float32": all_logits(reference, seqs)}
     del reference
-    runs = [(f, {"weights": f}) for f in args.formats.split(",") if f]
+    runs = [(f, {"weights": f.partition(":")[0],
+                 **({"kv_cache": f.partition(":")[2]} if ":" in f else {})})
+            for f in args.formats.split(",") if f]
     if not args.no_llama_cpp:
         runs.append(("llama.cpp", {"engine": "llama.cpp"}))
     for name, options in runs:
