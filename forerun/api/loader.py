@@ -102,7 +102,7 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
     ``cache_type_k`` and ``cache_type_v`` instead.
     """
     weights = check_format(weights)
-    if kv_cache not in KV_CACHES:
+    if not isinstance(kv_cache, str) or kv_cache not in KV_CACHES:
         raise ConfigError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     check_reuse_prompts(reuse_prompts)
     check_load_arguments(model, context_length=context_length, dtype=dtype,
@@ -175,7 +175,7 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
             # prefilled the 1.5B at 66 tok/s in q8 there, against 41-44.)
 
             network.set_prefill_kernel(choose_prefill_kernel(files.name, config, device).kernel)
-        network.kv_dtype = kv_cache_dtype(network, kv_cache)
+        network.kv_dtype = KV_CACHES[kv_cache]     # (new_cache refuses one it can't hold)
         decoder = TorchDecoder(network, context_length, config.eos_token_ids)
     except (RuntimeError, MemoryError) as exc:
         if not memory_error(exc):
@@ -190,23 +190,10 @@ def load(model: str | Path = "qwen2.5-coder-1.5b", *, engine: str = "auto",
                  reuse_prompts=reuse_prompts, load_draft=load_draft_model)
 
 
-#: ``kv_cache`` values of :func:`load`
-KV_CACHES = ("auto", "float16", "float32")
-
-
-def kv_cache_dtype(network: Transformer, kv_cache: str) -> torch.dtype | None:
-    """The dtype ``kv_cache`` (one of :data:`KV_CACHES`) asks of
-    ``network``'s caches (None: ``"auto"``, the network's choice), or
-    :class:`ConfigError` where it can't hold it."""
-    if kv_cache == "auto":
-        return None
-    dtype = {"float16": torch.float16, "float32": torch.float32}[kv_cache]
-    if dtype != network.dtype and network.layer_ops is None:
-        raise ConfigError(
-            f"a {kv_cache} KV cache needs forerun's native layer operations (the CPU, float32 "
-            f"activations); on {network.device} with {network.dtype} activations the cache "
-            f"holds {str(network.dtype).removeprefix('torch.')}: drop kv_cache (--kv-cache)")
-    return dtype
+#: ``kv_cache`` values of :func:`load`, and the dtype each sets as the
+#: network's ``kv_dtype`` (None: its own choice, ``cache_dtype``)
+KV_CACHES: dict[str, torch.dtype | None] = {"auto": None, "float16": torch.float16,
+                                            "float32": torch.float32}
 
 
 def choose_engine(model: str | Path, *, weights: str = "auto",

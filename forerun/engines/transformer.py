@@ -473,8 +473,11 @@ class Transformer:
             raise ConfigError(f"context_length must be positive, got {capacity}")
         c, dtype = self.config, self.cache_dtype
         if dtype != self.dtype and (self.layer_ops is None or dtype not in CACHE_DTYPES):
-            raise ConfigError(f"a {dtype} KV cache needs forerun's native layer operations; "
-                              f"this network runs {self.dtype} in torch's")
+            name, ours = (str(d).removeprefix("torch.") for d in (dtype, self.dtype))
+            raise ConfigError(
+                f"a {name} KV cache needs forerun's native layer operations (the CPU, float32 "
+                f"activations); on {self.device} with {ours} activations the cache holds "
+                f"{ours}: drop kv_cache (--kv-cache)")
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, dtype=dtype,
                        device=self.device)
 

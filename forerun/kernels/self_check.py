@@ -198,18 +198,18 @@ def check_layer_ops(kernels: NativeKernels) -> None:
         if not error < 1e-4:
             raise Unavailable(f"the built library computes {name} wrongly "
                               f"(largest error {float(error):.3g})")
-    check_half_cache(kernels, qkv, cos.float(), sin.float(), heads, start, gen)
+    check_half_cache(kernels, qkv, cos.float(), sin.float(), heads, kv, start, gen)
 
 
 def check_half_cache(kernels: NativeKernels, qkv: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, heads: int, start: int, gen: torch.Generator) -> None:
+                     sin: torch.Tensor, heads: int, kv: int, start: int,
+                     gen: torch.Generator) -> None:
     """Attention over a float16 cache is attention over a float32 cache
     holding the same values, to the bit, and writes its new keys and values
     as torch rounds them to float16.  (The rows see the earlier slots only,
     so that neither cache's new slots, rounded in one and not in the other,
     are read.)"""
-    t = qkv.shape[0]
-    kv, d = (qkv.shape[1] // cos.shape[1] - heads) // 2, cos.shape[1]
+    t, d = qkv.shape[0], cos.shape[1]
     sees = torch.rand(t, start + t, generator=gen) < 0.7
     sees[:, 0], sees[:, start:] = True, False
     mask = sees.to(torch.uint8)
