@@ -276,13 +276,18 @@ class Model:
         speculation configs the jobs use (the verification costs their
         drafting chooses from are read first, here).  ``on_done(index,
         result)``: called on this thread as each job ends.  The first job
-        that raises has its error raised once all ended."""
+        that raises has its error raised once all ended.  A job runs on the
+        member of a job that ended before it where there is one, so its
+        prompts keep the prefix they share with that job's, as
+        :attr:`reuse_prompts` says (a batch's requests with one system
+        prompt read it once per slot)."""
         _check_parallel(parallel)
         with Holds([self._lock]):
             self._before_batch(configs)
             if parallel is None:
                 parallel = max(1, min(len(jobs), self.decoder.verify_group or 1))
-            return run_batch(self.decoder, list(jobs), parallel, on_done=on_done)
+            return run_batch(self.decoder, list(jobs), parallel, on_done=on_done,
+                             keep_caches=True)
 
     def run_pool(self, next_job: Callable[[], tuple[Any, Callable[[Any], Any]] | None], *,
                  parallel: int,
@@ -293,11 +298,12 @@ class Model:
         is no more; ``on_end(key, result, error)`` is called as each ends
         (:func:`~forerun.generation.batch.run_pool`).  Both are called on
         this thread, which runs the shared forwards until the source is
-        done and every job has ended."""
+        done and every job has ended; a job runs on an ended job's member
+        as in :meth:`run_batch`."""
         _check_parallel(parallel)
         with Holds([self._lock]):
             self._before_batch(configs)
-            run_pool(self.decoder, next_job, parallel, on_end=on_end)
+            run_pool(self.decoder, next_job, parallel, on_end=on_end, keep_caches=True)
 
     def _before_batch(self, configs: Sequence[SpeculativeConfig]) -> None:
         """What a batch's members read and never measure: the grouping the

@@ -35,8 +35,15 @@ import torch
 
 from forerun.errors import ConfigError, EngineError, UnsupportedOperationError
 from forerun.protocol.decoder import Capabilities, Decoder, EngineSettings, ForwardOutput
+from forerun.protocol.prefix_reuse import PrefixReuse
 
 T = TypeVar("T")
+
+
+#: the most tokens of a ``last_only`` feed that joins the shared forward
+#: (where the engine computes positions alike however fed): a warm prefill's
+#: last ones
+SHARED_LAST_ONLY = 8
 
 
 @dataclass(eq=False)
@@ -52,6 +59,15 @@ class _Request:
     result: Any = None
     error: BaseException | None = None
     done: bool = field(default=False)
+    #: set with ``done``: the member's thread waits on it alone, so a step
+    #: wakes each member once (on the shared condition, every member's call
+    #: woke every other waiting member)
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    def finish(self) -> None:
+        """Mark the call done (under the batch's lock) and wake its member."""
+        self.done = True
+        self.finished.set()
 
 
 class SharedForwards:
@@ -93,7 +109,13 @@ class SharedForwards:
         """A new member, not running yet (:meth:`join`): over ``decoder``
         (the shared decoder itself or a fork of it), by default a new fork
         with an empty cache.  Its computing calls wait for :meth:`step`."""
-        inner = decoder if decoder is not None else self.decoder.fork()  # type: ignore[attr-defined]
+        if decoder is None:
+            decoder = self.decoder.fork()          # type: ignore[attr-defined]
+            if isinstance(decoder, PrefixReuse) and isinstance(self.decoder, PrefixReuse):
+                # reusing prefixes as the model's own decoder does (exact:
+                # forerun.protocol.prefix_reuse)
+                decoder.reuse_prefixes = self.decoder.reuse_prefixes
+        inner = decoder
         if hasattr(inner, "forward_threads"):
             inner.forward_threads = lambda: self.threads
         return BatchedDecoder(inner, self)
@@ -107,6 +129,15 @@ class SharedForwards:
                 raise ConfigError("this batch member is running already")
             member._running = True
             self._members += 1
+
+    def rejoin(self, member: BatchedDecoder) -> None:
+        """:meth:`join` for a member whose last job has ended: once its
+        thread has left (:meth:`leave`, which that thread calls right after
+        reporting the end), it runs again, its fork's cache as that job
+        left it."""
+        with self._cond:
+            self._cond.wait_for(lambda: not member._running)
+        self.join(member)
 
     def enter(self) -> None:
         """Called first on a member's own thread: one torch thread there
@@ -136,7 +167,8 @@ class SharedForwards:
             # midway (close runs on the engine thread, after it)
             for r in self._pending + self._stepping:
                 if not r.done:
-                    r.error, r.done = self._closed, True
+                    r.error = self._closed
+                    r.finish()
             self._pending, self._stepping = [], []
             self._cond.notify_all()
 
@@ -149,8 +181,7 @@ class SharedForwards:
                                   "computes only between join and leave")
             self._pending.append(request)
             self._cond.notify_all()
-            while not request.done:
-                self._cond.wait()
+        request.finished.wait()
         if request.error is not None:
             raise request.error
         return request.result
@@ -200,8 +231,7 @@ class SharedForwards:
         for r, call in alone:
             self._run(r, call)
             with self._cond:
-                r.done = True
-                self._cond.notify_all()
+                r.finish()
         if len(shared) == 1:
             self._feed_alone(shared[0])
         elif shared:
@@ -219,7 +249,7 @@ class SharedForwards:
         self.steps.append((len(shared), len(alone)))
         with self._cond:
             for r in shared:
-                r.done = True
+                r.finish()
             self._stepping = []
             self._cond.notify_all()
         return True
@@ -260,6 +290,13 @@ class BatchedDecoder:
     def feed(self, tokens: Sequence[int], *, last_only: bool = False,
              return_hidden: bool = False, hidden_layers: Sequence[int] = ()
              ) -> ForwardOutput:
+        if (last_only and not (return_hidden or hidden_layers) and self.exact_positions
+                and len(tokens) <= SHARED_LAST_ONLY):
+            # A prefill's last few tokens (all a warm prompt leaves): its
+            # positions computed as any feed computes them (exact_positions),
+            # in the shared forward instead of one that keeps the others waiting.
+            out = self._forwards._wait(_Request(self, tokens=tokens))
+            return ForwardOutput(logits=out.logits[-1:])
         if last_only or return_hidden or hidden_layers:
             return self._forwards._wait(_Request(self, call=lambda: self.inner.feed(
                 tokens, last_only=last_only, return_hidden=return_hidden,
@@ -362,7 +399,8 @@ class BatchedDecoder:
 
 def run_batch(decoder: Decoder, jobs: Sequence[Callable[[Decoder], T]], parallel: int,
               *, forwards: SharedForwards | None = None,
-              on_done: Callable[[int, T], None] | None = None) -> list[T]:
+              on_done: Callable[[int, T], None] | None = None,
+              keep_caches: bool = False) -> list[T]:
     """Run ``jobs`` (each a generation: a function of the decoder it runs
     on) with at most ``parallel`` of them at a time, their forwards shared
     (:class:`SharedForwards`, on the calling thread), and return their
@@ -370,7 +408,7 @@ def run_batch(decoder: Decoder, jobs: Sequence[Callable[[Decoder], T]], parallel
     leaves.  The first job that raises has its exception raised here once
     every job has ended (the others run on).  ``on_done(index, result)``
     is called on the calling thread as each job ends well, in the order
-    they end."""
+    they end.  ``keep_caches``: as :func:`run_pool`'s."""
     results: list[Any] = [None] * len(jobs)
     errors: list[BaseException | None] = [None] * len(jobs)
     order = iter(range(len(jobs)))
@@ -384,7 +422,8 @@ def run_batch(decoder: Decoder, jobs: Sequence[Callable[[Decoder], T]], parallel
         if on_done is not None and error is None:
             on_done(n, result)
 
-    run_pool(decoder, next_job, parallel, forwards=forwards, on_end=ended)
+    run_pool(decoder, next_job, parallel, forwards=forwards, on_end=ended,
+             keep_caches=keep_caches)
     for error in errors:
         if error is not None:
             raise error
@@ -398,19 +437,31 @@ LATER = object()
 
 def run_pool(decoder: Decoder, next_job: Callable[[], Any],
              parallel: int, *, forwards: SharedForwards | None = None,
-             on_end: Callable[[Any, T | None, BaseException | None], None] | None = None
-             ) -> None:
+             on_end: Callable[[Any, T | None, BaseException | None], None] | None = None,
+             keep_caches: bool = False) -> None:
     """Run jobs as :func:`run_batch` does, taken one at a time from
     ``next_job()`` whenever fewer than ``parallel`` run, so the batch stays
     full while a source has work: it gives a ``(key, job)`` pair, ``None``
     (no more), or, while some job runs, :data:`LATER` (none now).
     ``on_end(key, result, error)`` is called on the calling thread as each
     job ends (``error``: what it raised, else ``None``), in
-    the order they end; ``next_job`` is called on the calling thread too."""
+    the order they end; ``next_job`` is called on the calling thread too.
+
+    ``keep_caches``: a job runs on the decoder of a job that ended well
+    before it, its cache as that job left it, where there is one (else on a
+    new fork, empty).  For jobs that are generations: each prefills its
+    prompt, which keeps the prefix it shares with what the cache holds (a
+    system prompt, a query then its answer; exact:
+    :mod:`forerun.protocol.prefix_reuse`), as a model's generations one
+    after another do.  Without it every job starts on an empty fork."""
     if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
         raise ConfigError(f"parallel must be a positive integer, got {parallel!r}")
     forwards = forwards or SharedForwards(decoder)
-    ended: queue.SimpleQueue[tuple[Any, Any, BaseException | None]] = queue.SimpleQueue()
+    ended: queue.SimpleQueue[tuple[Any, Any, BaseException | None, BatchedDecoder]] = \
+        queue.SimpleQueue()
+    # keep_caches: the members of jobs that ended well, for the next jobs
+    # (a job that raised leaves its member behind)
+    idle: list[BatchedDecoder] = []
 
     def run(key: Any, job: Callable[[Decoder], T], member: BatchedDecoder) -> None:
         result: Any = None
@@ -423,7 +474,7 @@ def run_pool(decoder: Decoder, next_job: Callable[[], Any],
         finally:
             # Told first, left second: the step that sees the slot free
             # finds the job ended, and its slot filled first.
-            ended.put((key, result, error))
+            ended.put((key, result, error, member))
             forwards.leave(member)
 
     running, exhausted = 0, False
@@ -442,8 +493,12 @@ def run_pool(decoder: Decoder, next_job: Callable[[], Any],
                     if not running:
                         raise ConfigError("a job source gave LATER while no job ran")
                     break
-                member = forwards.member()
-                forwards.join(member)
+                if idle:
+                    member = idle.pop()
+                    forwards.rejoin(member)
+                else:
+                    member = forwards.member()
+                    forwards.join(member)
                 threads.append(threading.Thread(target=run, args=(*item, member), daemon=True,
                                                 name=f"forerun-batch-{len(threads)}"))
                 threads[-1].start()
@@ -453,7 +508,9 @@ def run_pool(decoder: Decoder, next_job: Callable[[], Any],
             while not ended.empty():
                 running -= 1
                 left += 1
-                key, result, error = ended.get()
+                key, result, error, member = ended.get()
+                if keep_caches and error is None:
+                    idle.append(member)
                 if on_end is not None:
                     on_end(key, result, error)
             # (a data run starts thousands of threads: keep those alive)

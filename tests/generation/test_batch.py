@@ -14,13 +14,15 @@ import torch
 
 import forerun
 from forerun.errors import ConfigError, ContextLengthError, GenerationConfigError
-from forerun.generation.batch import SharedForwards, run_batch
+from forerun.generation.batch import SHARED_LAST_ONLY, SharedForwards, run_batch
 from tiny_models import VOCAB, hf_folders
 
 PROMPTS = ["a b c a b c a b", "hello there", "x", "one two three four five six seven",
            "the the the the", "zz y zz y zz", "q", "lorem ipsum dolor sit amet"]
 # Lengths that end generations at different steps: joins and leaves mid-way.
 LENGTHS = [12, 3, 20, 7, 16, 1, 9, 14]
+# A prompt's feed too long to join a step's shared forward (SHARED_LAST_ONLY)
+LONG_PREFILL = list(range(1, SHARED_LAST_ONLY + 3))
 
 
 @pytest.fixture(scope="module")
@@ -169,13 +171,13 @@ def test_members_share_forwards_and_wait_for_each_other(model):
     seen = []
 
     def job(member):
-        member.feed([1, 2], last_only=True)
+        member.feed(LONG_PREFILL, last_only=True)
         for _ in range(4):
             member.feed([3])
         seen.append(threading.current_thread().name)
         return member.length
 
-    assert run_batch(model.decoder, [job] * 4, 4, forwards=forwards) == [6] * 4
+    assert run_batch(model.decoder, [job] * 4, 4, forwards=forwards) == [len(LONG_PREFILL) + 4] * 4
     # Four prefills alone, then four steps of four sequences in one feed.
     assert sorted(forwards.steps[-4:]) == [(4, 0)] * 4
     assert sum(alone for _, alone in forwards.steps) == 4
@@ -185,6 +187,75 @@ def test_members_share_forwards_and_wait_for_each_other(model):
     with pytest.raises(ConfigError, match="not running"):
         forwards.member().feed([1])            # never joined: nothing would compute it
     torch.set_num_threads(torch.get_num_threads())
+
+
+def test_a_prompts_last_few_tokens_join_the_shared_forward(model, monkeypatch):
+    """A last_only feed of at most SHARED_LAST_ONLY tokens (what a warm
+    prompt leaves to read) runs in the step's shared forward instead of
+    alone while the others wait, where the engine computes positions alike
+    however fed, and gives the logits and cache a feed alone gives, to the
+    bit; on an engine that doesn't, it runs alone."""
+    from forerun.engines.torch_engine import TorchDecoder
+
+    assert model.decoder.exact_positions      # (the native kernels of this machine)
+    prompts = [[5, 6, 7], [8], list(range(9, 9 + SHARED_LAST_ONLY))]
+
+    def job(member, prompt):
+        return member.feed(prompt, last_only=True).logits, member.feed([3]).logits
+
+    def run():
+        forwards = SharedForwards(model.decoder)
+        got = run_batch(model.decoder, [lambda m, p=p: job(m, p) for p in prompts], 3,
+                        forwards=forwards)
+        return got, forwards.steps
+
+    got, steps = run()
+    assert steps == [(3, 0), (3, 0)]
+    for prompt, (first, step) in zip(prompts, got):
+        alone = model.decoder.fork()
+        want_first = alone.feed(prompt, last_only=True).logits
+        assert first.shape == want_first.shape == (1, model.decoder.vocab_size)
+        assert torch.equal(first, want_first) and torch.equal(step, alone.feed([3]).logits)
+    monkeypatch.setattr(TorchDecoder, "exact_positions", property(lambda self: False))
+    assert run()[1] == [(0, 3), (3, 0)]
+
+
+def test_with_keep_caches_a_job_runs_on_an_ended_jobs_decoder(model):
+    """keep_caches: a job runs on the member of a job that ended well, its
+    cache as that job left it; a job that raised leaves its member behind
+    (the next starts on a new, empty fork); without keep_caches every job
+    starts on an empty one."""
+    seen: list[tuple[object, int]] = []
+
+    def job(member, fail=False):
+        seen.append((member, member.length))
+        member.feed([1, 2, 3], last_only=True)
+        if fail:
+            raise ValueError("this job's own error")
+        return member.length
+
+    jobs = [job, job, lambda m: job(m, fail=True), job]
+    with pytest.raises(ValueError, match="own error"):
+        run_batch(model.decoder, jobs, 1, keep_caches=True)
+    assert [n for _, n in seen] == [0, 3, 6, 0]
+    assert seen[0][0] is seen[1][0] is seen[2][0]
+    seen.clear()
+    assert run_batch(model.decoder, [job] * 3, 1) == [3] * 3
+    assert [n for _, n in seen] == [0, 0, 0]
+
+
+def test_a_batch_reads_a_shared_prompt_prefix_once_per_slot(model):
+    """generate_batch's requests run on the slots of the ones that ended
+    before them, so a prompt prefix they share (a system prompt) is read
+    once per slot, and each result is still the request's own."""
+    common = "one two three four five six seven eight nine ten " * 2
+    requests = [{"prompt": common + tail, "max_new_tokens": 4, "ignore_eos": True}
+                for tail in ("a", "b c", "d", "e f", "g")]
+    want = _alone(model, requests)
+    got = model.generate_batch(requests, parallel=2)
+    assert [r.tokens for r in got] == want
+    reused = [r.stats.reused_prompt_tokens for r in got]
+    assert reused[:2] == [0, 0] and min(reused[2:]) >= 20
 
 
 def _batch_threads() -> set[threading.Thread]:
@@ -241,13 +312,13 @@ def test_prefills_alone_run_shortest_first_and_wake_their_generation_at_once(mod
 
         member.inner.feed = timed_feed
         member.feed(list(range(1, length + 1)), last_only=True)
-        if length == 3:
+        if length == 10:
             woken.set()
         return member.length
 
-    jobs = [lambda m: job(m, 24), lambda m: job(m, 3)]
-    assert run_batch(model.decoder, jobs, 2, forwards=forwards) == [24, 3]
-    assert order == [3, 24] and waited == [True]
+    jobs = [lambda m: job(m, 24), lambda m: job(m, 10)]
+    assert run_batch(model.decoder, jobs, 2, forwards=forwards) == [24, 10]
+    assert order == [10, 24] and waited == [True]
     assert forwards.steps == [(0, 2)]
 
 
@@ -270,7 +341,7 @@ def test_an_interrupt_inside_a_shared_forward_leaves_no_generation_waiting(
     ended: list[BaseException] = []
 
     def job(member):
-        member.feed([1, 2], last_only=True)
+        member.feed(LONG_PREFILL, last_only=True)
         try:
             member.feed([3])
         except EngineError as e:
