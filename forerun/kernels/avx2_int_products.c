@@ -85,7 +85,11 @@
  * low and high nibbles in one register and added the halves after each
  * block) and 16 to 128 positions in 0.69, one position as fast.  On an AMD
  * EPYC Zen 5 those earlier passes had run the 4-bit products 1.7 to 1.8
- * times as fast as the 256-bit ones at 128 positions.
+ * times as fast as the 256-bit ones at 128 positions.  A row group's outputs
+ * leave through store_sums_wide: each row's 8 lanes summed in sum_lanes'
+ * order, 4 rows by 4 positions in a few shuffles (on a Zen 4 the products
+ * of a 1.5B's step at 8 positions took 0.95 of the time of sum_lanes for
+ * each output).
  */
 
 #include <immintrin.h>
@@ -397,21 +401,62 @@ static inline __attribute__((always_inline)) void q4_group(
 }
 
 #if WIDE
-/* [lo | hi] as one 512-bit register, and one half of one back. */
+/* [lo | hi] as one 512-bit register. */
 static inline __m512 pair_ps(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
                                                _mm256_castps_pd(hi), 1));
-}
-
-static inline __m256 half_ps(__m512 v, int upper) {
-    return upper ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))
-                 : _mm512_castps512_ps256(v);
 }
 
 /* 8 floats in both halves (a load and a broadcast: no shuffle port). */
 static inline __m512 bcast_ps(__m256 v) {
     return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v)));
 }
+
+/* The outputs of a row group of 4 rows at nt (1..4) positions, from their
+ * float sums: a[t] = [row 0 | row 1] and b[t] = [row 2 | row 3] at position
+ * t, 8 lanes a row.  Each output is its row's 8 lanes summed as sum_lanes
+ * sums them, the same additions of the same values ((v0 + v4) + (v2 + v6),
+ * (v1 + v5) + (v3 + v7), then those two), so the same float; times
+ * scale[r] after it where scale is given (8-bit rows), as the 256-bit
+ * passes multiply.  y[t * N + r] for r < valid.  16 outputs take about 20
+ * shuffles and additions here, where sum_lanes takes 6 each (the
+ * passes' last step at 8 positions, a few percent of a 1.5B's step). */
+static inline __attribute__((always_inline)) void store_sums_wide(
+        const __m512 *a, const __m512 *b, int nt, int valid, const float *scale, float *y,
+        int N) {
+    /* per position, 128-bit lane r: row r's (v0 + v4, v1 + v5, v2 + v6, v3 + v7) */
+    __m512 p[4];
+    for (int t = 0; t < 4; t++)
+        p[t] = t < nt ? _mm512_add_ps(_mm512_shuffle_f32x4(a[t], b[t], 0x88),
+                                      _mm512_shuffle_f32x4(a[t], b[t], 0xDD))
+                      : p[0];
+    /* lane r: ((v0 + v4) + (v2 + v6), (v1 + v5) + (v3 + v7)) of positions 0, 1 (2, 3) */
+    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], 0x44),
+                                     _mm512_shuffle_ps(p[0], p[1], 0xEE));
+    const __m512 u23 = nt > 2 ? _mm512_add_ps(_mm512_shuffle_ps(p[2], p[3], 0x44),
+                                              _mm512_shuffle_ps(p[2], p[3], 0xEE))
+                              : u01;
+    /* lane r: row r's outputs at positions 0..3; then lane t: position t's rows 0..3 */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(u01, u23, 0x88),
+                                   _mm512_shuffle_ps(u01, u23, 0xDD));
+    __m512 out = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+    if (scale) out = _mm512_mul_ps(out, _mm512_broadcast_f32x4(_mm_loadu_ps(scale)));
+    const __m128 rows[4] = {_mm512_castps512_ps128(out), _mm512_extractf32x4_ps(out, 1),
+                            _mm512_extractf32x4_ps(out, 2), _mm512_extractf32x4_ps(out, 3)};
+    for (int t = 0; t < nt; t++) {
+        if (valid == 4)
+            _mm_storeu_ps(y + (size_t)t * N, rows[t]);
+        else
+            _mm_mask_storeu_ps(y + (size_t)t * N, (__mmask8)((1u << valid) - 1), rows[t]);
+    }
+}
+
+/* store_sums_wide over the TT positions of a row group's acc[2][TILE]. */
+#define STORE_SUMS_WIDE(acc, TT, valid, scale, y, N)                            \
+    for (int t0 = 0; t0 < (TT); t0 += 4)                                        \
+        store_sums_wide((acc)[0] + t0, (acc)[1] + t0, (TT) - t0 < 4 ? (TT) - t0 : 4, (valid), \
+                        (scale), (y) + (size_t)t0 * (N), (N))
 
 /* The products of a chunk pair (4-bit, or two 6-bit chunks) added to the
  * sums of TT activation rows: for each row pair i, w0[i] holds both rows'
@@ -480,9 +525,7 @@ static inline __attribute__((always_inline)) void q4_group_wide(
             }
         }
     }
-    for (int r = 0; r < valid; r++)
-        for (int t = 0; t < TT; t++)
-            y[(size_t)t * N + r] = sum_lanes(half_ps(acc[r / 2][t], r % 2));
+    STORE_SUMS_WIDE(acc, TT, valid, NULL, y, N);
 }
 #endif
 
@@ -730,9 +773,7 @@ static inline __attribute__((always_inline)) void q6_group_wide(
             }
         }
     }
-    for (int r = 0; r < valid; r++)
-        for (int t = 0; t < TT; t++)
-            y[(size_t)t * N + r] = sum_lanes(half_ps(acc[r / 2][t], r % 2));
+    STORE_SUMS_WIDE(acc, TT, valid, NULL, y, N);
 }
 #define Q4_GROUP q4_group_wide
 #define Q6_GROUP q6_group_wide
@@ -787,9 +828,7 @@ static inline __attribute__((always_inline)) void q8_group_wide(
                 acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i][t]), d, acc[i][t]);
         }
     }
-    for (int r = 0; r < valid; r++)
-        for (int t = 0; t < TT; t++)
-            y[(size_t)t * N + r] = scale[r] * sum_lanes(half_ps(acc[r / 2][t], r % 2));
+    STORE_SUMS_WIDE(acc, TT, valid, scale, y, N);
 }
 #define Q8_GROUP q8_group_wide
 #else
