@@ -182,10 +182,39 @@ def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
         if k == vocab or not bool(keep[:, -1].any()):
             break
         k = min(vocab, 8 * k)
-    # The nucleus is the first ``count`` candidates.  Of the tokens tied
-    # with the least of them, it keeps the highest ids, as the warper's
-    # stable ascending sort puts them last.
     count = keep.sum(dim=-1, keepdim=True)
+    return (_first_candidates(rows, top, ids, count) if _candidates_hold_the_cut(top, count)
+            else _at_or_above_the_cut(rows, top, count)).reshape(shape)
+
+
+def _candidates_hold_the_cut(top: torch.Tensor, count: torch.Tensor) -> bool:
+    """Whether, in every row, no token outside the nucleus (its first
+    ``count`` candidates ``top``, descending) ties its least: the next
+    candidate lies below it, or every token is a candidate and kept."""
+    k = top.shape[-1]
+    least = top.gather(-1, count - 1)
+    after = top.gather(-1, count.clamp(max=k - 1))
+    return bool(((count == k) | (after < least)).all()) and not bool(top.isnan().any())
+
+
+def _first_candidates(rows: torch.Tensor, top: torch.Tensor, ids: torch.Tensor,
+                      count: torch.Tensor) -> torch.Tensor:
+    """``rows`` with every token but the first ``count`` candidates (``top``
+    at ``ids``) at ``-inf``, where :func:`_candidates_hold_the_cut`: the row
+    :func:`_at_or_above_the_cut` gives, without its five passes over the
+    vocabulary (0.45 ms of 2.3 a token at top-p 0.99 for Qwen's 151,936, on
+    one thread)."""
+    first = torch.arange(top.shape[-1], device=rows.device) < count
+    out = torch.full_like(rows, float("-inf"))
+    return out.scatter_(-1, ids, top.masked_fill(~first, float("-inf")))
+
+
+def _at_or_above_the_cut(rows: torch.Tensor, top: torch.Tensor,
+                         count: torch.Tensor) -> torch.Tensor:
+    """``rows`` with every token outside the nucleus at ``-inf``: the tokens
+    above the least of the first ``count`` candidates ``top``, and of the
+    tokens tied with it the highest ids, as the warper's stable ascending
+    sort puts them last."""
     bound = top.gather(-1, count - 1)
     kept = rows > bound
     tied = rows == bound
@@ -194,7 +223,7 @@ def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
         at = tied[r].nonzero().flatten()
         tied[r] = False
         tied[r, at[at.numel() - int(short[r]):]] = True
-    return rows.masked_fill(~(kept | tied), float("-inf")).reshape(shape)
+    return rows.masked_fill(~(kept | tied), float("-inf"))
 
 
 def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:

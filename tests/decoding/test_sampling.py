@@ -302,6 +302,37 @@ def test_top_p_among_candidates_matches_the_warper_on_a_real_sized_vocabulary(to
         assert bool((ours[2, 137 - int(kept[2]):137] > 0).all())
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.9, 0.99])
+def test_a_nucleus_taken_from_its_candidates_is_the_masked_row_to_the_bit(monkeypatch, top_p):
+    """Where no token outside the nucleus ties its least, the nucleus is
+    scattered from the first candidates instead of masked over the whole
+    vocabulary: the same row, bit for bit (each row alone, as a generation
+    samples).  A tie straddling the cut takes the masks."""
+    rows = _nucleus_rows(151_936)
+    want = []
+    with monkeypatch.context() as patch:
+        patch.setattr(sampling, "_candidates_hold_the_cut", lambda top, count: False)
+        for row in rows:
+            want.append(sampling._nucleus(row[None], top_p))
+    masked = sampling._at_or_above_the_cut
+    used = []
+
+    def spied(*args):
+        used.append(True)
+        return masked(*args)
+    monkeypatch.setattr(sampling, "_at_or_above_the_cut", spied)
+    for n, row in enumerate(rows):
+        used.clear()
+        assert torch.equal(sampling._nucleus(row[None], top_p), want[n]), n
+        straddles = n == 2 and top_p < 0.99   # the cut inside the 37-token tie (0.99: past it)
+        assert bool(used) == straddles, n
+    # A wrong scatter (the candidates one place off) is caught.
+    monkeypatch.setattr(sampling, "_first_candidates",
+                        lambda rows, top, ids, count: torch.full_like(rows, float("-inf"))
+                        .scatter_(-1, ids, top.roll(1, dims=-1)))
+    assert not torch.equal(sampling._nucleus(rows[:1], top_p), want[0])
+
+
 @pytest.mark.parametrize("candidates", [1, 2, 3, 7])
 def test_top_p_is_the_same_whatever_the_first_candidates(monkeypatch, candidates):
     """Few first candidates force every growth step, up to the sort of the
