@@ -58,16 +58,10 @@ class _Request:
     size: int = 0
     result: Any = None
     error: BaseException | None = None
-    done: bool = field(default=False)
-    #: set with ``done``: the member's thread waits on it alone, so a step
-    #: wakes each member once (on the shared condition, every member's call
-    #: woke every other waiting member)
+    #: set when the call is done (under the batch's lock): the member's
+    #: thread waits on it alone, so a step wakes each member once (on the
+    #: shared condition, every member's call woke every other waiting member)
     finished: threading.Event = field(default_factory=threading.Event)
-
-    def finish(self) -> None:
-        """Mark the call done (under the batch's lock) and wake its member."""
-        self.done = True
-        self.finished.set()
 
 
 class SharedForwards:
@@ -166,9 +160,9 @@ class SharedForwards:
             # the waiting calls, and those of a step that an interrupt left
             # midway (close runs on the engine thread, after it)
             for r in self._pending + self._stepping:
-                if not r.done:
+                if not r.finished.is_set():
                     r.error = self._closed
-                    r.finish()
+                    r.finished.set()
             self._pending, self._stepping = [], []
             self._cond.notify_all()
 
@@ -231,7 +225,7 @@ class SharedForwards:
         for r, call in alone:
             self._run(r, call)
             with self._cond:
-                r.finish()
+                r.finished.set()
         if len(shared) == 1:
             self._feed_alone(shared[0])
         elif shared:
@@ -249,7 +243,7 @@ class SharedForwards:
         self.steps.append((len(shared), len(alone)))
         with self._cond:
             for r in shared:
-                r.finish()
+                r.finished.set()
             self._stepping = []
             self._cond.notify_all()
         return True
