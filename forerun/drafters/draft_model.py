@@ -9,7 +9,7 @@ import torch
 
 from forerun.decoding.draft_length import refine_seconds
 from forerun.decoding.drafter import Draft
-from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.sampling import TokenSampler, greedy_token
 from forerun.drafters.draft_context import DraftContext
 from forerun.drafters.lookup_or_draft_planner import lookup_or_model
 from forerun.drafters.method_target import MethodOptions, MethodTarget, chain
@@ -80,7 +80,7 @@ class DraftModelDrafter:
             logits = self.decoder.feed(todo, last_only=True).logits[-1]
             fed.extend(todo)
             if sampler.greedy:
-                token = int(torch.argmax(logits))
+                token = greedy_token(logits)
             else:
                 probs = sampler.probs(logits)
                 token = sampler.draw(probs)

@@ -146,3 +146,17 @@ def test_a_model_with_nan_weights_names_its_file(nan_model_folder, kwargs, tmp_p
     # The model is free again (the error ended the generation cleanly).
     with pytest.raises(NonFiniteLogitsError):
         model.generate(prompt="hello", max_new_tokens=2)
+
+
+def test_finite_logits_whose_sum_overflows_still_pass():
+    """The check sums the logits first; finite logits whose float32 sum
+    overflows are checked one by one and pass, and an infinity among huge
+    finite ones is still caught."""
+    huge = torch.full((1000,), 3e38)
+    assert finite(huge) is huge
+    huge[500] = float("inf")
+    with pytest.raises(NonFiniteLogitsError):
+        finite(huge)
+    mixed = torch.tensor([float("inf"), float("-inf"), 1.0])
+    with pytest.raises(NonFiniteLogitsError):
+        finite(mixed)

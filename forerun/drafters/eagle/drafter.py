@@ -43,7 +43,7 @@ import torch
 
 from forerun.decoding.draft_length import refine_seconds
 from forerun.decoding.drafter import Draft
-from forerun.decoding.sampling import TokenSampler
+from forerun.decoding.sampling import TokenSampler, greedy_token
 from forerun.drafters.draft_window import DEFAULT_DRAFT_WINDOW, SINK_TOKENS, window_problem
 from forerun.drafters.eagle.files import load_eagle3, shipped_head_path
 from forerun.drafters.eagle.head import EagleHead
@@ -162,7 +162,7 @@ class EagleDrafter(TreeDrafting):
     def _pick(self, logits: torch.Tensor, sampler: TokenSampler
               ) -> tuple[int, torch.Tensor | None]:
         if sampler.greedy:
-            return int(self.head.draft_ids[int(torch.argmax(logits))]), None
+            return int(self.head.draft_ids[greedy_token(logits)]), None
         probs = sampler.probs(self._full(logits))
         return sampler.draw(probs), probs
 
