@@ -30,6 +30,12 @@ MB), and hashed through the mapping all of it stayed resident.  A network
 whose digest differs is rebuilt from the GGUF with a notice, never used.  An
 entry built before the digest was recorded is checked against its
 manifest's SHA-256 once, then gets it.
+
+On the CPU every tensor but the embedding table is then read again, from the
+page cache, into memory in transparent huge pages where the system has them
+(:mod:`forerun.machine.huge_pages`: each decoding step streams them, and in
+2 MiB pages the 1.5B decoded 1.05 to 1.10 times as fast on a Zen 4), and
+the file must still be the one hashed after that read.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from forerun.loading.cache_entry import (
 )
 from forerun.loading.content_key import file_digest
 from forerun.loading.gguf_quantized import GGUFQuantizedWeights
+from forerun.machine import huge_pages
 from forerun.machine.cache_files import notice_rebuild
 from forerun.machine.paths import cache_dir
 from forerun.protocol.model_config import ModelConfig
@@ -78,6 +85,8 @@ PACKED_VERSION = packed_version(ABI_VERSION)
 FILE_NAME = "network.safetensors"
 #: The digest of the network checked at every load, kept in the manifest's metadata.
 FAST_DIGEST = "xxh3_128"
+#: The names of the embedding table's tensors in the file (it stays mapped).
+EMBEDDING_PREFIX = "embed."
 _CHUNK = 16 << 20
 # safetensors' dtype names.
 _DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
@@ -245,7 +254,32 @@ def _read(entry: CacheEntry, config: ModelConfig, device: torch.device) -> Trans
         except OSError:
             pass   # a read-only cache checks the SHA-256 again next time
     network, tensors = _tensors(data, path)
+    if device.type == "cpu":
+        try:
+            tensors = _in_huge_pages(tensors, data, path)
+        except OSError as exc:
+            raise ModelFormatError(f"{path} can't be read: {exc}") from exc
+        if _identity(path) != read:
+            raise DamagedNetwork(f"{FILE_NAME} changed while it was read")
     return Transformer.from_state(config, network, tensors, device=device)
+
+
+def _in_huge_pages(tensors: dict[str, torch.Tensor], data: torch.Tensor, path: Path
+                   ) -> dict[str, torch.Tensor]:
+    """``tensors`` (views of ``data``, the mapping of ``path``) with all but
+    the embedding table read into memory in huge pages, where the system
+    has them (:mod:`forerun.machine.huge_pages`: every decoding step streams
+    them).  The embedding table, read a few rows a token, stays mapped, so
+    that only the rows read count in the process's memory."""
+    names = [name for name, t in tensors.items()
+             if not name.startswith(EMBEDDING_PREFIX) and t.nbytes]
+    base = data.data_ptr()
+    copies = huge_pages.read_ranges(
+        path, [(tensors[n].data_ptr() - base, tensors[n].nbytes) for n in names])
+    if copies is None:
+        return tensors
+    return {**tensors, **{n: c.view(tensors[n].dtype).reshape(tensors[n].shape)
+                          for n, c in zip(names, copies)}}
 
 
 def _tensors(data: torch.Tensor, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:

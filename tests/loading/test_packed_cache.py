@@ -17,6 +17,7 @@ import forerun.loading.packed_cache as packed_cache
 from forerun.loading.cache_entry import check
 from forerun.loading.content_key import file_digest
 from forerun.loading.packed_cache import FAST_DIGEST, FILE_NAME, packed_entry
+from forerun.machine import huge_pages
 
 CPU = torch.device("cpu")
 
@@ -219,3 +220,43 @@ def test_an_older_abis_entry_is_outdated_and_pruned(gguf_path, cache, capsys):
     assert "another version" in (check(older) or "")
     assert main(["cache", "prune"]) == 0
     assert not older.path.exists() and check(current) is None
+
+
+@pytest.mark.skipif(not huge_pages.available(), reason="no transparent huge pages here")
+def test_a_cached_network_streams_from_huge_pages_but_its_embedding(gguf_path, cache,
+                                                                    monkeypatch):
+    """Loaded from the cache, every tensor but the embedding table is read
+    into the huge-page mapping, not left a view of the file's; the logits
+    are those of the network read as mapped, bit for bit."""
+    first = logits(gguf_path, "q4")
+    read: list[list[tuple[int, int]]] = []
+    real = huge_pages.read_ranges
+    monkeypatch.setattr(huge_pages, "read_ranges",
+                        lambda path, ranges: read.append(list(ranges)) or real(path, ranges))
+    assert torch.equal(logits(gguf_path, "q4"), first)
+    (ranges,) = read
+    folder = entry(gguf_path, "q4").path
+    network, tensors = packed_cache._tensors(packed_cache._map(folder / FILE_NAME),
+                                             folder / FILE_NAME)
+    streamed = [name for name, t in tensors.items() if not name.startswith("embed.")]
+    assert len(ranges) == len(streamed) and any(n.startswith("embed.") for n in tensors)
+    monkeypatch.setenv("FORERUN_HUGE_PAGES", "0")
+    assert torch.equal(logits(gguf_path, "q4"), first)
+    assert len(read) == 2   # asked, and declined: the mapped network was used
+
+
+def test_a_network_changed_while_its_huge_pages_are_read_is_rebuilt(gguf_path, cache,
+                                                                    monkeypatch, capsys):
+    """The bytes copied must come from the file hashed: a network whose
+    modification time changes during the copy is rebuilt, not used."""
+    first = logits(gguf_path, "q4")
+    real = huge_pages.read_ranges
+
+    def touching(path, ranges):
+        os.utime(path, ns=(1, 1))
+        return real(path, ranges)
+    monkeypatch.setattr(huge_pages, "read_ranges", touching)
+    monkeypatch.setattr(huge_pages, "available", lambda: True)
+    capsys.readouterr()
+    assert torch.equal(logits(gguf_path, "q4"), first)
+    assert f"{FILE_NAME} changed while it was read" in capsys.readouterr().err
