@@ -1,6 +1,7 @@
-"""What choosing a sampled token costs: ``probabilities`` (temperature,
-top-k, top-p, min-p) and ``sample_token`` on a real model's logits, on one
-thread, as a generation's own thread runs them beside the engine.
+"""What choosing a token costs a generation: the check that the logits are
+finite and ``TokenSampler.pick`` (greedy, or temperature, top-k, top-p and
+min-p then a draw) on a real model's logits, on one thread, as a
+generation's own thread runs them beside the engine.
 
     python benchmarks/sampling_cost.py [-m qwen2.5-coder-0.5b] [--repeats 5]
 
@@ -18,11 +19,19 @@ import time
 import torch
 from harness import load_model, machine_line, model_options, parser
 
-from forerun.decoding.sampling import SamplingParams, make_generator, probabilities, sample_token
+from forerun.decoding.finite import finite
+from forerun.decoding.sampling import (
+    SamplingParams,
+    TokenSampler,
+    make_generator,
+    probabilities,
+    sample_token,
+)
 
 PROMPT = ("Write a short story about a robot who learns to paint. Once upon a time, in a "
           "small town near the sea, there lived a robot named")
 SETTINGS = [
+    ("greedy", SamplingParams()),
     ("temperature 0.7", SamplingParams(temperature=0.7)),
     ("top-p 0.9", SamplingParams(temperature=1.0, top_p=0.9)),
     ("top-p 0.95, t 0.8", SamplingParams(temperature=0.8, top_p=0.95)),
@@ -56,8 +65,10 @@ def main() -> None:
     print()
     print("| setting | mean ms | worst ms | tokens kept (median, most) |")
     print("|---|---:|---:|---:|")
+    text_tokens = min(model.tokenizer.vocab_size, logits.shape[1])
     for name, params in SETTINGS:
-        times = [ms_per_call(lambda row=row, params=params: probabilities(row, params),
+        sampler = TokenSampler(params, seed=0, text_tokens=text_tokens)
+        times = [ms_per_call(lambda row=row, sampler=sampler: sampler.pick(finite(row)),
                              args.repeats)
                  for row in logits]
         kept = [int((probabilities(row, params) > 0).sum()) for row in logits]
