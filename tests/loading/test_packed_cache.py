@@ -228,13 +228,15 @@ def test_a_cached_network_streams_from_huge_pages_but_its_embedding(gguf_path, c
     """Loaded from the cache, every tensor but the embedding table is read
     into the huge-page mapping, not left a view of the file's; the logits
     are those of the network read as mapped, bit for bit."""
-    first = logits(gguf_path, "q4")
     read: list[list[tuple[int, int]]] = []
     real = huge_pages.read_ranges
     monkeypatch.setattr(huge_pages, "read_ranges",
                         lambda path, ranges: read.append(list(ranges)) or real(path, ranges))
+    first = logits(gguf_path, "q4")         # built, stored, and read back into huge pages
+    assert len(read) == 1
     assert torch.equal(logits(gguf_path, "q4"), first)
-    (ranges,) = read
+    ranges = read[1]
+    assert ranges == read[0]
     folder = entry(gguf_path, "q4").path
     network, tensors = packed_cache._tensors(packed_cache._map(folder / FILE_NAME),
                                              folder / FILE_NAME)
@@ -242,7 +244,7 @@ def test_a_cached_network_streams_from_huge_pages_but_its_embedding(gguf_path, c
     assert len(ranges) == len(streamed) and any(n.startswith("embed.") for n in tensors)
     monkeypatch.setenv("FORERUN_HUGE_PAGES", "0")
     assert torch.equal(logits(gguf_path, "q4"), first)
-    assert len(read) == 2   # asked, and declined: the mapped network was used
+    assert len(read) == 3   # asked, and declined: the mapped network was used
 
 
 def test_a_network_changed_while_its_huge_pages_are_read_is_rebuilt(gguf_path, cache,
