@@ -58,18 +58,21 @@ def read_ranges(path: Path, ranges: Sequence[tuple[int, int]]) -> list[torch.Ten
     """The bytes ``[offset, offset + size)`` of ``path`` for each of
     ``ranges``, as uint8 tensors in one mapping advised for huge pages (each
     starting at a multiple of :data:`ALIGN`), or None where huge pages are
-    not :func:`available`.  Raises OSError when the file can't be read or
-    ends before a range does."""
+    not :func:`available` or the mapping can't be had (no memory for it).
+    Raises OSError when the file can't be read or ends before a range does."""
     if not ranges or not available():
         return None
     starts, total = [], 0
     for _, size in ranges:
         starts.append(total)
         total += -(-size // ALIGN) * ALIGN
-    region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        return None     # no memory to map, or no huge pages for it: the caller's stay
     address = ctypes.addressof(ctypes.c_char.from_buffer(region))
     skip = -address % HUGE_PAGE
-    region.madvise(mmap.MADV_HUGEPAGE)
     _populate(address + skip, total)
     buffer = memoryview(region)[skip:skip + total]
     fd = os.open(path, os.O_RDONLY)

@@ -63,3 +63,15 @@ def test_nothing_is_read_where_huge_pages_are_off(tmp_path, monkeypatch):
     assert not huge_pages.available()
     setting.write_text("always [madvise] never\n")
     assert huge_pages.available() == hasattr(__import__("mmap"), "MADV_HUGEPAGE")
+
+
+@needs_huge_pages
+def test_a_mapping_that_cant_be_had_leaves_the_ranges_to_the_caller(tmp_path, monkeypatch):
+    """No memory for the mapping (or no huge pages for it) is no error of
+    the file: None, and the caller keeps the weights it has."""
+    path, _ = _file(tmp_path, 1000)
+
+    def no_memory(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(huge_pages.mmap, "mmap", no_memory)
+    assert huge_pages.read_ranges(path, [(0, 10)]) is None
