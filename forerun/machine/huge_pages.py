@@ -4,9 +4,10 @@ A decoding step streams every weight of the model once (about 1 GB for a
 1.5B in q4).  Mapped from a file or allocated by torch, those weights sit in
 4 KiB pages: a translation per 4 KiB, about 300,000 a step, each a miss in
 the TLB.  In 2 MiB pages it is about 600.  On an AMD EPYC Zen 4 (2 threads,
-Linux 6.18, transparent huge pages on ``madvise``) the 1.5B decoded 1.10
-times as fast from weights in huge pages as from the same weights mapped
-from the cache file, alternated in one process; its prefill did not change.
+Linux 6.18, transparent huge pages on ``madvise``) the 1.5B decoded 1.077
+times as fast (the median of 10 rounds) from weights in huge pages as from
+the same weights mapped from the cache file, alternated in one process; its
+prefill did not change (``benchmarks/huge_pages_ab.py``).
 
 :func:`read_ranges` reads ranges of a file into one anonymous mapping
 aligned to 2 MiB and advised ``MADV_HUGEPAGE``, and returns them as uint8
