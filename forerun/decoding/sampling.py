@@ -146,7 +146,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     x = logits.float()
     if params.greedy:
         out = torch.zeros_like(x)
-        out.scatter_(-1, first_maxima(x).unsqueeze(-1).to(x.device), 1.0)
+        out.scatter_(-1, first_maxima(x).unsqueeze(-1), 1.0)
         return out
 
     neg_inf = float("-inf")
