@@ -141,6 +141,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
       cumulative probability up to and including it is ``<= 1 - top_p``; the
       most likely token always stays;
     * min-p drops tokens whose probability is ``< min_p * max probability``.
+
+    On the CPU, where top-k or top-p cut the vocabulary, what they keep is
+    found without passes over the whole row (:func:`_cut_probabilities`),
+    and the kept tokens' probabilities, min-p included, are taken in float64
+    (then float32); elsewhere they are torch's float32 softmax over the
+    whole row (:func:`_dense_probabilities`).  Either keeps the same tokens
+    as the warpers, and probabilities within float32 rounding of theirs.
     """
     params.validate()
     x = logits.float()
@@ -148,9 +155,17 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         out = torch.zeros_like(x)
         out.scatter_(-1, first_maxima(x).unsqueeze(-1), 1.0)
         return out
-
-    neg_inf = float("-inf")
     x = x / float(params.temperature)
+    cuts = 0 < params.top_k < x.shape[-1] or params.top_p < 1.0
+    if cuts and x.device.type == "cpu" and not x.requires_grad:
+        return _cut_probabilities(x, params)
+    return _dense_probabilities(x, params)
+
+
+def _dense_probabilities(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """:func:`probabilities` of ``x`` (logits over the temperature) by
+    whole-row tensor operations: any device."""
+    neg_inf = float("-inf")
     vocab = x.shape[-1]
 
     if 0 < params.top_k < vocab:
@@ -169,6 +184,75 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(drop, neg_inf)
 
     return torch.softmax(x, dim=-1)
+
+
+def _cut_probabilities(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """:func:`probabilities` of ``x`` (CPU float32 logits over the
+    temperature, ``[..., V]``) where top-k or top-p cut the vocabulary.
+    Each row on its own: the ids top-k keeps (:func:`_top_k_ids`), of those
+    the ids top-p keeps (:func:`_nucleus_ids`), then their probabilities
+    (:func:`_support_probabilities`), zero elsewhere.  On one thread of a
+    Zen 4, llama.cpp's defaults (top-k 40, top-p 0.95, min-p 0.05) took
+    2.2 ms a row of Qwen's 151,936 logits by whole-row operations."""
+    shape, vocab = x.shape, x.shape[-1]
+    rows = x.reshape(-1, vocab).contiguous()
+    out = torch.zeros_like(rows)
+    for r, row in enumerate(rows):
+        values = row.numpy()
+        top = float(values.max())
+        if not math.isfinite(top):   # NaN or every logit -inf: the warpers' own rules
+            out[r] = _dense_probabilities(row, params)
+            continue
+        ids = _top_k_ids(values, int(params.top_k)) if 0 < params.top_k < vocab else None
+        if params.top_p < 1.0:
+            kept = _nucleus_ids(row if ids is None else torch.from_numpy(values[ids]),
+                                float(params.top_p))
+            ids = kept if ids is None else ids[kept]
+        assert ids is not None   # one of the two cuts is on
+        out[r, torch.from_numpy(ids)] = torch.from_numpy(
+            _support_probabilities(values[ids], float(params.min_p)))
+    return out.reshape(shape)
+
+
+def _top_k_ids(values: np.ndarray, k: int) -> np.ndarray:
+    """The ids, in order, of the entries of ``values`` (``[V]``, a finite
+    maximum) at or above the ``k``-th largest (``0 < k < V``; so every entry
+    tied with it stays, as the warper keeps them).  The ``k``-th largest is
+    looked for among the entries within a gap of the top (:data:`NUCLEUS_GAPS`,
+    wider while they are fewer than ``k``, then all): every entry outside a
+    gap lies below every one inside, so the ``k`` largest are among them
+    (torch's ``topk`` of 40 took 0.3 ms for 151,936 on one thread)."""
+    top = float(values.max())
+    for gap in (*NUCLEUS_GAPS, math.inf):
+        ids = np.flatnonzero(values >= top - gap) if gap < math.inf else np.arange(values.size)
+        if ids.size >= k:
+            break
+    candidates = values[ids]
+    kth = np.partition(candidates, ids.size - k)[ids.size - k]
+    return ids[candidates >= kth]
+
+
+def _nucleus_ids(row: torch.Tensor, top_p: float) -> np.ndarray:
+    """The ids, in order, of the tokens of ``row`` (``[V]``) that top-p
+    keeps: :func:`_nucleus_row`'s tokens, without building its row."""
+    top, ids, count = _nucleus_candidates(row, top_p)
+    if _candidates_hold_the_cut(top, count):
+        return np.sort(ids[0, :int(count)].numpy())
+    kept = _at_or_above_the_cut(row[None], top, count)[0]
+    return np.flatnonzero(kept.numpy() > float("-inf"))
+
+
+def _support_probabilities(values: np.ndarray, min_p: float) -> np.ndarray:
+    """The float32 probabilities of the kept tokens' logits ``values`` (the
+    rest have none): each token's float64 exponential over their float64
+    sum, those below ``min_p`` times the most likely token's first dropped.
+    A token's probability is below ``min_p`` times the top's exactly when
+    its exponential, less the top logit, is below ``min_p``: the top token
+    always stays."""
+    e = np.exp(values.astype(np.float64) - float(values.max()))
+    if min_p > 0.0:
+        e[e < min_p] = 0.0
+    return (e / e.sum()).astype(np.float32)
 
 
 def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -203,6 +287,16 @@ def _nucleus_row(row: torch.Tensor, top_p: float) -> torch.Tensor:
     summed where they differ (a cut within about 1e-6 of ``top_p``).  A gap
     whose tokens hold too little of that total to hold the nucleus is passed
     over unsorted."""
+    top, ids, count = _nucleus_candidates(row, top_p)
+    return (_first_candidates(row[None], top, ids, count) if _candidates_hold_the_cut(top, count)
+            else _at_or_above_the_cut(row[None], top, count))
+
+
+def _nucleus_candidates(row: torch.Tensor, top_p: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The search of :func:`_nucleus_row`: the candidates' logits ``top``
+    (descending) and ids, each ``[1, C]``, and how many of them the nucleus
+    keeps (``[1, 1]``)."""
     vocab = row.numel()
     top_logit = row.max()
     shifted = row - top_logit
@@ -228,10 +322,7 @@ def _nucleus_row(row: torch.Tensor, top_p: float) -> torch.Tensor:
             keep = _kept(top, top_logit, total, top_p)
         if ids.numel() == vocab or not bool(keep[-1]):
             break
-    top, ids = top[None], ids[None]
-    count = keep.sum().reshape(1, 1)
-    return (_first_candidates(row[None], top, ids, count) if _candidates_hold_the_cut(top, count)
-            else _at_or_above_the_cut(row[None], top, count))
+    return top[None], ids[None], keep.sum().reshape(1, 1)
 
 
 def _at_least(row: torch.Tensor, bound: float) -> torch.Tensor:

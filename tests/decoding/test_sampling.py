@@ -87,6 +87,17 @@ def test_probabilities_match_transformers_warpers(params, scale):
     assert torch.allclose(ours.sum(-1), torch.ones(16), atol=1e-5)
 
 
+@pytest.mark.parametrize("params", PARITY_PARAMS, ids=repr)
+def test_whole_row_probabilities_match_transformers_warpers(params):
+    """The whole-row implementation (other devices than the CPU) on the
+    same rows: the CPU's cuts above must not be all that is checked."""
+    logits = torch.randn(16, 257, generator=torch.Generator().manual_seed(1234)) * 4.0
+    ours = sampling._dense_probabilities(logits / params.temperature, params)
+    ref = reference_probabilities(logits, params)
+    assert (ours - ref).abs().max().item() < 1e-6
+    assert torch.equal(ours == 0, ref == 0)
+
+
 def test_probabilities_tie_handling_matches_transformers():
     # top-k keeps every token tied with the k-th; min-p keeps ties at the max
     logits = torch.tensor([[3.0, 1.0, 3.0, 2.0, 2.0, 2.0, 0.0, -1.0]])
@@ -498,3 +509,48 @@ def test_first_maxima_are_torchs_argmax_ties_to_the_lowest_id(dtype):
     assert torch.equal(sampling.first_maxima(rows), want)
     assert [greedy_token(r) for r in rows] == want.tolist()
     assert want.tolist()[2:5] == [0, 100_000, 5]
+
+
+@pytest.mark.parametrize("k", [1, 40, 300, 5000, 100_000])
+def test_top_k_among_candidates_is_torchs_topk_on_a_real_sized_vocabulary(k):
+    """The k-th largest found among the tokens near the top (growing the
+    gap, or all of them) keeps exactly the tokens at or above torch's
+    k-th value, ties with it included (the tied row's 37 equal tokens)."""
+    for row in _nucleus_rows(151_936):
+        want = row >= torch.topk(row, k).values[-1]
+        got = torch.zeros_like(want)
+        got[torch.from_numpy(sampling._top_k_ids(row.numpy(), k))] = True
+        assert torch.equal(got, want), k
+    tied = _nucleus_rows(151_936)[2]
+    assert sampling._top_k_ids(tied.numpy(), 10).size == 37
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),   # llama.cpp's
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.0, top_p=0.99, min_p=0.01),
+    SamplingParams(temperature=1.0, top_k=1000),
+    SamplingParams(temperature=0.6, top_k=50, min_p=0.2),
+], ids=repr)
+def test_the_cpus_cuts_keep_the_whole_rows_tokens_on_a_real_sized_vocabulary(params):
+    """Qwen's vocabulary size: the CPU's cuts keep the tokens the
+    whole-row operations keep, with the same probabilities up to float32
+    rounding, and sum to 1."""
+    logits = _nucleus_rows(151_936)
+    x = logits / params.temperature
+    ours = sampling._cut_probabilities(x, params)
+    want = sampling._dense_probabilities(x, params)
+    assert torch.equal(ours > 0, want > 0)
+    assert float((ours - want).abs().max()) < 1e-6
+    assert torch.allclose(ours.double().sum(-1), torch.ones(4, dtype=torch.float64), atol=1e-6)
+    assert torch.equal(probabilities(logits, params), ours)
+
+
+def test_min_p_keeps_a_token_exactly_at_the_bound():
+    """min-p drops a token whose probability is below min_p times the top's:
+    one whose exponential (less the top) is exactly min_p stays, a hair
+    below it goes."""
+    min_p = math.exp(-1.0)            # the float64 exponential of the logit -1
+    logits = torch.tensor([[0.0, -1.0, -1.0 - 1e-5, -9.0]])
+    probs = probabilities(logits, SamplingParams(temperature=1.0, top_k=3, min_p=min_p))
+    assert (probs[0] > 0).tolist() == [True, True, False, False]
