@@ -203,7 +203,7 @@ def _cut_probabilities(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         if not math.isfinite(top):   # NaN or every logit -inf: the warpers' own rules
             out[r] = _dense_probabilities(row, params)
             continue
-        ids = _top_k_ids(values, int(params.top_k)) if 0 < params.top_k < vocab else None
+        ids = _top_k_ids(values, top, int(params.top_k)) if 0 < params.top_k < vocab else None
         if params.top_p < 1.0:
             kept = _nucleus_ids(row if ids is None else torch.from_numpy(values[ids]),
                                 float(params.top_p))
@@ -214,15 +214,14 @@ def _cut_probabilities(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return out.reshape(shape)
 
 
-def _top_k_ids(values: np.ndarray, k: int) -> np.ndarray:
-    """The ids, in order, of the entries of ``values`` (``[V]``, a finite
-    maximum) at or above the ``k``-th largest (``0 < k < V``; so every entry
+def _top_k_ids(values: np.ndarray, top: float, k: int) -> np.ndarray:
+    """The ids, in order, of the entries of ``values`` (``[V]``, of finite
+    maximum ``top``) at or above the ``k``-th largest (``0 < k < V``; so every entry
     tied with it stays, as the warper keeps them).  The ``k``-th largest is
     looked for among the entries within a gap of the top (:data:`NUCLEUS_GAPS`,
     wider while they are fewer than ``k``, then all): every entry outside a
     gap lies below every one inside, so the ``k`` largest are among them
     (torch's ``topk`` of 40 took 0.3 ms for 151,936 on one thread)."""
-    top = float(values.max())
     for gap in (*NUCLEUS_GAPS, math.inf):
         ids = np.flatnonzero(values >= top - gap) if gap < math.inf else np.arange(values.size)
         if ids.size >= k:
