@@ -77,6 +77,11 @@ def add_train_arguments(train) -> None:
                        help="train each block's matrix at this rank (a regulariser for small "
                             "corpora; saved as the full matrix)")
     train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--compute", choices=("float32", "bfloat16"), default="float32",
+                       help="the training forwards' arithmetic (default float32); bfloat16: "
+                            "autocast, the matrix products in bfloat16, parameters, loss and "
+                            "optimiser in float32; faster where the CPU has AVX512-BF16 or "
+                            "AMX (docs/drafters.md)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--no-cache", action="store_true",
                        help="do not cache the model's hidden states between runs")
@@ -100,7 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                              batch_size=args.batch_size, own_lm_head=args.own_lm_head,
                              full_vocab=args.full_vocab, seed=args.seed, rank=args.rank,
                              weight_decay=args.weight_decay,
-                             off_path_weight=args.off_path_weight)
+                             off_path_weight=args.off_path_weight, compute=args.compute)
     if args.heads < 1 or args.epochs < 1 or args.batch_size < 1 or args.teacher_top_k < 1:
         raise ForerunError("--heads, --epochs, --batch-size and --teacher-top-k must be >= 1")
     if args.rank is not None and args.rank < 1:

@@ -91,14 +91,10 @@ from forerun.drafters.eagle.files import save_eagle3
 from forerun.drafters.eagle.trainable import TrainableEagle3
 from forerun.drafters.eagle.weights import Eagle3Config, Eagle3Weights, default_aux_layers
 from forerun.drafters.target_key import model_key
+from forerun.drafters.training_arithmetic import autocast, check_compute
 from forerun.errors import ConfigError, ForerunError
 from forerun.machine.output_files import written_whole
 
-#: the trainer's arithmetic choices (``EagleSettings.compute``)
-COMPUTE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: what the tests hold a bfloat16 step to beside a float32 one on a tiny
-#: head: the loss within 2%, the gradient's direction within cos 0.99
-COMPUTE_TOLERANCE = {"loss": 0.02, "gradient_cosine": 0.99}
 CHECKPOINT_FORMAT = "forerun-eagle3-training"
 CHECKPOINT_VERSION = 1
 #: rows of draft-vocabulary logits computed at once
@@ -137,7 +133,7 @@ class EagleSettings:
     top_k: int = TOP_K
     #: the forward's arithmetic: "float32", or "bfloat16" (autocast: the
     #: matrix products in bfloat16, the parameters, softmaxes, losses and
-    #: optimiser in float32; :data:`COMPUTE_TOLERANCE`)
+    #: optimiser in float32; :mod:`forerun.drafters.training_arithmetic`)
     compute: str = "float32"
 
     def validate(self) -> None:
@@ -162,9 +158,7 @@ class EagleSettings:
             raise ConfigError("clip and step-decay must be above 0, weight-decay 0 or more")
         if self.aux_layers is not None and len(self.aux_layers) != 3:
             raise ConfigError(f"aux layers must be 3 layer ids, got {list(self.aux_layers)}")
-        if self.compute not in COMPUTE:
-            raise ConfigError(f"compute must be one of {', '.join(COMPUTE)}, got "
-                              f"{self.compute!r}")
+        check_compute(self.compute)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -264,8 +258,7 @@ def _cross_entropy(model: TrainableEagle3, out: torch.Tensor, record: _Record, j
 
 def _autocast(record: _Record, compute: str):
     """The forward's arithmetic context (``EagleSettings.compute``)."""
-    return torch.autocast(record.embeds.device.type, dtype=COMPUTE[compute],
-                          enabled=compute != "float32")
+    return autocast(record.embeds.device.type, compute)
 
 
 def _record_backward(model: TrainableEagle3, record: _Record, steps: int,

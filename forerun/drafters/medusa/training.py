@@ -45,6 +45,7 @@ from forerun.corpus.text_files import corpus_files, read_text
 from forerun.corpus.token_manifest import HELD_OUT, is_held_out
 from forerun.drafters.medusa.heads import MedusaHeads, heads_path
 from forerun.drafters.target_key import model_key
+from forerun.drafters.training_arithmetic import autocast, check_compute
 from forerun.errors import ConfigError
 from forerun.machine.paths import cache_dir
 
@@ -331,6 +332,9 @@ class TrainSettings:
     # Loss weight of positions not followed by the model's own greedy tokens
     # (1 = plain teacher forcing).
     off_path_weight: float = 1.0
+    # The training forwards' arithmetic: "float32", or "bfloat16" (autocast;
+    # the held-out figures are computed in float32 either way).
+    compute: str = "float32"
 
 
 @dataclass
@@ -407,6 +411,7 @@ class _Heads(torch.nn.Module):
         self.b = torch.nn.ParameterList(
             [torch.nn.Parameter(torch.zeros(hidden)) for _ in range(n)])
         self.lm_rows = lm_rows          # frozen, shared
+        self._lm_cast: torch.Tensor | None = None   # lm_rows in autocast's dtype
         self.own = torch.nn.ParameterList(
             [torch.nn.Parameter(lm_rows.clone()) for _ in range(n)]) if own_lm_head else None
 
@@ -419,7 +424,18 @@ class _Heads(torch.nn.Module):
         else:
             z = F.linear(F.linear(x, self.v[i]), self.u[i], self.b[i])
         y = x + F.silu(z)
-        return F.linear(y, self.own[i] if self.own is not None else self.lm_rows)
+        return F.linear(y, self.own[i] if self.own is not None else self._shared_rows(x))
+
+    def _shared_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen LM-head rows, under autocast in its dtype, cast once
+        (autocast itself would cast the large frozen matrix at every call)."""
+        kind = x.device.type
+        if not torch.is_autocast_enabled(kind):
+            return self.lm_rows
+        dtype = torch.get_autocast_dtype(kind)
+        if self._lm_cast is None or self._lm_cast.dtype != dtype:
+            self._lm_cast = self.lm_rows.to(dtype)
+        return self._lm_cast
 
 
 def _soft_targets(teacher: TeacherData, rows: torch.Tensor, local: torch.Tensor
@@ -429,6 +445,40 @@ def _soft_targets(teacher: TeacherData, rows: torch.Tensor, local: torch.Tensor
     probs = probs * (ids >= 0)                           # outside the vocab: dropped
     probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
     return ids.clamp_min(0), probs
+
+
+def own_paths(teacher: TeacherData, heads: int) -> list[torch.Tensor]:
+    """Per head ``i``, per row ``t``: whether ``t`` is followed by the
+    model's own greedy tokens (:meth:`TeacherData.on_policy`)."""
+    out = []
+    for i in range(heads):
+        mask = torch.zeros(teacher.tokens.numel(), dtype=torch.bool)
+        src, _ = teacher.pairs(i)
+        mask[src] = teacher.on_policy(src, i)
+        out.append(mask)
+    return out
+
+
+def batch_loss(model: _Heads, teacher: TeacherData, rows: torch.Tensor, local: torch.Tensor,
+               own_path: Sequence[torch.Tensor], settings: TrainSettings) -> torch.Tensor:
+    """The summed heads' loss of the training rows ``rows``: each head's
+    cross-entropy against the teacher's top-k, averaged over its rows with
+    ``settings.off_path_weight`` on rows off the model's own path
+    (``own_path[i]``), the forwards in ``settings.compute``'s arithmetic."""
+    loss = torch.zeros(())
+    for i in range(settings.heads):
+        ok = teacher.offset[rows] + 1 + i < teacher.length[rows]
+        r = rows[ok]
+        if r.numel() == 0:
+            continue
+        ids, probs = _soft_targets(teacher, r + 1 + i, local)
+        with autocast(teacher.hidden.device.type, settings.compute):
+            logits = model(i, teacher.hidden[r])
+        logq = torch.log_softmax(logits.float(), dim=-1)
+        ce = -(probs * logq.gather(1, ids)).sum(-1)
+        weight = torch.where(own_path[i][r], 1.0, settings.off_path_weight)
+        loss = loss + (ce * weight).sum() / weight.sum().clamp_min(1e-6)
+    return loss
 
 
 @torch.no_grad()
@@ -467,6 +517,7 @@ def train_heads(teacher: TeacherData, held_out: TeacherData, lm_head: torch.Tens
     """Train ``settings.heads`` heads on cached teacher data."""
     from tqdm import tqdm
 
+    check_compute(settings.compute)
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
     vocab_size, hidden = lm_head.shape
@@ -480,13 +531,7 @@ def train_heads(teacher: TeacherData, held_out: TeacherData, lm_head: torch.Tens
     model = _Heads(settings.heads, hidden, lm_rows, settings.own_lm_head, settings.rank)
 
     initial = evaluate(model, held_out, local, settings.heads)
-    # own_path[i][t]: row t is followed by the model's own greedy tokens for head i.
-    own_path = []
-    for i in range(settings.heads):
-        mask = torch.zeros(teacher.tokens.numel(), dtype=torch.bool)
-        src, _ = teacher.pairs(i)
-        mask[src] = teacher.on_policy(src, i)
-        own_path.append(mask)
+    own_path = own_paths(teacher, settings.heads)
     src0, _ = teacher.pairs(0)
     rows_all = src0.tolist()
     steps_per_epoch = max(1, math.ceil(len(rows_all) / settings.batch_size))
@@ -513,17 +558,7 @@ def train_heads(teacher: TeacherData, held_out: TeacherData, lm_head: torch.Tens
             rows = torch.as_tensor(rows_all[s:s + settings.batch_size])
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
-            loss = torch.zeros(())
-            for i in range(settings.heads):
-                ok = teacher.offset[rows] + 1 + i < teacher.length[rows]
-                r = rows[ok]
-                if r.numel() == 0:
-                    continue
-                ids, probs = _soft_targets(teacher, r + 1 + i, local)
-                logq = torch.log_softmax(model(i, teacher.hidden[r]), dim=-1)
-                ce = -(probs * logq.gather(1, ids)).sum(-1)
-                weight = torch.where(own_path[i][r], 1.0, settings.off_path_weight)
-                loss = loss + (ce * weight).sum() / weight.sum().clamp_min(1e-6)
+            loss = batch_loss(model, teacher, rows, local, own_path, settings)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -609,7 +644,8 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
                      "teacher_top_k": top_k, "candidate_vocab": result.vocab_size,
                      "own_lm_head": settings.own_lm_head, "seed": settings.seed,
                      "rank": settings.rank, "weight_decay": settings.weight_decay,
-                     "off_path_weight": settings.off_path_weight},
+                     "off_path_weight": settings.off_path_weight,
+                     "compute": settings.compute},
     }
     log("held-out agreement with the base model before training (each head = the base's "
         "own next-token head):")

@@ -185,7 +185,7 @@ def test_a_bfloat16_step_matches_a_float32_one_within_the_stated_tolerance(
     run in bfloat16); a twin that rounds the features to bfloat16 before
     the float32 forward is as close, and one that scales step 0's rows
     wrongly is not."""
-    from forerun.drafters.eagle.training import COMPUTE_TOLERANCE
+    from forerun.drafters.training_arithmetic import COMPUTE_TOLERANCE
 
     model, record, _, local = _one_record(target, records, features)
     scales = [0.5, 0.3, 0.2]

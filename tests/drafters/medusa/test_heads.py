@@ -18,7 +18,17 @@ from forerun.decoding.sampling import SamplingParams, TokenSampler
 from forerun.decoding.stats import GenerationStats
 from forerun.decoding.tree_speculative import TreeSpeculativeDecoding
 from forerun.drafters.medusa.heads import MedusaDrafter, MedusaHeads, shipped_heads_path
-from forerun.drafters.medusa.training import TrainSettings, build_corpus, train_medusa
+from forerun.drafters.medusa.training import (
+    TrainSettings,
+    _Heads,
+    batch_loss,
+    build_corpus,
+    candidate_vocab,
+    collect_teacher,
+    own_paths,
+    train_medusa,
+)
+from forerun.drafters.training_arithmetic import COMPUTE_TOLERANCE
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
 from forerun.machine.output_files import OutputPathError
 from method_runs import greedy_tokens
@@ -298,7 +308,7 @@ def _sharp_tiny_model():
     return model
 
 
-def _train_tiny(tmp_path, *, lr, log=None, out=None, heads=2):
+def _train_tiny(tmp_path, *, lr, log=None, out=None, heads=2, compute="float32"):
     """Heads for a tiny model trained on a corpus that repeats ten distinct
     bytes: the model's greedy token two positions ahead is then a function
     of the current byte, which a head can learn far past what the untrained
@@ -314,7 +324,8 @@ def _train_tiny(tmp_path, *, lr, log=None, out=None, heads=2):
         return [b % VOCAB for b in text.encode()]
 
     result = train_medusa(dec, encode, "tiny", [corpus], out,
-                          settings=TrainSettings(heads=heads, epochs=3, batch_size=64, lr=lr),
+                          settings=TrainSettings(heads=heads, epochs=3, batch_size=64, lr=lr,
+                                                 compute=compute),
                           seq_len=128, max_tokens=2400, held_out_tokens=400, progress=False,
                           log=log)
     return dec, encode, result
@@ -359,6 +370,60 @@ def test_training_on_a_tiny_model(tmp_path, monkeypatch):
     plain = greedy_tokens(PlainDecoding(forerun_decoder(_sharp_tiny_model(), 128)),
                           encode("abcde"), 20)
     assert greedy_tokens(method, encode("abcde"), 20) == plain
+
+
+def test_a_bfloat16_step_matches_a_float32_one_within_the_stated_tolerance():
+    """compute="bfloat16" (autocast): a batch's loss and gradient are
+    float32's within COMPUTE_TOLERANCE, yet not equal (the products ran in
+    bfloat16); a twin that drops the rows off the model's own path is not
+    close, so the tolerance tells a wrong loss from rounding."""
+    dec = forerun_decoder(_sharp_tiny_model(), context_length=128)
+    # Text, then the model's own greedy continuation: rows on and off its path.
+    text = [b % VOCAB for b in ("abcdefghij" * 4).encode()]
+    own_text = text + greedy_tokens(PlainDecoding(dec), text, 60)
+    teacher = collect_teacher(dec, [own_text, own_text[5:]], progress=False)
+    vocab = candidate_vocab(teacher, VOCAB)
+    local = torch.full((VOCAB,), -1, dtype=torch.long)
+    local[vocab] = torch.arange(vocab.numel())
+    lm_rows = dec.output_layer.weight_rows().detach().float().index_select(0, vocab)
+    model = _Heads(2, H, lm_rows, own_lm_head=False)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for w in model.w:
+            w.copy_(torch.randn(H, H, generator=gen) * 0.3 / H ** 0.5)
+    rows = teacher.pairs(0)[0]
+    own = own_paths(teacher, 2)
+    assert 0 < int(own[0][rows].sum()) < rows.numel()    # the twin drops some rows
+
+    def step(compute, off_path_weight=1.0):
+        model.zero_grad()
+        settings = TrainSettings(heads=2, compute=compute, off_path_weight=off_path_weight)
+        loss = batch_loss(model, teacher, rows, local, own, settings)
+        loss.backward()
+        return float(loss.detach()), torch.cat([p.grad.flatten() for p in model.parameters()
+                                       if p.grad is not None])
+
+    def close(a, b) -> bool:
+        (la, ga), (lb, gb) = a, b
+        cos = float(torch.nn.functional.cosine_similarity(ga, gb, dim=0))
+        return (abs(la - lb) <= COMPUTE_TOLERANCE["loss"] * abs(lb)
+                and cos >= COMPUTE_TOLERANCE["gradient_cosine"])
+
+    full = step("float32")
+    half = step("bfloat16")
+    assert close(half, full) and half[0] != full[0]
+    assert model.lm_rows.dtype == torch.float32     # the shared rows stay as they were
+    assert not close(step("bfloat16", off_path_weight=0.0), full)
+
+
+def test_a_bfloat16_run_learns_as_a_float32_one_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
+    _, _, full = _train_tiny(tmp_path, lr=1e-2, heads=1)
+    _, _, half = _train_tiny(tmp_path, lr=1e-2, heads=1, compute="bfloat16")
+    assert half.accuracy.top1[0] >= half.initial_accuracy.top1[0] + 0.4
+    assert half.accuracy.top1[0] == pytest.approx(full.accuracy.top1[0], abs=0.05)
+    with pytest.raises(ConfigError, match="compute must be one of"):
+        _train_tiny(tmp_path, lr=1e-2, heads=1, compute="float16")
 
 
 def test_cli_train_and_info(tmp_path, monkeypatch, capsys):
