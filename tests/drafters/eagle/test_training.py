@@ -28,6 +28,7 @@ from forerun.drafters.eagle.training import (
 )
 from forerun.errors import ForerunError
 from tiny_models import forerun_decoder, hf_model
+from training_steps import gradient, within_tolerance
 
 PROMPT = 6
 VOCAB = 64      # a small vocabulary: the tiny target's greedy text is learnable in seconds
@@ -185,30 +186,21 @@ def test_a_bfloat16_step_matches_a_float32_one_within_the_stated_tolerance(
     run in bfloat16); a twin that rounds the features to bfloat16 before
     the float32 forward is as close, and one that scales step 0's rows
     wrongly is not."""
-    from forerun.drafters.training_arithmetic import COMPUTE_TOLERANCE
-
     model, record, _, local = _one_record(target, records, features)
     scales = [0.5, 0.3, 0.2]
 
     def step(compute, scale=scales, rec=record):
         model.zero_grad()
         loss = _record_backward(model, rec, 3, scale, local, compute)
-        return loss, torch.cat([p.grad.flatten() for p in model.parameters()
-                                if p.grad is not None])
-
-    def close(a, b) -> bool:
-        (la, ga), (lb, gb) = a, b
-        cos = float(torch.nn.functional.cosine_similarity(ga, gb, dim=0))
-        return (abs(la - lb) <= COMPUTE_TOLERANCE["loss"] * abs(lb)
-                and cos >= COMPUTE_TOLERANCE["gradient_cosine"])
+        return loss, gradient(model)
 
     full = step("float32")
     half = step("bfloat16")
-    assert close(half, full) and half[0] != full[0]
+    assert within_tolerance(half, full) and half[0] != full[0]
     rounded = dataclasses.replace(record, aux=record.aux.bfloat16().float(),
                                   embeds=record.embeds.bfloat16().float())
-    assert close(step("float32", rec=rounded), full)
-    assert not close(step("bfloat16", scale=[1.5, 0.3, 0.2]), full)
+    assert within_tolerance(step("float32", rec=rounded), full)
+    assert not within_tolerance(step("bfloat16", scale=[1.5, 0.3, 0.2]), full)
 
 
 def test_a_bfloat16_run_learns_as_a_float32_one_does(target, records, features):

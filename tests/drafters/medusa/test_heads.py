@@ -28,11 +28,11 @@ from forerun.drafters.medusa.training import (
     own_paths,
     train_medusa,
 )
-from forerun.drafters.training_arithmetic import COMPUTE_TOLERANCE
 from forerun.errors import ConfigError, ModelFormatError, ModelNotFoundError
 from forerun.machine.output_files import OutputPathError
 from method_runs import greedy_tokens
 from tiny_models import VOCAB, forerun_decoder, hf_model
+from training_steps import gradient, within_tolerance
 
 H = 64   # hidden size of the tiny models
 
@@ -400,20 +400,13 @@ def test_a_bfloat16_step_matches_a_float32_one_within_the_stated_tolerance():
         settings = TrainSettings(heads=2, compute=compute, off_path_weight=off_path_weight)
         loss = batch_loss(model, teacher, rows, local, own, settings)
         loss.backward()
-        return float(loss.detach()), torch.cat([p.grad.flatten() for p in model.parameters()
-                                       if p.grad is not None])
-
-    def close(a, b) -> bool:
-        (la, ga), (lb, gb) = a, b
-        cos = float(torch.nn.functional.cosine_similarity(ga, gb, dim=0))
-        return (abs(la - lb) <= COMPUTE_TOLERANCE["loss"] * abs(lb)
-                and cos >= COMPUTE_TOLERANCE["gradient_cosine"])
+        return float(loss.detach()), gradient(model)
 
     full = step("float32")
     half = step("bfloat16")
-    assert close(half, full) and half[0] != full[0]
+    assert within_tolerance(half, full) and half[0] != full[0]
     assert model.lm_rows.dtype == torch.float32     # the shared rows stay as they were
-    assert not close(step("bfloat16", off_path_weight=0.0), full)
+    assert not within_tolerance(step("bfloat16", off_path_weight=0.0), full)
 
 
 def test_a_bfloat16_run_learns_as_a_float32_one_does(tmp_path, monkeypatch):
