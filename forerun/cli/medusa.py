@@ -80,8 +80,9 @@ def add_train_arguments(train) -> None:
     train.add_argument("--compute", choices=("float32", "bfloat16"), default="float32",
                        help="the training forwards' arithmetic (default float32); bfloat16: "
                             "autocast, the matrix products in bfloat16, parameters, loss and "
-                            "optimiser in float32; faster where the CPU has AVX512-BF16 or "
-                            "AMX (docs/drafters.md)")
+                            "optimiser in float32; 2.5x float32's rate on a Zen 4 with "
+                            "AVX512-BF16, slower where bfloat16 is emulated: measure it with "
+                            "benchmarks/medusa_step_cost.py (docs/drafters.md)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--no-cache", action="store_true",
                        help="do not cache the model's hidden states between runs")
