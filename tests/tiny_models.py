@@ -98,14 +98,16 @@ def tiny_tokenizer_json(path):
                          "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}"}))
 
 
+def hf_folder(folder, arch: str = "qwen2", seed: int = 0):
+    """``folder``, made a Hugging Face folder (config, safetensors, the tiny
+    tokenizer) of a tiny random model."""
+    hf_model(arch, seed=seed).save_pretrained(folder, safe_serialization=True)
+    tiny_tokenizer_json(folder)
+    return folder
+
+
 def hf_folders(tmp_path_factory, seeds, arch: str = "qwen2", prefix: str = "m") -> list:
-    """Hugging Face folders (config, safetensors, the tiny tokenizer) of
-    tiny random models, one per seed: models that share a tokenizer."""
-    out = []
-    for seed in seeds:
-        folder = tmp_path_factory.mktemp(f"{prefix}{seed}")
-        hf_model(arch, seed=seed).save_pretrained(folder, safe_serialization=True)
-        tiny_tokenizer_json(folder)
-        out.append(folder)
-    return out
+    """Hugging Face folders of tiny random models (:func:`hf_folder`), one
+    per seed: models that share a tokenizer."""
+    return [hf_folder(tmp_path_factory.mktemp(f"{prefix}{seed}"), arch, seed) for seed in seeds]
 

@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import shlex
+import signal
 import sys
+import threading
 
+from forerun.cli.exits import EXIT_INTERRUPTED, EXIT_TERMINATED, stop_on_signals
 from forerun.errors import ForerunError
 
 TRAIN_DESCRIPTION = (
     "Train Medusa heads: head i learns the model's own prediction of the token i+2 positions "
     "ahead, teacher-forced over the corpus. The model's hidden states and predictions are "
     "cached, so epochs and re-runs are cheap. Prints each head's held-out top-1/top-5 "
-    "agreement with the model.")
+    "agreement with the model. Ctrl-C or SIGTERM stops training at the next step with a "
+    "checkpoint (during the model's pass, at the next chunk: the chunks done are cached); "
+    "--resume continues it, ending with the very heads of a run that never stopped.")
+#: the suffix of the checkpoint beside the heads file
+CHECKPOINT_SUFFIX = ".checkpoint"
 
 
 def add_parser(sub) -> None:
@@ -84,6 +92,16 @@ def add_train_arguments(train) -> None:
                             "AVX512-BF16, slower where bfloat16 is emulated: measure it with "
                             "benchmarks/medusa_step_cost.py (docs/drafters.md)")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--checkpoint", default=None, metavar="FILE",
+                       help=f"the training checkpoint (default: OUT{CHECKPOINT_SUFFIX}, beside "
+                            f"the heads; removed once they are written)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run of --checkpoint (same options and data)")
+    train.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS",
+                       help="write the checkpoint every this many steps (default 100)")
+    train.add_argument("--max-seconds", type=float, default=None,
+                       help="stop training after this many seconds of it (after the model's "
+                            "pass), with a checkpoint; --resume continues")
     train.add_argument("--no-cache", action="store_true",
                        help="do not cache the model's hidden states between runs")
     train.add_argument("--device", default=None, help="torch device (default: cuda, mps or cpu)")
@@ -97,24 +115,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from forerun.api import load
     from forerun.corpus.token_manifest import TokenManifest
     from forerun.drafters.medusa.heads import heads_path
-    from forerun.drafters.medusa.training import TrainSettings, train_medusa
+    from forerun.drafters.medusa.training import TeacherStopped, TrainSettings, train_medusa
+    from forerun.drafters.training_checkpoint import check_checkpoint_path
 
     settings = TrainSettings(heads=args.heads, epochs=args.epochs, lr=args.lr,
                              batch_size=args.batch_size, own_lm_head=args.own_lm_head,
                              full_vocab=args.full_vocab, seed=args.seed, rank=args.rank,
                              weight_decay=args.weight_decay,
                              off_path_weight=args.off_path_weight, compute=args.compute)
-    if args.heads < 1 or args.epochs < 1 or args.batch_size < 1 or args.teacher_top_k < 1:
-        raise ForerunError("--heads, --epochs, --batch-size and --teacher-top-k must be >= 1")
-    if args.rank is not None and args.rank < 1:
-        raise ForerunError("--rank must be >= 1")
-    if not 0 <= args.off_path_weight <= 1:
-        raise ForerunError("--off-path-weight must lie in 0..1")
-    if args.out is not None:   # before minutes of training, not after
-        heads_path(args.out, "--out", force=args.force)
+    settings.validate()
+    if args.teacher_top_k < 1:
+        raise ForerunError(f"--teacher-top-k must be at least 1, got {args.teacher_top_k}")
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise ForerunError(f"--max-seconds must be above 0, got {args.max_seconds}")
+    if args.checkpoint_every < 1:
+        raise ForerunError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    out = heads_path(args.out, "--out", force=args.force)   # before minutes of training
+    checkpoint = (Path(args.checkpoint).expanduser() if args.checkpoint
+                  else out.parent / (out.name + CHECKPOINT_SUFFIX))
+    check_checkpoint_path(checkpoint, args.resume)
     if args.data and args.held_out_tokens is not None:
         raise ForerunError("--held-out-tokens applies to --corpus; --data holds out records "
                            "by the manifests' own split")
@@ -135,11 +159,43 @@ def cmd_train(args: argparse.Namespace) -> int:
         manifests = [TokenManifest.open(folder, fingerprint=model.tokenizer.fingerprint())
                      for folder in args.data]
         records = itertools.chain.from_iterable(m.records() for m in manifests)
-    train_medusa(model.decoder, lambda text: model.tokenizer.encode(text), model.name,
-                 args.corpus or [], args.out, settings=settings, seq_len=args.seq_len,
-                 max_tokens=args.max_tokens, held_out_tokens=args.held_out_tokens,
-                 top_k=args.teacher_top_k, cache=not args.no_cache,
-                 progress=not args.quiet, log=log, records=records, force=args.force)
+    stop = threading.Event()
+    caught: list[int] = []
+
+    def signal_name() -> str:
+        return "SIGTERM" if caught and caught[0] == signal.SIGTERM else "Ctrl-C"
+
+    def status() -> int:
+        return EXIT_TERMINATED if signal_name() == "SIGTERM" else EXIT_INTERRUPTED
+
+    with stop_on_signals(stop, caught):
+        try:
+            result = train_medusa(
+                model.decoder, lambda text: model.tokenizer.encode(text), model.name,
+                args.corpus or [], out, settings=settings, seq_len=args.seq_len,
+                max_tokens=args.max_tokens, held_out_tokens=args.held_out_tokens,
+                top_k=args.teacher_top_k, cache=not args.no_cache, progress=not args.quiet,
+                log=log, records=records, force=args.force, checkpoint=checkpoint,
+                resume=args.resume, checkpoint_every=args.checkpoint_every, stop=stop,
+                max_seconds=args.max_seconds)
+        except TeacherStopped as exc:
+            cached = ("they are cached: the same command continues where this one stopped"
+                      if not args.no_cache else "--no-cache: nothing was kept")
+            print(f"forerun: stopped by {signal_name()} during the model's pass ({exc}); "
+                  f"{cached}", file=sys.stderr)
+            return status()
+    if result.stopped == "done":
+        return 0
+    again = (f"forerun train medusa --model {shlex.quote(args.model)} --out "
+             f"{shlex.quote(str(out))} --checkpoint {shlex.quote(str(checkpoint))} --resume "
+             f"(and the other options as before)")
+    if result.stopped == "signal":
+        print(f"forerun: stopped by {signal_name()} at step {result.steps} of "
+              f"{result.planned_steps}; the checkpoint is in {checkpoint} (no heads are written "
+              f"before the end). Continue with: {again}", file=sys.stderr)
+        return status()
+    print(f"forerun: --max-seconds reached at step {result.steps} of {result.planned_steps}; "
+          f"the checkpoint is in {checkpoint}. Continue with: {again}", file=sys.stderr)
     return 0
 
 

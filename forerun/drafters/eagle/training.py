@@ -65,7 +65,6 @@ thread count across a resume).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import threading
 import time
@@ -92,17 +91,23 @@ from forerun.drafters.eagle.trainable import TrainableEagle3
 from forerun.drafters.eagle.weights import Eagle3Config, Eagle3Weights, default_aux_layers
 from forerun.drafters.target_key import model_key
 from forerun.drafters.training_arithmetic import autocast, check_compute
+from forerun.drafters.training_checkpoint import (
+    check_checkpoint_path,
+    check_identity,
+    read_checkpoint,
+    write_checkpoint,
+)
 from forerun.errors import ConfigError, ForerunError
-from forerun.machine.output_files import written_whole
 
 CHECKPOINT_FORMAT = "forerun-eagle3-training"
 CHECKPOINT_VERSION = 1
+#: what each digest of a checkpoint's data identity is
+IDENTITY_DATA = {"train": "the training records", "held_out": "the held-out records",
+                 "target": "the target model (name, weight format or weights)",
+                 "draft_ids": "the draft vocabulary",
+                 "init": "the head it goes on training (--init)"}
 #: rows of draft-vocabulary logits computed at once
 LOSS_ROWS = 512
-
-
-class CheckpointError(ForerunError):
-    """A training checkpoint that can't be used."""
 
 
 # -- settings ----------------------------------------------------------------
@@ -552,15 +557,12 @@ class EagleTrainer:
         started = time.perf_counter()
         s = self.settings
         ckpt = Path(checkpoint).expanduser() if checkpoint is not None else None
-        if ckpt is not None and ckpt.exists() and not resume:
-            raise CheckpointError(f"{ckpt} holds the checkpoint of an earlier run; continue it "
-                                  f"with --resume, or delete it to start again")
-        if resume and (ckpt is None or not ckpt.is_file()):
-            raise CheckpointError(f"nothing to resume: no checkpoint at {ckpt}")
+        check_checkpoint_path(ckpt, resume)
         if checkpoint_every < 1:
             raise ConfigError(f"checkpoint-every must be at least 1 step, got "
                               f"{checkpoint_every}")
-        saved = _read_checkpoint(ckpt) if resume and ckpt is not None else None
+        saved = (read_checkpoint(ckpt, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
+                                 "forerun train eagle") if resume and ckpt is not None else None)
         features = self.prepare_features(stop)
         draft_ids = self.choose_vocabulary() if self.init is None else self.init.draft_ids()
         identity = {"settings": s.to_json(), "data": self.data_identity(draft_ids)}
@@ -570,7 +572,8 @@ class EagleTrainer:
                 h.update(self.init.tensors[name].float().numpy().tobytes())
             identity["data"]["init"] = h.hexdigest()
         if saved is not None:
-            _check_identity(ckpt, saved["identity"], identity)
+            check_identity(ckpt, saved["identity"], identity,
+                           settings=[f.name for f in fields(EagleSettings)], data=IDENTITY_DATA)
         model = (self.new_model(draft_ids) if self.init is None
                  else TrainableEagle3.from_weights(self.init))
         local = torch.full((self.target_config.vocab_size,), -1, dtype=torch.long)
@@ -607,8 +610,7 @@ class EagleTrainer:
         def save_checkpoint() -> None:
             if ckpt is None:
                 return
-            _write_checkpoint(ckpt, {
-                "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+            write_checkpoint(ckpt, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, {
                 "identity": identity, "head": model.state_dict(),
                 "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
                 "step": step, "epoch": epoch, "batch": batch_index,
@@ -806,46 +808,3 @@ def _check_init(init: Eagle3Weights, settings: EagleSettings, aux_layers: tuple[
     if problems:
         raise ConfigError("the head to go on training does not fit these settings: "
                           + "; ".join(problems) + "; give the options it was made with")
-
-
-# -- checkpoints -----------------------------------------------------------------
-
-def _write_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with written_whole(path) as tmp:
-        torch.save(payload, str(tmp))
-
-
-def _read_checkpoint(path: Path) -> dict[str, Any]:
-    try:
-        data = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as exc:       # torch raises many kinds for a bad file
-        raise CheckpointError(f"{path} is not a readable training checkpoint ({exc}); delete "
-                              f"it to start again") from None
-    if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path} is not a checkpoint of forerun train eagle")
-    if data.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"{path} is a checkpoint of version {data.get('version')}; "
-                              f"this forerun reads version {CHECKPOINT_VERSION}")
-    return data
-
-
-def _check_identity(path: Path | None, stored: dict[str, Any], now: dict[str, Any]) -> None:
-    """Refuse to resume with other settings, data or target."""
-    problems = []
-    old, new = stored["settings"], now["settings"]
-    for name in [f.name for f in fields(EagleSettings)]:
-        if old.get(name) != new.get(name):
-            problems.append(f"{name.replace('_', '-')}: {json.dumps(old.get(name))} in the "
-                            f"checkpoint, {json.dumps(new.get(name))} now")
-    what = {"train": "the training records", "held_out": "the held-out records",
-            "target": "the target model (name, weight format or weights)",
-            "draft_ids": "the draft vocabulary", "init": "the head it goes on training (--init)"}
-    for key, text in what.items():
-        if stored["data"].get(key) != now["data"].get(key):
-            problems.append(f"{text} differ")
-    if problems:
-        raise CheckpointError(
-            f"--resume would continue {path} with other settings or data than it was "
-            f"made with, and so train another head: " + "; ".join(problems)
-            + ". Give the same options and data, or delete the checkpoint to start again")

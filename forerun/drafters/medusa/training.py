@@ -25,6 +25,17 @@ next-token head), as in Medusa.
 Held-out text (the first files' first tokens, never trained on) measures each head's top-1 and
 top-5 agreement with the base model's argmax, and the hit rate of each rank
 (stored with the heads: the tree policy's prior).
+
+**Stops and checkpoints.**  The base model's pass stops at the next chunk
+when asked (:class:`TeacherStopped`; the chunks done are cached).  Training
+writes a checkpoint (every ``checkpoint_every`` steps and at a stop, whole:
+the heads, AdamW's state, the step, the epoch's order and place in it, the
+random states, the losses so far, and the settings with the data's and the
+base model's identity); a resumed run ends with the very heads an unbroken
+run with the same settings ends with, bit for bit (the same thread count),
+and refuses a checkpoint made with other settings, data or base model.  A
+stopped run writes no heads: its held-out figures, which the tree policy
+reads, come at the end.
 """
 
 from __future__ import annotations
@@ -33,9 +44,10 @@ import hashlib
 import json
 import math
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -46,11 +58,27 @@ from forerun.corpus.token_manifest import HELD_OUT, is_held_out
 from forerun.drafters.medusa.heads import MedusaHeads, heads_path
 from forerun.drafters.target_key import model_key
 from forerun.drafters.training_arithmetic import autocast, check_compute
-from forerun.errors import ConfigError
+from forerun.drafters.training_checkpoint import (
+    check_checkpoint_path,
+    check_identity,
+    read_checkpoint,
+    write_checkpoint,
+)
+from forerun.errors import ConfigError, ForerunError
 from forerun.machine.paths import cache_dir
 
 MIN_CHUNK = 16
 RANKS = 10        # ranks whose hit rates are recorded
+CHECKPOINT_FORMAT = "forerun-medusa-training"
+CHECKPOINT_VERSION = 1
+#: what each digest of a checkpoint's data identity is
+IDENTITY_DATA = {"train": "the training text (its chunks, or the base model's predictions)",
+                 "held_out": "the held-out text",
+                 "target": "the base model (name, weight format or weights)"}
+
+
+class TeacherStopped(ForerunError):
+    """The base model's pass stopped when asked; the chunks done are cached."""
 
 
 # -- the corpus ---------------------------------------------------------------
@@ -267,8 +295,10 @@ class TeacherData:
 
 def collect_teacher(decoder, chunks: Sequence[list[int]], *, top_k: int = 10,
                     cache: Path | None = None, progress: bool = True,
-                    desc: str = "base model") -> TeacherData:
-    """Run the frozen base over every chunk (or read the cached result)."""
+                    desc: str = "base model",
+                    stop: threading.Event | None = None) -> TeacherData:
+    """Run the frozen base over every chunk (or read the cached result);
+    raises :class:`TeacherStopped` at the next chunk once ``stop`` is set."""
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
@@ -276,6 +306,9 @@ def collect_teacher(decoder, chunks: Sequence[list[int]], *, top_k: int = 10,
     total = sum(len(c) for c in chunks)
     bar = tqdm(total=total, unit="tok", desc=desc, disable=not progress, leave=False)
     for n, tokens in enumerate(chunks):
+        if stop is not None and stop.is_set():
+            bar.close()
+            raise TeacherStopped(f"after {n} of {len(chunks)} chunks ({desc})")
         path = None
         if cache is not None:
             key = hashlib.sha256(json.dumps([top_k, list(tokens)]).encode()).hexdigest()[:32]
@@ -336,6 +369,26 @@ class TrainSettings:
     # the held-out figures are computed in float32 either way).
     compute: str = "float32"
 
+    def validate(self) -> None:
+        """Refuse settings no run could train with, before any work."""
+        for name in ("heads", "epochs", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got "
+                                  f"{value!r}")
+        if self.rank is not None and self.rank < 1:
+            raise ConfigError(f"--rank must be at least 1, got {self.rank}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ConfigError(f"--lr must be 0 or more, got {self.lr}")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"--weight-decay must be 0 or more, got {self.weight_decay}")
+        if not 0 <= self.warmup < 1:
+            raise ConfigError(f"warmup must lie in 0..1 (a share of the steps), got "
+                              f"{self.warmup}")
+        if not 0 <= self.off_path_weight <= 1:
+            raise ConfigError(f"--off-path-weight must lie in 0..1, got {self.off_path_weight}")
+        check_compute(self.compute)
+
 
 @dataclass
 class HeadAccuracy:
@@ -373,14 +426,17 @@ class HeadAccuracy:
 
 @dataclass
 class TrainResult:
-    heads: MedusaHeads
-    accuracy: HeadAccuracy
+    heads: MedusaHeads              # as they are at the end (or the stop)
+    accuracy: HeadAccuracy | None   # None after a stop: measured at the end
     initial_accuracy: HeadAccuracy
     train_tokens: int
     held_out_tokens: int
     vocab_size: int          # candidate vocabulary used
     seconds: dict = field(default_factory=dict)
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)    # per finished epoch
+    steps: int = 0
+    planned_steps: int = 0
+    stopped: str = "done"           # "done", "signal" or "time"
 
 
 def candidate_vocab(teacher: TeacherData, vocab_size: int) -> torch.Tensor:
@@ -388,6 +444,22 @@ def candidate_vocab(teacher: TeacherData, vocab_size: int) -> torch.Tensor:
     ids = torch.cat([teacher.tokens, teacher.top_ids.reshape(-1)])
     ids = ids[(ids >= 0) & (ids < vocab_size)]
     return torch.unique(ids)
+
+
+def heads_for(teacher: TeacherData, lm_head: torch.Tensor, settings: TrainSettings
+              ) -> tuple[torch.Tensor, torch.Tensor, _Heads]:
+    """The vocabulary the heads train over (the candidate vocabulary, or
+    all of it with ``settings.full_vocab``), each token's place in it (-1
+    outside), and the new heads over it (``settings.seed`` decides them)."""
+    vocab_size, hidden = lm_head.shape
+    vocab = (torch.arange(vocab_size) if settings.full_vocab
+             else candidate_vocab(teacher, vocab_size))
+    local = torch.full((vocab_size,), -1, dtype=torch.long)
+    local[vocab] = torch.arange(vocab.numel())
+    lm_rows = lm_head.detach().float().cpu().index_select(0, vocab).contiguous()
+    torch.manual_seed(settings.seed)
+    return vocab, local, _Heads(settings.heads, hidden, lm_rows, settings.own_lm_head,
+                                settings.rank)
 
 
 class _Heads(torch.nn.Module):
@@ -511,25 +583,43 @@ def evaluate(model: _Heads, teacher: TeacherData, local: torch.Tensor, heads: in
     return acc
 
 
+def teacher_digest(teacher: TeacherData) -> str:
+    """What identifies teacher data in a checkpoint: its tokens, its chunks
+    and the base model's top-k ids."""
+    h = hashlib.sha256()
+    for t in (teacher.tokens, teacher.length, teacher.top_ids):
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def train_heads(teacher: TeacherData, held_out: TeacherData, lm_head: torch.Tensor,
                 settings: TrainSettings, *, progress: bool = True,
-                log: Callable[[str], None] | None = None) -> TrainResult:
-    """Train ``settings.heads`` heads on cached teacher data."""
+                log: Callable[[str], None] | None = None, target: str = "",
+                checkpoint: str | Path | None = None, resume: bool = False,
+                checkpoint_every: int = 100, stop: threading.Event | None = None,
+                max_seconds: float | None = None,
+                on_step: Callable[[int], None] | None = None) -> TrainResult:
+    """Train ``settings.heads`` heads on cached teacher data.  Stops at the
+    end, after ``max_seconds`` of training, or when ``stop`` is set (at the
+    next step); writes ``checkpoint`` every ``checkpoint_every`` steps and at
+    a stop, and continues it with ``resume`` (module text).  ``target``: the
+    base model's identity, which a checkpoint must match."""
     from tqdm import tqdm
 
-    check_compute(settings.compute)
-    torch.manual_seed(settings.seed)
-    rng = random.Random(settings.seed)
-    vocab_size, hidden = lm_head.shape
-    if settings.full_vocab:
-        vocab = torch.arange(vocab_size)
-    else:
-        vocab = candidate_vocab(teacher, vocab_size)
-    local = torch.full((vocab_size,), -1, dtype=torch.long)
-    local[vocab] = torch.arange(vocab.numel())
-    lm_rows = lm_head.detach().float().cpu().index_select(0, vocab).contiguous()
-    model = _Heads(settings.heads, hidden, lm_rows, settings.own_lm_head, settings.rank)
-
+    settings.validate()
+    if checkpoint_every < 1:
+        raise ConfigError(f"--checkpoint-every must be at least 1, got {checkpoint_every}")
+    ckpt = Path(checkpoint).expanduser() if checkpoint is not None else None
+    check_checkpoint_path(ckpt, resume)
+    saved = (read_checkpoint(ckpt, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, "forerun train medusa")
+             if resume and ckpt is not None else None)
+    identity = {"settings": asdict(settings),
+                "data": {"train": teacher_digest(teacher), "held_out": teacher_digest(held_out),
+                         "target": target}}
+    if saved is not None:
+        check_identity(ckpt, saved["identity"], identity,
+                       settings=[f.name for f in fields(TrainSettings)], data=IDENTITY_DATA)
+    vocab, local, model = heads_for(teacher, lm_head, settings)
     initial = evaluate(model, held_out, local, settings.heads)
     own_path = own_paths(teacher, settings.heads)
     src0, _ = teacher.pairs(0)
@@ -546,44 +636,100 @@ def train_heads(teacher: TeacherData, held_out: TeacherData, lm_head: torch.Tens
         t = (step - warmup) / max(1, total_steps - warmup)
         return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
+    rng = random.Random(settings.seed)
+    # Where the run is: the epoch, the next batch's place in the epoch's
+    # order (``rows_all``, shuffled at the epoch's start), the step.
+    epoch, pos, step, shuffled = 0, 0, 0, False
+    epoch_loss, epoch_n, seconds = 0.0, 0, 0.0
     losses: list[float] = []
-    start = time.perf_counter()
-    step = 0
-    bar = tqdm(total=total_steps, desc="training heads", unit="step", disable=not progress,
-               leave=False)
-    for epoch in range(settings.epochs):
-        rng.shuffle(rows_all)
-        epoch_loss, epoch_n = 0.0, 0
-        for s in range(0, len(rows_all), settings.batch_size):
-            rows = torch.as_tensor(rows_all[s:s + settings.batch_size])
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            loss = batch_loss(model, teacher, rows, local, own_path, settings)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            epoch_loss += float(loss.detach())
-            epoch_n += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{float(loss.detach()) / settings.heads:.3f}")
-        losses.append(epoch_loss / max(1, epoch_n) / settings.heads)
+    if saved is not None:
+        model.load_state_dict(saved["heads"])
+        opt.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["torch_rng"])
+        rng.setstate((saved["rng_version"], tuple(saved["rng_state"].tolist()), None))
+        rows_all = saved["order"].tolist()
+        epoch, pos, step, shuffled = (saved["epoch"], saved["pos"], saved["step"],
+                                      saved["shuffled"])
+        epoch_loss, epoch_n, seconds = saved["epoch_loss"], saved["epoch_n"], saved["seconds"]
+        losses = list(saved["losses"])
         if log is not None:
-            acc = evaluate(model, held_out, local, settings.heads)
-            with tqdm.external_write_mode():
-                log(f"epoch {epoch + 1}/{settings.epochs}: mean loss per head {losses[-1]:.3f}; "
-                    f"held-out top-1 " + " ".join(f"{a:.3f}" for a in acc.top1))
+            log(f"resuming {ckpt} at step {step} of {total_steps} (epoch {epoch + 1})")
+
+    def save_checkpoint() -> None:
+        if ckpt is None:
+            return
+        version, state, _ = rng.getstate()
+        write_checkpoint(ckpt, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, {
+            "identity": identity, "heads": model.state_dict(), "optimizer": opt.state_dict(),
+            "torch_rng": torch.get_rng_state(), "rng_version": version,
+            "rng_state": torch.tensor(state, dtype=torch.int64),
+            "order": torch.tensor(rows_all, dtype=torch.int64), "epoch": epoch, "pos": pos,
+            "step": step, "shuffled": shuffled, "epoch_loss": epoch_loss, "epoch_n": epoch_n,
+            "losses": losses, "seconds": seconds + time.perf_counter() - start})
+
+    start = time.perf_counter()
+    stopped = "done"
+    since_checkpoint = 0
+    bar = tqdm(total=total_steps, initial=step, desc="training heads", unit="step",
+               disable=not progress, leave=False)
+    while True:
+        if pos >= len(rows_all):        # the epoch's end
+            losses.append(epoch_loss / max(1, epoch_n) / settings.heads)
+            if log is not None:
+                acc = evaluate(model, held_out, local, settings.heads)
+                with tqdm.external_write_mode():
+                    log(f"epoch {epoch + 1}/{settings.epochs}: mean loss per head "
+                        f"{losses[-1]:.3f}; held-out top-1 "
+                        + " ".join(f"{a:.3f}" for a in acc.top1))
+            epoch, pos, shuffled, epoch_loss, epoch_n = epoch + 1, 0, False, 0.0, 0
+        if epoch >= settings.epochs:
+            break
+        if stop is not None and stop.is_set():
+            stopped = "signal"
+            break
+        if max_seconds is not None and time.perf_counter() - start >= max_seconds:
+            stopped = "time"
+            break
+        if not shuffled:
+            rng.shuffle(rows_all)
+            shuffled = True
+        rows = torch.as_tensor(rows_all[pos:pos + settings.batch_size])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss = batch_loss(model, teacher, rows, local, own_path, settings)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            bar.close()
+            raise ForerunError(f"training diverged at step {step + 1} (loss {value:.4g}); "
+                               f"train again with a lower --lr")
+        pos += settings.batch_size
+        step += 1
+        epoch_loss += value
+        epoch_n += 1
+        since_checkpoint += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{value / settings.heads:.3f}")
+        if since_checkpoint >= checkpoint_every:
+            save_checkpoint()
+            since_checkpoint = 0
+        if on_step is not None:
+            on_step(step)
     bar.close()
-    train_seconds = time.perf_counter() - start
-    accuracy = evaluate(model, held_out, local, settings.heads)
+    save_checkpoint()       # a stop's place, or the end (resuming it ends at once)
+    train_seconds = seconds + time.perf_counter() - start
+    accuracy = (evaluate(model, held_out, local, settings.heads) if stopped == "done"
+                else None)
     blocks = [[(model.weight(i).detach().clone(), model.b[i].detach().clone())]
               for i in range(settings.heads)]
     own = [m.detach().clone() for m in model.own] if model.own is not None else None
     heads = MedusaHeads(blocks, own, None if settings.full_vocab else vocab.clone(),
-                        vocab_size, {})
+                        int(lm_head.shape[0]), {})
     return TrainResult(heads, accuracy, initial, int(teacher.tokens.numel()),
                        int(held_out.tokens.numel()), int(vocab.numel()),
-                       {"train": train_seconds}, losses)
+                       {"train": train_seconds}, losses, step, total_steps, stopped)
 
 
 def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
@@ -592,22 +738,30 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
                  max_tokens: int | None = None, held_out_tokens: int | None = None,
                  top_k: int = 10, cache: bool = True, progress: bool = True,
                  log: Callable[[str], None] | None = print,
-                 records: Iterable | None = None, force: bool = False) -> TrainResult:
+                 records: Iterable | None = None, force: bool = False,
+                 checkpoint: str | Path | None = None, resume: bool = False,
+                 checkpoint_every: int = 100, stop: threading.Event | None = None,
+                 max_seconds: float | None = None) -> TrainResult:
     """The whole pipeline: corpus, cached teacher data, training, held-out
     accuracy, and the heads written to ``out`` (forerun's format; a file
     there that is not forerun's Medusa heads is replaced only with
     ``force``).  ``records``: token-manifest records to train on instead of
-    the text files ``corpus`` (:func:`corpus_from_records`)."""
+    the text files ``corpus`` (:func:`corpus_from_records`).  ``checkpoint``,
+    ``resume``, ``checkpoint_every``, ``stop`` and ``max_seconds`` as
+    :func:`train_heads` takes them (``stop`` also ends the base model's
+    pass, raising :class:`TeacherStopped`); the heads are written, and the
+    checkpoint removed, only when the run has ended."""
     settings = settings or TrainSettings()
+    settings.validate()
     if out is not None:   # before the corpus, the teacher and the training
         out = heads_path(out, "out", force=force)
-    if settings.heads < 1:
-        raise ConfigError(f"--heads must be at least 1, got {settings.heads}")
-    if settings.epochs < 1:
-        raise ConfigError(f"--epochs must be at least 1, got {settings.epochs}")
+    if top_k < 1:
+        raise ConfigError(f"--teacher-top-k must be at least 1, got {top_k}")
     if seq_len > decoder.context_length:
         raise ConfigError(f"seq_len {seq_len} exceeds the model's context "
                           f"({decoder.context_length})")
+    ckpt = Path(checkpoint).expanduser() if checkpoint is not None else None
+    check_checkpoint_path(ckpt, resume)
     log = log or (lambda _msg: None)
     if records is not None:
         if held_out_tokens is not None:
@@ -622,18 +776,22 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
         what = "files"
     log(f"corpus: {data.train_tokens} training tokens from {data.train_files} {what}, "
         f"{data.held_out_tokens} held-out tokens from {data.held_out_files} {what}")
-    where = cache_dir() / "medusa-cache" / model_key(decoder, model_name) if cache else None
+    key = model_key(decoder, model_name)
+    where = cache_dir() / "medusa-cache" / key if cache else None
     t0 = time.perf_counter()
     held = collect_teacher(decoder, data.held_out, top_k=top_k, cache=where,
-                           progress=progress, desc="base model (held-out)")
+                           progress=progress, desc="base model (held-out)", stop=stop)
     train = collect_teacher(decoder, data.train, top_k=top_k, cache=where,
-                            progress=progress, desc="base model (training)")
+                            progress=progress, desc="base model (training)", stop=stop)
     teacher_seconds = time.perf_counter() - t0
     log(f"base model hidden states and predictions: {teacher_seconds:.1f} s")
     result = train_heads(train, held, decoder.output_layer.weight_rows(), settings,
-                         progress=progress,
-                         log=log)
+                         progress=progress, log=log, target=key, checkpoint=ckpt,
+                         resume=resume, checkpoint_every=checkpoint_every, stop=stop,
+                         max_seconds=max_seconds)
     result.seconds["teacher"] = teacher_seconds
+    if result.accuracy is None:      # stopped: the checkpoint holds the run
+        return result
     result.heads.info = {
         "base_model": model_name,
         "accuracy": result.accuracy.to_dict(),
@@ -657,4 +815,6 @@ def train_medusa(decoder, encode: Callable[[str], list[int]], model_name: str,
     if out is not None:
         result.heads.save(out, force=force)
         log(f"wrote {out} ({Path(out).stat().st_size / 1e6:.1f} MB)")
+        if ckpt is not None:
+            ckpt.unlink(missing_ok=True)    # the heads hold the run now
     return result

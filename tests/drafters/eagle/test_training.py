@@ -17,7 +17,6 @@ import torch
 from forerun.corpus.token_manifest import is_held_out
 from forerun.drafters.eagle.features import as_records
 from forerun.drafters.eagle.training import (
-    CheckpointError,
     EagleSettings,
     EagleTrainer,
     _record_backward,
@@ -26,6 +25,7 @@ from forerun.drafters.eagle.training import (
     split_records,
     train_eagle,
 )
+from forerun.drafters.training_checkpoint import CheckpointError
 from forerun.errors import ForerunError
 from tiny_models import forerun_decoder, hf_model
 from training_steps import gradient, within_tolerance
