@@ -173,6 +173,17 @@ def _install_signal_handlers() -> Callable[[], None]:
     return restore
 
 
+def signal_name(caught: list[int]) -> str:
+    """The name a stop message gives the first signal :func:`stop_on_signals`
+    noted in ``caught``."""
+    return "SIGTERM" if caught and caught[0] == signal.SIGTERM else "Ctrl-C"
+
+
+def stopped_status(caught: list[int]) -> int:
+    """The exit status of a command that the signals in ``caught`` stopped."""
+    return EXIT_TERMINATED if signal_name(caught) == "SIGTERM" else EXIT_INTERRUPTED
+
+
 @contextmanager
 def stop_on_signals(stop: threading.Event, caught: list[int]) -> Iterator[None]:
     """While in it, Ctrl-C and SIGTERM set ``stop`` (the run ends at the next

@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import shlex
-import signal
 import sys
 import threading
 
-from forerun.cli.exits import EXIT_INTERRUPTED, EXIT_TERMINATED, stop_on_signals
+from forerun.cli.exits import signal_name, stop_on_signals, stopped_status
 from forerun.errors import ForerunError
 
 TRAIN_DESCRIPTION = (
@@ -162,12 +161,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     stop = threading.Event()
     caught: list[int] = []
 
-    def signal_name() -> str:
-        return "SIGTERM" if caught and caught[0] == signal.SIGTERM else "Ctrl-C"
-
-    def status() -> int:
-        return EXIT_TERMINATED if signal_name() == "SIGTERM" else EXIT_INTERRUPTED
-
     with stop_on_signals(stop, caught):
         try:
             result = train_medusa(
@@ -181,19 +174,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         except TeacherStopped as exc:
             cached = ("they are cached: the same command continues where this one stopped"
                       if not args.no_cache else "--no-cache: nothing was kept")
-            print(f"forerun: stopped by {signal_name()} during the model's pass ({exc}); "
+            print(f"forerun: stopped by {signal_name(caught)} during the model's pass ({exc}); "
                   f"{cached}", file=sys.stderr)
-            return status()
+            return stopped_status(caught)
     if result.stopped == "done":
         return 0
     again = (f"forerun train medusa --model {shlex.quote(args.model)} --out "
              f"{shlex.quote(str(out))} --checkpoint {shlex.quote(str(checkpoint))} --resume "
              f"(and the other options as before)")
     if result.stopped == "signal":
-        print(f"forerun: stopped by {signal_name()} at step {result.steps} of "
+        print(f"forerun: stopped by {signal_name(caught)} at step {result.steps} of "
               f"{result.planned_steps}; the checkpoint is in {checkpoint} (no heads are written "
               f"before the end). Continue with: {again}", file=sys.stderr)
-        return status()
+        return stopped_status(caught)
     print(f"forerun: --max-seconds reached at step {result.steps} of {result.planned_steps}; "
           f"the checkpoint is in {checkpoint}. Continue with: {again}", file=sys.stderr)
     return 0

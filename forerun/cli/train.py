@@ -5,14 +5,13 @@ from (:mod:`forerun.training.magpie`, :mod:`forerun.corpus.token_manifest`)."""
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 from forerun.bench.prompts import DEFAULT_PROMPTS, load_prompts
-from forerun.cli.exits import EXIT_INTERRUPTED, EXIT_TERMINATED, signals_deferred, stop_on_signals
+from forerun.cli.exits import signal_name, signals_deferred, stop_on_signals, stopped_status
 from forerun.cli.medusa import add_train_parser, cmd_train
 from forerun.cli.options import add_model_options, load_model
 from forerun.cli.train_eagle import add_eagle_parser, cmd_eagle
@@ -312,10 +311,9 @@ def _ending(report, caught: list[int], out: Path, max_tokens: int) -> int:
     """The closing message on stderr, and the exit status."""
     again = f"forerun train data --out {out} --resume"
     if report.stopped == "signal":
-        name = "SIGTERM" if caught and caught[0] == signal.SIGTERM else "Ctrl-C"
-        print(f"forerun: stopped by {name}; everything made so far is kept in {out}. "
-              f"Continue with: {again}", file=sys.stderr)
-        return EXIT_TERMINATED if name == "SIGTERM" else EXIT_INTERRUPTED
+        print(f"forerun: stopped by {signal_name(caught)}; everything made so far is kept in "
+              f"{out}. Continue with: {again}", file=sys.stderr)
+        return stopped_status(caught)
     if report.stopped == "time":
         print(f"forerun: --max-seconds reached; continue with: {again} (add --max-seconds "
               f"for another time budget)", file=sys.stderr)

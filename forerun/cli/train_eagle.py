@@ -7,12 +7,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import shlex
-import signal
 import sys
 import threading
 from pathlib import Path
 
-from forerun.cli.exits import EXIT_INTERRUPTED, EXIT_TERMINATED, stop_on_signals
+from forerun.cli.exits import signal_name, stop_on_signals, stopped_status
 from forerun.cli.options import WEIGHT_CHOICES, load_model
 from forerun.errors import ForerunError
 from forerun.machine.output_files import MARKER, check_output_dir, check_replaceable
@@ -203,12 +202,6 @@ def cmd_eagle(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         print(message, flush=True)
 
-    def signal_name() -> str:
-        return "SIGTERM" if caught and caught[0] == signal.SIGTERM else "Ctrl-C"
-
-    def status() -> int:
-        return EXIT_TERMINATED if signal_name() == "SIGTERM" else EXIT_INTERRUPTED
-
     with stop_on_signals(stop, caught):
         try:
             run = train_eagle(model.decoder, records, model_name=model.name,
@@ -220,10 +213,10 @@ def cmd_eagle(args: argparse.Namespace) -> int:
                               progress=not args.quiet, log=log, dtype=args.dtype, init=init,
                               force=args.force)
         except FeaturesStopped as exc:
-            print(f"forerun: stopped by {signal_name()} while computing the target's features "
-                  f"({exc}); they are cached: the same command continues where this one "
-                  f"stopped", file=sys.stderr)
-            return status()
+            print(f"forerun: stopped by {signal_name(caught)} while computing the target's "
+                  f"features ({exc}); they are cached: the same command continues where this "
+                  f"one stopped", file=sys.stderr)
+            return stopped_status(caught)
     c = run.weights.config
     print(f"wrote {out} (EAGLE-3 head: draft vocabulary {c.draft_vocab_size:,}, intermediate "
           f"{c.intermediate_size}, aux layers {list(c.aux_layers)}, {args.dtype})")
@@ -241,10 +234,10 @@ def cmd_eagle(args: argparse.Namespace) -> int:
              f"{shlex.quote(str(out))} --checkpoint "
              f"{shlex.quote(str(checkpoint))} --resume (and the other options as before)")
     if run.stopped == "signal":
-        print(f"forerun: stopped by {signal_name()} at step {run.steps}; the checkpoint is in "
-              f"{checkpoint} and the head so far in {out}. Continue with: {again}",
+        print(f"forerun: stopped by {signal_name(caught)} at step {run.steps}; the checkpoint is "
+              f"in {checkpoint} and the head so far in {out}. Continue with: {again}",
               file=sys.stderr)
-        return status()
+        return stopped_status(caught)
     if run.stopped == "time":
         print(f"forerun: --max-seconds reached at step {run.steps} of {run.planned_steps}; "
               f"continue with: {again}", file=sys.stderr)

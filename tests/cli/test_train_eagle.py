@@ -6,11 +6,7 @@ traceback."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 from dataclasses import fields
 
 import numpy as np
@@ -22,6 +18,7 @@ from forerun.cli.train_eagle import DEFAULTS
 from forerun.corpus.token_manifest import ManifestWriter, Record
 from forerun.drafters.eagle.files import load_eagle3
 from forerun.drafters.eagle.training import EagleSettings
+from stopped_runs import sigterm_once_written
 from tiny_models import VOCAB, hf_folders
 
 OPTIONS = ["--ttt-steps", "2", "--intermediate-size", "32", "--draft-vocab", "100",
@@ -130,16 +127,8 @@ def test_sigterm_stops_at_a_step_and_resume_ends_with_the_uninterrupted_head(
     capsys.readouterr()
     out = tmp_path / "head"
     checkpoint = tmp_path / "head.checkpoint"
-    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
-    proc = subprocess.Popen([sys.executable, "-m", "forerun.cli.main",
-                             *command(folder, data, out, *extra)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 300
-    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    status, err = sigterm_once_written(command(folder, data, out, *extra), checkpoint)
+    assert status == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM" in err and "--resume" in err and "Traceback" not in err
     assert checkpoint.is_file()
     assert main(command(folder, data, out, *extra, "--resume")) == 0

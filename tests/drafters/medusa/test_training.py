@@ -5,12 +5,8 @@ very heads of an unbroken one, and the CLI."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -36,6 +32,7 @@ from forerun.drafters.medusa.training import (
 from forerun.drafters.training_checkpoint import CheckpointError
 from forerun.errors import ConfigError
 from method_runs import greedy_tokens
+from stopped_runs import sigterm_once_written
 from tiny_models import VOCAB, forerun_decoder, hf_folder, hf_model
 from training_steps import gradient, within_tolerance
 
@@ -456,17 +453,9 @@ def test_cli_sigterm_stops_with_a_checkpoint_and_resume_ends_with_the_unbroken_h
     capsys.readouterr()
     out = tmp_path / "h.safetensors"
     checkpoint = tmp_path / "h.safetensors.checkpoint"
-    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
     # A checkpoint at every step: one on disk as soon as training runs.
-    proc = subprocess.Popen([sys.executable, "-m", "forerun.cli.main",
-                             *command(out, "--checkpoint-every", "1")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 300
-    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    status, err = sigterm_once_written(command(out, "--checkpoint-every", "1"), checkpoint)
+    assert status == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM at step" in err and "--resume" in err and "Traceback" not in err
     assert checkpoint.is_file() and not out.exists()        # no heads before the end
     assert cli_main(command(out)) == 1                       # not over its checkpoint
@@ -474,3 +463,17 @@ def test_cli_sigterm_stops_with_a_checkpoint_and_resume_ends_with_the_unbroken_h
     assert cli_main(command(out, "--resume")) == 0
     assert _same_heads(MedusaHeads.load(out), MedusaHeads.load(whole))
     assert not checkpoint.exists()
+
+
+def test_a_run_whose_loss_stops_being_finite_is_an_error(teacher_pair, tmp_path):
+    """A learning rate far too high: the loss becomes NaN or infinite, and
+    the run stops with an error that names the step and the fix instead of
+    writing heads of NaNs; the checkpoint before it stays as it was."""
+    from dataclasses import replace
+
+    from forerun.errors import ForerunError
+
+    ckpt = tmp_path / "run.ckpt"
+    with pytest.raises(ForerunError, match=r"training diverged at step \d+ .* lower --lr"):
+        _run(teacher_pair, replace(SETTINGS, lr=1e36), checkpoint=ckpt, checkpoint_every=1)
+    assert ckpt.is_file()
