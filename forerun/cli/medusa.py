@@ -11,6 +11,7 @@ import sys
 import threading
 
 from forerun.cli.exits import signal_name, stop_on_signals, stopped_status
+from forerun.cli.options import CHECKPOINT_SUFFIX, check_training_stops, checkpoint_option
 from forerun.errors import ForerunError
 
 TRAIN_DESCRIPTION = (
@@ -20,8 +21,6 @@ TRAIN_DESCRIPTION = (
     "agreement with the model. Ctrl-C or SIGTERM stops training at the next step with a "
     "checkpoint (during the model's pass, at the next chunk: the chunks done are cached); "
     "--resume continues it, ending with the very heads of a run that never stopped.")
-#: the suffix of the checkpoint beside the heads file
-CHECKPOINT_SUFFIX = ".checkpoint"
 
 
 def add_parser(sub) -> None:
@@ -114,13 +113,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from forerun.api import load
     from forerun.corpus.token_manifest import TokenManifest
     from forerun.drafters.medusa.heads import heads_path
     from forerun.drafters.medusa.training import TeacherStopped, TrainSettings, train_medusa
-    from forerun.drafters.training_checkpoint import check_checkpoint_path
 
     settings = TrainSettings(heads=args.heads, epochs=args.epochs, lr=args.lr,
                              batch_size=args.batch_size, own_lm_head=args.own_lm_head,
@@ -130,14 +126,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     settings.validate()
     if args.teacher_top_k < 1:
         raise ForerunError(f"--teacher-top-k must be at least 1, got {args.teacher_top_k}")
-    if args.max_seconds is not None and not args.max_seconds > 0:
-        raise ForerunError(f"--max-seconds must be above 0, got {args.max_seconds}")
-    if args.checkpoint_every < 1:
-        raise ForerunError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    check_training_stops(args)
     out = heads_path(args.out, "--out", force=args.force)   # before minutes of training
-    checkpoint = (Path(args.checkpoint).expanduser() if args.checkpoint
-                  else out.parent / (out.name + CHECKPOINT_SUFFIX))
-    check_checkpoint_path(checkpoint, args.resume)
+    checkpoint = checkpoint_option(args, out)
     if args.data and args.held_out_tokens is not None:
         raise ForerunError("--held-out-tokens applies to --corpus; --data holds out records "
                            "by the manifests' own split")

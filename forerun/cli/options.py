@@ -5,6 +5,7 @@ the model they name."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forerun.errors import ForerunError
@@ -15,6 +16,9 @@ from forerun.speculation.options import flag_values
 
 if TYPE_CHECKING:
     from forerun.api.model import Model
+
+#: the suffix of a training run's default checkpoint, beside what it writes
+CHECKPOINT_SUFFIX = ".checkpoint"
 
 #: ``--weights`` values: "auto" and forerun.engines.linear.WEIGHT_FORMATS,
 #: written out so that parsing the command line does not import torch
@@ -105,3 +109,25 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     speculation off.  ``forerun generate``, ``forerun chat`` and ``forerun
     serve`` all call it."""
     return resolve_for_preset(args.model, args.draft, names=CLI, **flag_values(args))
+
+
+def check_training_stops(args: argparse.Namespace) -> None:
+    """A training command's ``--max-seconds`` (above 0) and
+    ``--checkpoint-every`` (at least 1), checked before anything loads."""
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise ForerunError(f"--max-seconds must be above 0, got {args.max_seconds}")
+    if args.checkpoint_every < 1:
+        raise ForerunError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+
+
+def checkpoint_option(args: argparse.Namespace, out: Path) -> Path:
+    """A training command's checkpoint: ``--checkpoint``, or ``out`` with
+    :data:`CHECKPOINT_SUFFIX` beside it; refused before anything loads over
+    an earlier run's checkpoint without ``--resume``, or with ``--resume``
+    and none there."""
+    from forerun.drafters.training_checkpoint import check_checkpoint_path
+
+    checkpoint = (Path(args.checkpoint).expanduser() if args.checkpoint
+                  else out.parent / (out.name + CHECKPOINT_SUFFIX))
+    check_checkpoint_path(checkpoint, args.resume)
+    return checkpoint

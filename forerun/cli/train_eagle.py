@@ -12,12 +12,16 @@ import threading
 from pathlib import Path
 
 from forerun.cli.exits import signal_name, stop_on_signals, stopped_status
-from forerun.cli.options import WEIGHT_CHOICES, load_model
+from forerun.cli.options import (
+    CHECKPOINT_SUFFIX,
+    WEIGHT_CHOICES,
+    check_training_stops,
+    checkpoint_option,
+    load_model,
+)
 from forerun.errors import ForerunError
 from forerun.machine.output_files import MARKER, check_output_dir, check_replaceable
 
-#: the suffix of the checkpoint beside the head's folder
-CHECKPOINT_SUFFIX = ".checkpoint"
 #: :class:`~forerun.drafters.eagle.training.EagleSettings`' defaults, for the help
 #: (that module imports torch, which building the parser must not; a test
 #: keeps the two the same)
@@ -162,22 +166,13 @@ def cmd_eagle(args: argparse.Namespace) -> int:
     from forerun.drafters.eagle.training import train_eagle
 
     settings = _settings(args)
-    if args.max_seconds is not None and not args.max_seconds > 0:
-        raise ForerunError(f"--max-seconds must be above 0, got {args.max_seconds}")
-    if args.checkpoint_every < 1:
-        raise ForerunError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    check_training_stops(args)
     if not str(args.out).strip():
         raise ForerunError("--out is empty; give a folder for the head (an empty path would "
                            "write into the current folder)")
     out = Path(args.out).expanduser()
     _check_out(out, args.force)
-    checkpoint = (Path(args.checkpoint).expanduser() if args.checkpoint
-                  else out.parent / (out.name + CHECKPOINT_SUFFIX))
-    if checkpoint.exists() and not args.resume:
-        raise ForerunError(f"{checkpoint} holds the checkpoint of an earlier run; continue it "
-                           f"with --resume, or delete it to start again")
-    if args.resume and not checkpoint.is_file():
-        raise ForerunError(f"nothing to resume: no checkpoint at {checkpoint}")
+    checkpoint = checkpoint_option(args, out)
     for folder in args.data:
         TokenManifest.open(folder)      # whole, before the model loads
     model = load_model(args, progress=not args.quiet)
