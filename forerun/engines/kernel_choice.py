@@ -2,10 +2,12 @@
 forerun's native ones (:mod:`forerun.kernels.native`) or torch's, and of the
 native builds the CPU's vpdpbusd one or the AVX2 one.
 
-Each choice times a q4 MLP block of :data:`TIMED_SHAPE` both ways at the
-format choice's positions (:data:`~forerun.engines.timed_blocks.TIMED_POSITIONS`),
-once per machine and thread count, and keeps the times in the calibration
-store (kinds ``native-kernels`` and ``dot-products``).  The kernels layer
+Each choice times a q4 MLP block of :data:`TIMED_SHAPE` both ways, once per
+machine and thread count, and keeps the times in the calibration store
+(kinds ``native-kernels`` and ``dot-products``): native against torch's at
+the format choice's positions
+(:data:`~forerun.engines.timed_blocks.TIMED_POSITIONS`), the vpdpbusd build
+against the AVX2 one at :data:`DOT_TIMED_POSITIONS`.  The kernels layer
 asks through the :class:`~forerun.kernels.native.Timing` that
 :func:`product_kernels` passes it; ``FORERUN_NATIVE_KERNELS=1`` skips the
 timing and uses the native kernels.
@@ -14,7 +16,8 @@ timing and uses the native kernels.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -34,6 +37,14 @@ from forerun.machine.calibration import CalibrationStore
 # Qwen2.5-1.5B (hidden 1536, intermediate 8960), at the positions the
 # format choice times (TIMED_POSITIONS).
 TIMED_SHAPE = (1536, 8960)
+
+# The vpdpbusd build against the AVX2 one: a decoding step, a verification
+# and a prompt block.  At 1 and 4 positions both read weights at memory speed
+# and tie within a few percent, so timed there alone the choice was a coin
+# toss: on a Xeon with AMX it kept the AVX2 build (2.12 ms at 1 and 4
+# positions together, the AMX build 2.20), whose blocks of 128 positions
+# took 2.2 times the AMX build's time (28.6 against 12.9 ms).
+DOT_TIMED_POSITIONS = (1, 4, 128)
 
 
 def product_kernels() -> NativeKernels | None:
@@ -60,31 +71,49 @@ def native_against_torch(kernels: NativeKernels) -> str | None:
 
 def dot_against_avx2(name: str, dot: NativeKernels, avx2: NativeKernels) -> str | None:
     """None where the vpdpbusd build ``dot`` (called ``name``) is faster
-    than the AVX2 build ``avx2`` on this machine (timed as
-    :func:`native_against_torch` times, kept); else why not."""
-    ms = _timed_once("dot-products", lambda: time_q4_mlp({name: dot, "avx2": avx2}),
-                     (name, "avx2"), f"whether the {name} products beat the AVX2 ones")
-    if sum(ms["avx2"]) <= sum(ms[name]):
-        return f"the {name} build was no faster on this machine ({_shown(ms)})"
+    than the AVX2 build ``avx2`` on this machine; else why not.  Both are
+    timed on a q4 MLP block at each of :data:`DOT_TIMED_POSITIONS` (once per
+    machine and thread count, kept), and each position count weighs alike:
+    ``dot`` is faster where the geometric mean of its time over the AVX2
+    build's is below 1 (see :func:`time_ratio`)."""
+    ms = _timed_once("dot-products",
+                     lambda: time_q4_mlp({name: dot, "avx2": avx2},
+                                         positions=DOT_TIMED_POSITIONS),
+                     (name, "avx2"), f"whether the {name} products beat the AVX2 ones",
+                     positions=DOT_TIMED_POSITIONS)
+    ratio = time_ratio(ms[name], ms["avx2"])
+    if ratio >= 1.0:
+        return (f"the {name} build was no faster on this machine (a q4 MLP block at "
+                f"{'/'.join(map(str, DOT_TIMED_POSITIONS))} positions: {_shown(ms)}; "
+                f"{ratio:.2f} of the AVX2 build's time)")
     return None
+
+
+def time_ratio(times: Sequence[float], against: Sequence[float]) -> float:
+    """The geometric mean of ``times[i] / against[i]``: how much of
+    ``against``'s time ``times`` takes, each position count weighing alike
+    (a sum of times would let the largest decide alone)."""
+    return math.exp(sum(math.log(t / a) for t, a in zip(times, against, strict=True))
+                    / len(times))
 
 
 TIMING = Timing(native_against_torch, dot_against_avx2)
 
 
-def _timed_once(kind: str, measure, names: tuple[str, ...], what: str) -> dict[str, list[float]]:
-    """``measure()``'s milliseconds per name of ``names`` (a list per timed
-    position count), measured once per machine and thread count and kept in
-    the calibration store under ``kind`` (a damaged record is measured
-    again)."""
-    key = {"shape": list(TIMED_SHAPE), "positions": list(TIMED_POSITIONS),
+def _timed_once(kind: str, measure, names: tuple[str, ...], what: str,
+                positions: Sequence[int] = TIMED_POSITIONS) -> dict[str, list[float]]:
+    """``measure()``'s milliseconds per name of ``names`` (a list of one
+    per count of ``positions``), measured once per machine and thread count
+    and kept in the calibration store under ``kind`` (a damaged record is
+    measured again)."""
+    key = {"shape": list(TIMED_SHAPE), "positions": list(positions),
            "threads": torch.get_num_threads(), "torch": torch.__version__,
            "timing": "interleaved"}
     store = CalibrationStore(kind, key, label="q4-mlp")
 
     def valid(value):
         try:
-            ok = all(len(value[k]) == len(TIMED_POSITIONS) and
+            ok = all(len(value[k]) == len(positions) and
                      all(isinstance(v, (int, float)) and 0 < v < 1e6 for v in value[k])
                      for k in names)
             return value if ok else None
@@ -118,12 +147,13 @@ def time_against_torch(kernels: NativeKernels, repeats: int = 3) -> dict[str, li
     return time_q4_mlp({"native": kernels, "torch": None}, repeats)
 
 
-def time_q4_mlp(candidates: dict[str, NativeKernels | None],
-                repeats: int = 3) -> dict[str, list[float]]:
+def time_q4_mlp(candidates: dict[str, NativeKernels | None], repeats: int = 3,
+                positions: Sequence[int] = TIMED_POSITIONS) -> dict[str, list[float]]:
     """Milliseconds of a q4 MLP block of :data:`TIMED_SHAPE` by each
-    candidate (a native library, or None for torch's kernels), at the format
-    choice's positions: best of ``repeats``, distinct weights per run, the
-    candidates' runs interleaved, so that a slow spell of the machine
+    candidate (a native library, or None for torch's kernels), at each count
+    of ``positions`` (by default the format choice's): best of ``repeats``,
+    distinct weights per run, the candidates' runs interleaved, so that a
+    slow spell of the machine
     touches each alike (timed one after the other, a spell during one
     candidate's turn once kept a faster build from being used)."""
     h, i = TIMED_SHAPE
@@ -146,7 +176,7 @@ def time_q4_mlp(candidates: dict[str, NativeKernels | None],
         time_mlp_blocks(built[name], torch.randn(1, h, generator=gen), len(values),
                         turns[name])
     result: dict[str, list[float]] = {name: [] for name in candidates}
-    for t in TIMED_POSITIONS:
+    for t in positions:
         x = torch.randn(t, h, generator=gen)
         best = {name: float("inf") for name in candidates}
         for _ in range(repeats):

@@ -812,9 +812,11 @@ def test_the_vpdpbusd_build_is_used_only_where_it_is_faster(fresh_cache, monkeyp
                         lambda kernels, repeats=3: {"native": [1.0, 2.0], "torch": [9.0, 9.0]})
     calls = []
 
-    def timing(candidates, repeats=3):
+    def timing(candidates, repeats=3, positions=()):
         calls.append(sorted(candidates))
-        return {name: [1.0, 2.0] if name == winner else [3.0, 4.0] for name in candidates}
+        assert positions == kernel_choice.DOT_TIMED_POSITIONS
+        return {name: [1.0, 2.0, 5.0] if name == winner else [3.0, 4.0, 6.0]
+                for name in candidates}
 
     monkeypatch.setattr(kernel_choice, "time_q4_mlp", timing)
     for _ in range(2):
@@ -824,8 +826,29 @@ def test_the_vpdpbusd_build_is_used_only_where_it_is_faster(fresh_cache, monkeyp
         reason = native.dot_product_reason()
         assert (reason is None) == (winner == "stand-in")
         if winner == "avx2":
-            assert "no faster" in reason and "stand-in 3.0/4.0 ms" in reason
+            assert "no faster" in reason and "stand-in 3.0/4.0/6.0 ms" in reason
         native.reset()
+
+
+@pytest.mark.parametrize("dot, avx2, used", [
+    # a tie within noise at 1 and 4 positions, twice as fast at 128 (a Xeon
+    # with AMX, where the sum at 1 and 4 alone kept the AVX2 build)
+    ([0.97, 1.23, 12.9], [0.93, 1.19, 28.6], True),
+    # twice as fast at 1 and 4 positions, a little slower at 128 (a sum
+    # of times would let the 128 positions decide alone)
+    ([0.50, 0.60, 30.0], [1.00, 1.20, 28.0], True),
+    # faster at 1 and 4 positions, far slower at 128
+    ([0.80, 1.00, 60.0], [1.00, 1.20, 28.0], False),
+    ([1.00, 1.00, 1.00], [1.00, 1.00, 1.00], False),
+])
+def test_each_timed_position_count_weighs_alike_in_the_vpdpbusd_choice(monkeypatch, dot, avx2,
+                                                                       used):
+    monkeypatch.setattr(kernel_choice, "_timed_once",
+                        lambda *args, **kwargs: {"vnni": dot, "avx2": avx2})
+    reason = kernel_choice.dot_against_avx2("vnni", None, None)
+    assert (reason is None) == used
+    if not used:
+        assert "no faster" in reason and "1/4/128 positions" in reason
 
 
 def test_the_amx_tiles_are_tried_in_a_process_of_their_own(amx_build):
