@@ -16,7 +16,7 @@ timing and uses the native kernels.
 from __future__ import annotations
 
 import itertools
-import math
+import statistics
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -93,8 +93,7 @@ def time_ratio(times: Sequence[float], against: Sequence[float]) -> float:
     """The geometric mean of ``times[i] / against[i]``: how much of
     ``against``'s time ``times`` takes, each position count weighing alike
     (a sum of times would let the largest decide alone)."""
-    return math.exp(sum(math.log(t / a) for t, a in zip(times, against, strict=True))
-                    / len(times))
+    return statistics.geometric_mean(t / a for t, a in zip(times, against, strict=True))
 
 
 TIMING = Timing(native_against_torch, dot_against_avx2)
@@ -153,9 +152,9 @@ def time_q4_mlp(candidates: dict[str, NativeKernels | None], repeats: int = 3,
     candidate (a native library, or None for torch's kernels), at each count
     of ``positions`` (by default the format choice's): best of ``repeats``,
     distinct weights per run, the candidates' runs interleaved, so that a
-    slow spell of the machine
-    touches each alike (timed one after the other, a spell during one
-    candidate's turn once kept a faster build from being used)."""
+    slow spell of the machine touches each alike (timed one after the other,
+    a spell during one candidate's turn once kept a faster build from being
+    used)."""
     h, i = TIMED_SHAPE
     gen = torch.Generator().manual_seed(0)
     cpu = torch.device("cpu")
