@@ -4,10 +4,12 @@ share of it, for one position and for a verification's rowwise forwards.
 
     python benchmarks/attention_ab.py --against HEAD~1
         [--model qwen2.5-coder-1.5b] [--weights q4] [--context 600]
-        [--positions 1,2,4] [--steps 10]
+        [--positions 1,2,4] [--steps 10] [--build avx2|dot]
 
 It builds ``forerun/kernels/avx2_layer_ops.c`` as it was at ``--against``
-(with the flags forerun builds it with), runs the layers operation by
+(with the flags forerun builds it with; ``--build dot`` builds it, and this
+tree's, with the flags of the CPU's best vpdpbusd build, whose fused layers
+run the attention in prefill and decoding), runs the layers operation by
 operation (``Transformer.fuse_layers`` off: a fused layer calls this
 tree's attention from inside its own library), prefills ``--context`` tokens,
 then times forwards of each number of ``--positions``, switching the
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 from harness import (
+    ROOT,
     build_library,
     interleaved,
     load_model,
@@ -41,6 +44,9 @@ from harness import (
     timed_feed,
 )
 
+from forerun.kernels.build import dot_builds
+from forerun.machine.cpu import cpu_flags
+
 SOURCE = "forerun/kernels/avx2_layer_ops.c"
 
 
@@ -50,6 +56,8 @@ def main() -> None:
     model_options(p, weights="q4", context=600)
     p.add_argument("--positions", default="1,2,4")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--build", choices=("avx2", "dot"), default="avx2",
+                   help="dot: both builds with this CPU's best vpdpbusd flags")
     args = p.parse_args()
     source = source_at(args.against, SOURCE)
     # A build from before float16 caches (no `half` argument) runs beside
@@ -66,8 +74,18 @@ def main() -> None:
     decoder.model.fuse_layers = False
     counts = positions_list(args.positions)
     with tempfile.TemporaryDirectory() as tmp:
-        built = build_library(source, Path(tmp), "layer_ops").fr_attention
+        extra: tuple[str, ...] = ()
+        if args.build == "dot":
+            candidates = dot_builds(cpu_flags())
+            if not candidates:
+                raise SystemExit("this CPU has no vpdpbusd build")
+            extra = candidates[0][1]
+        built = build_library(source, Path(tmp), "layer_ops", extra).fr_attention
         built.argtypes, built.restype = ops._attention.argtypes, ops._attention.restype
+        if args.build == "dot":
+            here = build_library((ROOT / SOURCE).read_bytes(), Path(tmp), "here", extra)
+            ops._attention = here.fr_attention
+            ops._attention.argtypes, ops._attention.restype = built.argtypes, built.restype
         if before_half:     # (fr_attention's 10th argument, `half`, dropped)
             built.argtypes = built.argtypes[:9] + built.argtypes[10:]
 
@@ -105,7 +123,7 @@ def main() -> None:
         ops._attention, ops.attention = builds["this tree"], attention
         decoder.rollback(base)
     print(machine_line(f"{args.model} ({args.weights}) after {args.context} tokens; "
-                       f"median of {args.steps} steps, ms"))
+                       f"{args.build} build; median of {args.steps} steps, ms"))
     print(f"{'positions':>9}  {'build':16} {'step':>8} {'attention':>10}")
     for t in counts:
         for name in builds:

@@ -70,6 +70,7 @@ from forerun.kernels.self_check import (
     check_decoder_layer,
     check_layer_ops,
     check_products,
+    check_same_attention,
     check_same_products,
     check_tiles_in_a_process,
 )
@@ -201,6 +202,7 @@ def _dot_product_library(avx2: NativeKernels, timing: Timing | None) -> NativeKe
             if dot.tile_rows is not None:       # the AMX build: its tiles tried elsewhere first
                 check_tiles_in_a_process(dot)
             check_same_products(dot, avx2)
+            check_same_attention(dot, avx2)
             check_decoder_layer(dot, avx2)
         except Unavailable as exc:
             refused.append(f"the {name} build is not used: {exc}")

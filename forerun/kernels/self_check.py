@@ -355,6 +355,35 @@ def _compare_products(dot: NativeKernels, avx2: NativeKernels, packed: dict,
                                   f"build's")
 
 
+def check_same_attention(dot: NativeKernels, avx2: NativeKernels) -> None:
+    """``dot``'s attention equals ``avx2``'s bit for bit (a build with
+    512-bit registers runs its own passes: ``avx2_layer_ops.c``'s
+    ATTENTION_512): 7 query heads over one key head (three pairs and one
+    alone) of 40 values (two 16-float pieces and an 8-float one), 1 and 6
+    rows after 12 slots (up to 18 scores a row: a 16-float piece of them
+    and a rest), causal and masked, over a float32 and a float16 cache.
+    Raises Unavailable naming the first case that differs."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv, d, start = 7, 1, 40, 12
+    for t in (1, 6):
+        qkv = torch.randn(t, (heads + 2 * kv) * d, generator=gen)
+        angles = torch.rand(t, d, generator=gen) * 6
+        cos, sin = angles.cos(), angles.sin()
+        mask = torch.rand(t, start + t, generator=gen) < 0.7
+        mask[:, 0] = True
+        for dtype in (torch.float32, torch.float16):
+            keys = torch.randn(kv, start + t, d, generator=gen).to(dtype)
+            values = torch.randn(kv, start + t, d, generator=gen).to(dtype)
+            for rows in (None, mask.to(torch.uint8)):
+                got, want = (lib.attention(qkv.clone(), cos, sin, keys.clone(), values.clone(),
+                                           start, rows, heads) for lib in (dot, avx2))
+                if not torch.equal(got, want):
+                    raise Unavailable(
+                        f"its attention of {t} rows over a {str(dtype)[6:]} cache"
+                        f"{'' if rows is None else ' with a mask'} differs from the AVX2 "
+                        "build's")
+
+
 def check_tiles_in_a_process(kernels: NativeKernels) -> None:
     """An AMX build's tiles run a small product correctly in a process of
     their own (``fr_amx_probe``), before this process runs any: a machine

@@ -14,7 +14,8 @@ from forerun.engines import kernel_choice
 from forerun.engines.layer_factory import make_linear
 from forerun.engines.rope import apply_rotary
 from forerun.engines.transformer import rms_norm
-from forerun.kernels import native
+from forerun.kernels import build, native
+from forerun.machine.cpu import cpu_flags
 
 CPU = torch.device("cpu")
 
@@ -161,6 +162,42 @@ def test_a_position_is_the_same_alone_or_among_others(kernels, heads, kv, d):
                 assert torch.equal(alone[0], together[i]), (n, i)
     finally:
         torch.set_num_threads(threads)
+
+
+def _wide_build():
+    """This CPU's vpdpbusd build with 512-bit registers (AMX or AVX512-VNNI),
+    whose attention runs its own 512-bit passes; the test is skipped where
+    the CPU has none."""
+    wide = [extra for name, extra in build.dot_builds(cpu_flags())
+            if name in ("amx-int8", "avx512-vnni")]
+    if not wide:
+        pytest.skip("this CPU has no AVX-512 build")
+    return native.build_library(wide[-1])
+
+
+@pytest.mark.parametrize("heads,kv,d", [(12, 2, 128), (14, 2, 64), (9, 3, 64), (4, 1, 256),
+                                        (6, 2, 24)])
+def test_the_512bit_attention_gives_the_avx2_builds_bit_for_bit(kernels, heads, kv, d):
+    """The AVX-512 builds' attention (query heads in pairs over 4 keys,
+    outputs in 16-float pieces, 16 scores' exponentials at a time) equals
+    the AVX2 build's to the bit: the head shapes of Qwen2.5 1.5B and 0.5B,
+    SmolLM2 and Gemma 3 270M, and one whose values end in an 8-float piece;
+    1 to 40 rows after 0 to 70 slots, causal and masked, over float32 and
+    float16 caches."""
+    wide, avx2 = _wide_build(), native.layer_ops()
+    assert wide.path != avx2.path and avx2.instruction == "avx2"
+    gen = torch.Generator().manual_seed(11)
+    for start, t in ((0, 1), (70, 1), (13, 4), (70, 40)):
+        qkv, cos, sin, keys, values = _case(heads, kv, d, start, t, capacity=start + t,
+                                            seed=start + t)
+        mask = torch.rand(t, start + t, generator=gen) < 0.8
+        mask[:, 0] = True
+        for dtype in (torch.float32, torch.float16):
+            for rows in (None, mask.to(torch.uint8)):
+                got, want = (lib.attention(qkv.clone(), cos, sin, keys.to(dtype),
+                                           values.to(dtype), start, rows, heads)
+                             for lib in (wide, avx2))
+                assert torch.equal(got, want), (start, t, dtype, rows is None)
 
 
 @pytest.mark.parametrize("heads,kv,d,start,t", [(12, 2, 128, 40, 1), (12, 2, 128, 40, 17),

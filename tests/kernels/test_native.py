@@ -773,6 +773,25 @@ def test_a_vpdpbusd_build_that_computes_wrongly_is_not_used(altered_source, monk
     assert "4-bit" in native.dot_product_reason()
 
 
+def test_a_build_whose_512bit_attention_differs_is_not_used(altered_source, monkeypatch):
+    """An AVX-512 build whose attention sums a score in another order (here
+    the second step of hsum8x16 pairing lanes 0 + 1 where hsum8 adds 0 + 2,
+    in its 512-bit passes only) is refused by the load-time check, and the
+    AVX2 build serves."""
+    flags = dict(build.dot_builds(cpu_flags()))
+    if "avx512-vnni" not in flags:
+        pytest.skip("this CPU has no AVX-512 build")
+    monkeypatch.setattr(native, "dot_builds", lambda cpu: [("avx512-vnni", flags["avx512-vnni"])])
+    altered_source("LAYER_OPS_SOURCE", "ab = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), "
+                   "_mm512_shuffle_ps(a, b, 0xEE));", "ab = _mm512_add_ps(_mm512_shuffle_ps("
+                   "a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));")
+    kernels = native.native_kernels()
+    assert kernels is not None and kernels.instruction == "avx2"
+    reason = native.dot_product_reason()
+    assert "the avx512-vnni build is not used" in reason
+    assert "attention of 1 rows over a float32 cache differs" in reason
+
+
 class _OneProductOff:
     """A library whose ``name`` products of ``rows`` rows are one float32
     step off in one value (what a float64 tolerance lets through)."""
