@@ -29,26 +29,29 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* e^x for 8 floats (Cephes' polynomial; relative error about 2e-7).
+/* e^x lane by lane (Cephes' polynomial; relative error about 2e-7), for a
+ * register type V (__m256 or __m512) whose intrinsics start with P and
+ * whose integer cast names SI bits: each lane the same float in either.
  * Inputs are clamped to [-87.3, 88.3]; e^-87.3 is 1e-38. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654475f));
-    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-    fx = _mm256_floor_ps(fx);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx),
-                                                   _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+#define DEFINE_EXP(NAME, V, P, SI)                                                             \
+    static inline V NAME(V x) {                                                                \
+        x = P##_min_ps(x, P##_set1_ps(88.3762626647949f));                                     \
+        x = P##_max_ps(x, P##_set1_ps(-87.33654475f));                                         \
+        V fx = P##_fmadd_ps(x, P##_set1_ps(1.44269504088896341f), P##_set1_ps(0.5f));          \
+        fx = P##_floor_ps(fx);                                                                 \
+        x = P##_fnmadd_ps(fx, P##_set1_ps(0.693359375f), x);                                   \
+        x = P##_fnmadd_ps(fx, P##_set1_ps(-2.12194440e-4f), x);                                \
+        V y = P##_set1_ps(1.9875691500e-4f);                                                   \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.3981999507e-3f));                                 \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(8.3334519073e-3f));                                 \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(4.1665795894e-2f));                                 \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.6666665459e-1f));                                 \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(5.0000001201e-1f));                                 \
+        y = P##_fmadd_ps(y, P##_mul_ps(x, x), P##_add_ps(x, P##_set1_ps(1.0f)));               \
+        V##i e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(fx), P##_set1_epi32(127)), 23);  \
+        return P##_mul_ps(y, P##_castsi##SI##_ps(e));                                          \
+    }
+DEFINE_EXP(exp8, __m256, _mm256, 256)
 
 static inline float exp1(float x) {
     float v[8] = {x}, r[8];
@@ -326,24 +329,7 @@ ALWAYS __m512 load16(const void *p, size_t i, int half) {
 }
 
 /* exp8 on 16 floats: each lane the same float as exp8's. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654475f));
-    __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-    fx = _mm512_floor_ps(fx);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx),
-                                                   _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+DEFINE_EXP(exp16, __m512, _mm512, 512)
 
 /* nh heads' queries q (q_h = q + h D, D a multiple of 8) as pairs for
  * qk_pairs: pair p's piece c (16 floats at qp + 2 p D + 16 c) is q_2p's 8
@@ -610,9 +596,10 @@ ALWAYS void pv_row(const float *pt, const void *v, int D, int per_kv, int m, int
 /* The attention of rows t0 .. t1-1 (at most ROWS) for key head g, whose
  * cache rows are kg and vg: the keys and values each row sees, in slot
  * order, read once for all the rows (so a verification of T positions reads
- * a long cache about once, not T times), in blocks of QK_SLOTS and PV_SLOTS
- * (or PV_WIDE_SLOTS) slots; a block that a row sees only in part goes slot
- * by slot.  scores: scratch of ROWS * per_kv * end floats, seen: of ROWS
+ * a long cache about once, not T times), in blocks of QK_BLOCK slots
+ * (QK_SLOTS at a time) and PV_SLOTS (or PV_WIDE_SLOTS) slots; a piece of
+ * QK_SLOTS or a block of values that a row sees only in part goes slot by
+ * slot.  scores: scratch of ROWS * per_kv * end floats, seen: of ROWS
  * ints, pairs: of ROWS * per_kv * D floats (the rows' queries by
  * pack_pairs, in the 512-bit passes). */
 ALWAYS void attend_rows(const float *qkv, int width, int H, int per_kv, int D, const void *kg,
