@@ -78,6 +78,45 @@ test_cache_root.__test__ = False        # a helper, not a test
 # (tests/real/transformers_reference.py), inherited by subprocesses.
 os.environ["FORERUN_TEST_CACHE"] = str(test_cache_root())
 
+
+def _caching_compiler() -> None:
+    """``CC`` for the suite and its subprocesses: the real C compiler
+    through :mod:`caching_compiler`, which keeps what it built in the tests'
+    cache, so the kernel tests that build the library again in an empty
+    forerun cache compile each source and flags once, not once a test.
+    The launcher's path and text are the same in every run and virtual
+    environment (the interpreter and script come from the environment), so
+    the libraries' names, which are keyed by the compiler, stay the same
+    between runs.  Nothing changes where there is no compiler, or where the
+    first process already set it up (xdist's workers)."""
+    if "FORERUN_TESTS_REAL_CC" in os.environ:
+        return
+    import shutil
+    import tempfile
+
+    real = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not real:
+        return
+    root = test_cache_root()
+    launcher = root / "caching-cc"
+    text = '#!/bin/sh\nexec "$FORERUN_TESTS_PYTHON" "$FORERUN_TESTS_CC_SCRIPT" "$@"\n'
+    if not launcher.is_file() or launcher.read_text() != text:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=".caching-cc.")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, launcher)
+    os.environ.update({
+        "FORERUN_TESTS_REAL_CC": real,
+        "FORERUN_TESTS_COMPILED": str(root / "compiled"),
+        "FORERUN_TESTS_PYTHON": sys.executable,
+        "FORERUN_TESTS_CC_SCRIPT": str(Path(__file__).with_name("caching_compiler.py")),
+        "CC": str(launcher),
+    })
+
+
+_caching_compiler()
 # Build products, keyed by their content and safe to share between runs.
 SHARED_FOLDERS = ("models", "packed", "converted", "digests", "gguf-header", "kernels")
 # Calibrations that are findings, not timings: the grouping probe's largest

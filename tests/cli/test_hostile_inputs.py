@@ -182,6 +182,8 @@ def test_interrupted_while_starting(files, sig, status):
         err = proc.stderr.read().decode()
         code = proc.wait(timeout=120)
         assert "Traceback" not in err, err
-        assert code in (0, status), (code, err)
+        # 0: it ended first; -sig: the signal came as the run ended, after the
+        # default handlers were back (a shell reads that as the same status)
+        assert code in (0, status, -sig), (delay, code, err)
         interrupted += code == status
     assert interrupted

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from forerun.kernels import build, native
@@ -31,3 +33,13 @@ def altered_source(fresh_cache, monkeypatch, tmp_path):
         monkeypatch.setattr(build, attribute, copy)
 
     return alter
+
+
+@pytest.fixture()
+def real_compiler(monkeypatch):
+    """The real C compiler as ``CC``, not the suite's caching one
+    (tests/caching_compiler.py): for the tests of builds racing each other,
+    whose overlap needs a build that takes its real time."""
+    real = os.environ.get("FORERUN_TESTS_REAL_CC")
+    if real:
+        monkeypatch.setenv("CC", real)

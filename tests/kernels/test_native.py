@@ -485,7 +485,7 @@ def test_a_library_whose_half_blocks_are_wrong_is_refused(altered_source):
     assert "half block differ" in native.unavailable_reason()
 
 
-def test_two_processes_building_at_once_both_get_a_whole_library(fresh_cache):
+def test_two_processes_building_at_once_both_get_a_whole_library(real_compiler, fresh_cache):
     script = ("from forerun.kernels import native; k = native.native_kernels(); "
               "print(k is not None, native.unavailable_reason())")
     env = {**os.environ, "FORERUN_CACHE": str(fresh_cache.parent)}
@@ -498,7 +498,7 @@ def test_two_processes_building_at_once_both_get_a_whole_library(fresh_cache):
     assert not [p for p in fresh_cache.iterdir() if ".tmp" in p.name]
 
 
-def test_threads_loading_at_once_share_one_library(fresh_cache):
+def test_threads_loading_at_once_share_one_library(real_compiler, fresh_cache):
     got = []
     threads = [threading.Thread(target=lambda: got.append(native.native_kernels()))
                for _ in range(4)]
