@@ -14,10 +14,12 @@ output, and checks, publishes and loads the file it wrote.
 
 ``FORERUN_TESTS_REAL_CC`` names the real compiler and
 ``FORERUN_TESTS_COMPILED`` the folder of kept outputs.  A command without
-``-o`` (``--version``) runs the real compiler as it is; a failed build is
-never kept.  The key is the real compiler's path and version, the
-arguments but the output's path, each source (an argument that is a file)
-by its bytes, so a changed source or flag builds again."""
+``-o`` runs the real compiler as it is (the launcher conftest.py writes
+hands ``--version``, which forerun asks at every load, to the real compiler
+without starting Python); a failed build is never kept.  The key is the
+real compiler's path and version, the arguments but the output's path, each
+source (an argument that is a file) by its bytes, so a changed source or
+flag builds again."""
 
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from forerun.machine.output_files import written_whole
 
 
 def key(real: str, args: list[str], out_at: int) -> str:
@@ -56,14 +59,8 @@ def main(args: list[str]) -> int:
     done = subprocess.run([real, *args])
     if done.returncode == 0 and out.is_file():
         kept.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=f".{kept.name}.")
-        os.close(fd)
-        try:
+        with written_whole(kept) as tmp:   # whole or not at all, beside another worker
             shutil.copyfile(out, tmp)
-            os.replace(tmp, kept)        # whole or not at all, beside another worker
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
     return done.returncode
 
 

@@ -99,7 +99,10 @@ def _caching_compiler() -> None:
         return
     root = test_cache_root()
     launcher = root / "caching-cc"
-    text = '#!/bin/sh\nexec "$FORERUN_TESTS_PYTHON" "$FORERUN_TESTS_CC_SCRIPT" "$@"\n'
+    # (``--version`` straight to the real compiler: forerun asks it at every
+    # load of the kernels, in every test's subprocess)
+    text = ('#!/bin/sh\n[ "$1" = --version ] && exec "$FORERUN_TESTS_REAL_CC" "$@"\n'
+            'exec "$FORERUN_TESTS_PYTHON" "$FORERUN_TESTS_CC_SCRIPT" "$@"\n')
     if not launcher.is_file() or launcher.read_text() != text:
         root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=root, prefix=".caching-cc.")
