@@ -666,11 +666,12 @@ def test_the_vpdpbusd_code_gives_the_avx2_products_bit_for_bit(kernels, which):
 
 def test_the_vnni_builds_compile(fresh_cache):
     """Each VNNI build compiles (this CPU may not run it: a VNNI one is
-    checked against the AVX2 build where it loads)."""
-    import shutil
-
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    checked against the AVX2 build where it loads), with the compiler
+    forerun finds: the suite's caching one (tests/caching_compiler.py),
+    which compiles each source and flags once for this compiler."""
+    try:
+        compiler = build.find_compiler()
+    except build.Unavailable:
         pytest.skip("no C compiler here")
     for name, _, extra in build.DOT_BUILDS:
         path = build.compile_library(compiler, extra)
