@@ -29,8 +29,11 @@ def print_stats(result, out, settings: EngineSettings | None = None,
              f"prompt tokens: {s.prompt_tokens} ({s.reused_prompt_tokens} reused from the "
              f"cache)",
              f"new tokens: {s.new_tokens}",
-             f"prefill: {s.prefill_seconds:.3f} s",
-             f"decode: {s.decode_seconds:.3f} s ({s.tokens_per_second:.2f} tokens/s)"]
+             f"prefill: {s.prefill_seconds:.3f} s"]
+    if s.calibration_seconds:
+        lines.append(f"calibration: {s.calibration_seconds:.3f} s (this machine's "
+                     f"verification costs, measured once and stored)")
+    lines.append(f"decode: {s.decode_seconds:.3f} s ({s.tokens_per_second:.2f} tokens/s)")
     if s.rounds:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(s.accepted_histogram.items()))
         lines += [f"rounds: {s.rounds}",

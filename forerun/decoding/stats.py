@@ -35,11 +35,12 @@ class GenerationStats:
     """Timings and, for speculative methods, how speculation went.
 
     ``prefill_seconds`` covers the forward pass over the prompt, less its
-    first ``reused_prompt_tokens`` positions, which the cache held already
-    (and, the first time a speculative method runs in a process, measuring
-    the target's verification costs); ``decode_seconds`` covers everything after
-    it, so ``tokens_per_second`` is ``new_tokens / decode_seconds`` whatever
-    the method.
+    first ``reused_prompt_tokens`` positions, which the cache held already;
+    ``calibration_seconds``, measuring the target's verification costs
+    right after it (a speculative method's first run on a machine where
+    none are stored; zero otherwise); ``decode_seconds`` covers everything
+    after those, so ``tokens_per_second`` is ``new_tokens / decode_seconds``
+    whatever the method.
     """
 
     new_tokens: int = 0
@@ -48,6 +49,7 @@ class GenerationStats:
     # an earlier prompt this one starts with (forerun.protocol.prefix_reuse).
     reused_prompt_tokens: int = 0
     prefill_seconds: float = 0.0
+    calibration_seconds: float = 0.0
     decode_seconds: float = 0.0
     method: str = "plain"
     # Speculative decoding (zero for plain decoding).

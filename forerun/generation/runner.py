@@ -110,7 +110,8 @@ def run_generation(method: DecodingMethod, tokenizer, prompt_ids: Sequence[int],
     finally:
         rounds.close()
         method.settle(len(prompt) + len(output.tokens))
-    stats.decode_seconds = max(0.0, time.perf_counter() - start - stats.prefill_seconds)
+    stats.decode_seconds = max(0.0, time.perf_counter() - start - stats.prefill_seconds
+                               - stats.calibration_seconds)
     stats.new_tokens = len(output.tokens)
     return GenerationResult(list(output.tokens), output.text,
                             output.finish_reason or "cancelled", stats)

@@ -91,6 +91,7 @@ def forerun_stats(result: GenerationResult, *, queue_seconds: float) -> dict[str
         "prefix_cache_tokens": s.reused_prompt_tokens,
         "queue_seconds": round(queue_seconds, 6),
         "prefill_seconds": round(s.prefill_seconds, 6),
+        "calibration_seconds": round(s.calibration_seconds, 6),
         "decode_seconds": round(s.decode_seconds, 6),
         "tokens_per_second": round(s.tokens_per_second, 3),
     }
