@@ -305,7 +305,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 PRESET_FIXTURES = {"preset_gguf", "preset_model"}
 # Fixtures that compile the native kernels again from source, in a cache of
-# their own (tests/kernels/conftest.py): seconds a test.
+# their own (tests/native_kernels/conftest.py): seconds a test.
 BUILD_FIXTURES = {"fresh_cache", "altered_source"}
 
 

@@ -77,7 +77,7 @@ DOT_BUILDS = (
 )
 # The vpdpbusd code with an AVX2 stand-in for the instruction, in row groups
 # of 4 as the AVX512-VNNI build runs them: how a CPU without VNNI tests that
-# code (tests/kernels/test_native.py).
+# code (tests/native_kernels/test_native.py).
 STAND_IN_FLAGS = ("-DFR_DPBUSD=0", "-DFR_ROWS=4")
 
 

@@ -119,7 +119,7 @@ def test_list_verify_and_prune_see_a_damaged_kernel_library(cache, kernel_librar
     found by verify and deleted by prune, its manifest with it."""
     import shutil
 
-    from kernels.test_library_cache import damage
+    from native_kernels.test_library_cache import damage
 
     shutil.copytree(kernel_library.parent, cache / "kernels")
     library = cache / "kernels" / kernel_library.name

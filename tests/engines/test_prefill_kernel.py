@@ -30,7 +30,7 @@ from tiny_gguf import write_tiny_gguf
 from tiny_models import hf_model
 
 # What is chosen here is how torch's int8 layer multiplies a prompt block;
-# forerun's native layers (tests/kernels) run one kernel for any number of rows.
+# forerun's native layers (tests/native_kernels) run one kernel for any number of rows.
 pytestmark = pytest.mark.usefixtures("torch_kernels")
 
 CPU = torch.device("cpu")
