@@ -709,6 +709,9 @@ int fr_attention(float *qkv, int T, int H, int KV, int D, const float *cos, cons
                  void *keys, void *values, int half, int capacity, int start,
                  const uint8_t *mask, float *out, int threads) {
     const int width = (H + 2 * KV) * D, end = start + T, per_kv = H / KV;
+    /* each position's rotation and cache slots its own: shared among the
+       threads for a block of positions */
+    #pragma omp parallel for num_threads(threads) schedule(static) if (T >= 8)
     for (int t = 0; t < T; t++) {
         float *row = qkv + (size_t)t * width;
         for (int h = 0; h < H + KV; h++)

@@ -110,8 +110,23 @@ static int product(const fr_product *p, const float *x, int T, float *y, int thr
     return 0;
 }
 
-static void add_to(float *x, const float *y, size_t count) {
-    for (size_t i = 0; i < count; i++) x[i] += y[i];
+/* Below this many positions a layer's row-wise steps (norms, sums) run on
+   the calling thread alone: a parallel region costs more than they do. */
+#define FR_SPLIT_ROWS 8
+
+/* x [T, H] += y [T, H] */
+static void add_to(float *x, const float *y, int T, int H, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= FR_SPLIT_ROWS)
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < H; i++) x[(size_t)t * H + i] += y[(size_t)t * H + i];
+}
+
+/* fr_rms_norm of each row, the rows shared among the threads (each row
+   alone: the same values on any count) */
+static void norm_rows(const float *x, int T, int H, const float *w, float eps, float *y,
+                      int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= FR_SPLIT_ROWS)
+    for (int t = 0; t < T; t++) fr_rms_norm(x + (size_t)t * H, 1, H, w, eps, y + (size_t)t * H);
 }
 
 /* Scratch floats fr_decoder_layer needs for T positions. */
@@ -167,7 +182,7 @@ int fr_decoder_layer(float *x, int T, int H, const float *attn_norm, const float
     const fr_layer_extras *e = extras ? extras : &none;
     int failed;
     if (e->activation != FR_SILU && e->activation != FR_GELU_TANH) return 2;
-    fr_rms_norm(x, T, H, attn_norm, eps, h);
+    norm_rows(x, T, H, attn_norm, eps, h, threads);
     if ((failed = product(qkv, h, T, q, threads))) return failed;
     for (int t = 0; t < T; t++) {
         float *row = q + (size_t)t * width;       /* heads queries, then kv keys */
@@ -188,13 +203,20 @@ int fr_decoder_layer(float *x, int T, int H, const float *attn_norm, const float
             return 1;
     }
     if ((failed = product(o, attn, T, h, threads))) return failed;
-    if (e->post_attn_norm) fr_rms_norm(h, T, H, e->post_attn_norm, eps, h);
-    add_to(x, h, (size_t)T * H);
-    fr_rms_norm(x, T, H, mlp_norm, eps, h);
+    if (e->post_attn_norm) norm_rows(h, T, H, e->post_attn_norm, eps, h, threads);
+    add_to(x, h, T, H, threads);
+    norm_rows(x, T, H, mlp_norm, eps, h, threads);
     if ((failed = product(gate_up, h, T, gu, threads))) return failed;
-    (e->activation == FR_SILU ? fr_silu_mul : fr_gelu_tanh_mul)(gu, T, I, act);
+    {
+        /* each row alone: the same values on any thread count */
+        void (*activate)(const float *, int, int, float *) =
+            e->activation == FR_SILU ? fr_silu_mul : fr_gelu_tanh_mul;
+#pragma omp parallel for num_threads(threads) schedule(static) if (T > 1)
+        for (int t = 0; t < T; t++)
+            activate(gu + (size_t)t * 2 * I, 1, I, act + (size_t)t * I);
+    }
     if ((failed = product(down, act, T, h, threads))) return failed;
-    if (e->post_mlp_norm) fr_rms_norm(h, T, H, e->post_mlp_norm, eps, h);
-    add_to(x, h, (size_t)T * H);
+    if (e->post_mlp_norm) norm_rows(h, T, H, e->post_mlp_norm, eps, h, threads);
+    add_to(x, h, T, H, threads);
     return 0;
 }

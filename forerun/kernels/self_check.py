@@ -229,15 +229,18 @@ def check_decoder_layer(kernels: NativeKernels, ops: NativeKernels) -> None:
     products on ``kernels`` and the norms, attention and gating on ``ops``
     (the library the engine's layer operations run on: the same one, or
     the AVX2 build beside a vpdpbusd one): two sequences of 3 and 2 rows,
-    one masked, with a q/k/v of two formats side by side, a bias, and a
-    6-bit and an 8-bit matrix; once as a Qwen2 layer, once with what Qwen3
-    and Gemma 3 add (query and key norms, a query scale, output norms, the
-    tanh GELU)."""
+    and of 7 and 3 (from 8 rows a layer shares its row-wise steps among
+    the threads: ``FR_SPLIT_ROWS``), one masked, with a q/k/v of two
+    formats side by side, a bias, and a 6-bit and an 8-bit matrix; once as
+    a Qwen2 layer, once with what Qwen3 and Gemma 3 add (query and key
+    norms, a query scale, output norms, the tanh GELU)."""
     for extras in (False, True):
-        _check_decoder_layer(kernels, ops, extras)
+        for counts in ((3, 2), (7, 3)):
+            _check_decoder_layer(kernels, ops, extras, counts)
 
 
-def _check_decoder_layer(kernels: NativeKernels, ops: NativeKernels, with_extras: bool) -> None:
+def _check_decoder_layer(kernels: NativeKernels, ops: NativeKernels, with_extras: bool,
+                         counts: tuple[int, int]) -> None:
     gen = torch.Generator().manual_seed(3)
     hidden, heads, kv, d, inner, eps = 40, 4, 2, 8, 24, 1e-6
     rows = kernels.row_group
@@ -269,7 +272,7 @@ def _check_decoder_layer(kernels: NativeKernels, ops: NativeKernels, with_extras
     one_by_one = {name: (lambda x, m=m, f=f: run[f](x, *m[1]))
                   for name, m, f in (("q", q, "q4"), ("kv", kvs, "q8"), ("o", o, "q6"),
                                      ("gate_up", gate_up, "q4"), ("down", down, "q8"))}
-    layers, capacity, starts, counts = 3, 16, (5, 2), (3, 2)
+    layers, capacity, starts = 3, 16, (5, 2)
     caches = [(torch.randn(layers, kv, capacity, d, generator=gen),
                torch.randn(layers, kv, capacity, d, generator=gen)) for _ in counts]
     mask = (torch.rand(counts[1], starts[1] + counts[1], generator=gen) < 0.7).to(torch.uint8)

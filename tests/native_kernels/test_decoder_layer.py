@@ -56,9 +56,10 @@ def _with_six_bit_values(net: Transformer) -> None:
 
 
 def _forwards(net: Transformer, fuse: bool):
-    """One position after a prompt, a masked verification of 4, and three
-    sequences in one forward: each forward's logits, hidden states and
-    captured layers, and the caches after them."""
+    """One position after a prompt, a masked verification of 4, three
+    sequences in one forward, and a prompt of 23 positions row by row: each
+    forward's logits, hidden states and captured layers, and the caches
+    after them."""
     net.fuse_layers = fuse
     torch.manual_seed(0)
     out = []
@@ -82,6 +83,11 @@ def _forwards(net: Transformer, fuse: bool):
     tokens = torch.tensor([3, 4, 5, 6, 7, 8])
     positions = torch.tensor([t + 5, t + 6, 5, 12, 13, 14])
     out += net.forward_batch(tokens, positions, rows)
+    # a prompt block as the engine prefills it: from 8 rows a fused layer
+    # shares its row-wise steps (norms, RoPE, gating, sums) among the threads
+    block = net.new_cache(64)
+    out += net.forward(torch.tensor(PROMPT), torch.arange(t), block, None, rowwise=True)
+    caches.append(block)
     out += [c.keys[:, :, :c.length] for c in caches] + [c.values[:, :, :c.length] for c in caches]
     return out
 
@@ -175,8 +181,8 @@ def test_a_library_whose_fused_layer_is_wrong_is_refused(altered_source):
 def test_a_library_whose_fused_layer_skips_an_output_norm_is_refused(altered_source):
     """The load-time check covers what Qwen3 and Gemma 3 add: a fused
     layer that leaves out the feed-forward block's output norm is refused."""
-    altered_source("DECODER_LAYER_SOURCE", "    if (e->post_mlp_norm) fr_rms_norm(",
-                   "    if (0) fr_rms_norm(")
+    altered_source("DECODER_LAYER_SOURCE", "    if (e->post_mlp_norm) norm_rows(",
+                   "    if (0) norm_rows(")
     assert native.native_kernels() is None
     assert "(with query and key norms" in native.unavailable_reason()
 
