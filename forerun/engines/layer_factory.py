@@ -48,6 +48,21 @@ def fuse_linear(parts: list, bias: torch.Tensor | None, fmt: str,
                         None if bias is None else bias.to(device=device, dtype=torch.float32))
 
 
+#: The byte alignment of a weight that torch's int8 and int4 CPU kernels
+#: read: a stored network's tensors are views of its mapped file, aligned to
+#: 8 bytes, and ``torch._weight_int8pack_mm`` crashed (a segmentation
+#: fault, not an error) on int8 weights 8 bytes off a 16-byte boundary.
+TORCH_KERNEL_ALIGNMENT = 64
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where its data does not start on a
+    :data:`TORCH_KERNEL_ALIGNMENT` boundary (the CPU allocator's own)."""
+    if t.device.type != "cpu" or t.data_ptr() % TORCH_KERNEL_ALIGNMENT == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def restore_linear(meta: dict, tensors: dict[str, torch.Tensor], device: torch.device) -> Linear:
     """The layer that :meth:`Linear.state` described, holding ``tensors``
     as they are (no quantizing, no packing)."""
@@ -83,7 +98,9 @@ def restore_linear(meta: dict, tensors: dict[str, torch.Tensor], device: torch.d
         for name in held:
             if name not in tensors:
                 raise ConfigError(f"stored {kind} layer lacks its tensor {name!r}")
-            setattr(torch_layer, name, tensors[name].to(device))
+            # (a kernel's weights aligned: a stored network's are views of its file)
+            t = tensors[name].to(device)
+            setattr(torch_layer, name, aligned(t) if torch_layer._kernel else t)
         layer = torch_layer
     else:
         raise ConfigError(f"unknown layer kind {kind!r} in stored weights")

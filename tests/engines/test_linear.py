@@ -258,6 +258,33 @@ def test_a_layer_restored_from_its_state_computes_the_same(fmt, matrix_kernels):
         restore_linear(meta, missing, CPU)
 
 
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_a_restored_layer_on_torchs_kernels_gets_aligned_weights(fmt, torch_kernels):
+    """A stored network's tensors are views of its mapped file, 8-byte
+    aligned; torch's int8 kernel read int8 weights 8 bytes off a 16-byte
+    boundary with aligned loads and crashed the process.  A restored layer
+    on torch's kernels holds its weights on a 64-byte boundary (a copy
+    where the view is not), and computes what the layer computed."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 256, generator=gen)
+    layer = make_linear(w, None, fmt, CPU)
+    meta, tensors = layer.state()
+    assert meta["kind"] == fmt and meta["kernel"] is True
+    shifted = {}
+    for name, t in tensors.items():
+        raw = t.contiguous().view(torch.uint8).flatten()
+        buffer = torch.empty(raw.numel() + 128, dtype=torch.uint8)
+        start = (64 - buffer.data_ptr() % 64) % 64 + 8          # 8 bytes off a 64-byte line
+        buffer[start:start + raw.numel()] = raw
+        shifted[name] = buffer[start:start + raw.numel()].view(t.dtype).view(t.shape)
+        assert shifted[name].data_ptr() % 16 == 8
+    copy = restore_linear(meta, shifted, CPU)
+    held = ("q", "scale") if fmt == "q8" else ("packed", "scales_and_zeros")
+    assert all(getattr(copy, name).data_ptr() % 64 == 0 for name in held)
+    x = torch.randn(3, 256, generator=gen)
+    assert torch.equal(copy(x), layer(x))
+
+
 def test_a_changed_kernel_is_refused(monkeypatch, torch_kernels):
     check_kernels(CPU)
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu",

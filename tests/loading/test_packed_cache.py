@@ -56,9 +56,12 @@ def test_a_second_load_reads_the_packed_network(gguf_path, cache, forbid_gguf_re
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
-def test_an_architectures_own_norms_are_packed_too(arch, cache, tmp_path, forbid_gguf_reads):
+def test_an_architectures_own_norms_are_packed_too(arch, cache, tmp_path, forbid_gguf_reads,
+                                                   matrix_kernels):
     """Qwen3's q/k norms and Gemma 3's four norms a layer come back from
-    the packed network bit for bit."""
+    the packed network bit for bit, on either kernels (on torch's, Gemma 3's
+    tied LM head reads the stored embedding: it once crashed the process,
+    its int8 weights read where the file put them, off a 16-byte boundary)."""
     from tiny_gguf import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch, hidden_size=128,
