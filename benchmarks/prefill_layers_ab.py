@@ -27,8 +27,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from harness import ROOT, forerun_greedy, load_model, machine_line, model_options, parser, \
-    source_at
+from harness import ROOT, forerun_greedy, load_model, machine_line, model_options, parser, source_at
 from prefill_decode_peers import doc_ids
 
 from forerun.kernels.binding import NativeKernels
